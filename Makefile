@@ -1,0 +1,35 @@
+# Two commands do all the set-up: `make demo` and `make test` each build the project-local
+# virtual environment on first use (.venv), then run.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.gptpar-installed
+# DeepSpeed JIT-builds ops into torch's extensions folder; keep it inside the venv so a fresh clone is self-contained.
+export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
+export DS_ACCELERATOR ?= cpu
+export PYTHONUNBUFFERED := 1
+
+.PHONY: install demo test test-slow test-all bench clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py
+	python3 -m venv $(VENV)
+	# torch first and pinned in the same command as deepspeed: an unpinned torch pulls a CUDA build.
+	$(VENV)/bin/pip install -q torch==2.13.0 deepspeed==0.19.8
+	$(VENV)/bin/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) tools/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow tests
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,42 @@
+"""gptpar: Megatron-style tensor / pipeline / data parallel GPT training on PyTorch + DeepSpeed.
+
+The public API, importable from the package root:
+
+    from gptpar import init_parallel, ColumnParallelLinear, RowParallelLinear, \
+        VocabParallelEmbedding, vocab_parallel_cross_entropy
+
+Names are resolved lazily so that `import gptpar` stays fast and never imports DeepSpeed.
+"""
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    # parallel state
+    "ParallelState": "gptpar.parallel",
+    "init_parallel": "gptpar.parallel",
+    "single_process_state": "gptpar.parallel",
+    "destroy_parallel": "gptpar.parallel",
+    # tensor-parallel layers and loss
+    "ColumnParallelLinear": "gptpar.tensor_parallel.layers",
+    "RowParallelLinear": "gptpar.tensor_parallel.layers",
+    "VocabParallelEmbedding": "gptpar.tensor_parallel.layers",
+    "vocab_parallel_cross_entropy": "gptpar.tensor_parallel.cross_entropy",
+    "RNGStatesTracker": "gptpar.tensor_parallel.random",
+    # model
+    "GPTConfig": "gptpar.model.config",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'gptpar' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

@@ -1,0 +1,214 @@
+"""Parallel state: one immutable object with the tp / pp / dp sizes, ranks and process groups.
+
+The rank grid is DeepSpeed's `PipeModelDataParallelTopology` (axes pipe, data, model; model fastest):
+
+    rank = pp_rank * (dp_size * tp_size) + dp_rank * tp_size + tp_rank
+
+so tensor-parallel peers are neighbouring ranks (one node on GPUs), and pipeline stages are the
+outermost axis. There is no module-level state: `init_parallel` returns a `ParallelState` that
+is passed to whatever needs a group. Layers only ever see the single group they need.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+
+# ---------------------------------------------------------------------------------------------
+# The rank grid, as pure functions (unit-tested without processes)
+# ---------------------------------------------------------------------------------------------
+
+def rank_of(pp_rank: int, dp_rank: int, tp_rank: int, tp_size: int, dp_size: int) -> int:
+    """Global rank of a (pipe, data, model) coordinate; model (tensor) parallel is the fastest axis."""
+    return (pp_rank * dp_size + dp_rank) * tp_size + tp_rank
+
+
+def coords_of(rank: int, tp_size: int, pp_size: int, dp_size: int) -> Tuple[int, int, int]:
+    """(pp_rank, dp_rank, tp_rank) of a global rank."""
+    if not 0 <= rank < tp_size * pp_size * dp_size:
+        raise ValueError(f"rank {rank} outside a world of {tp_size * pp_size * dp_size}")
+    tp_rank = rank % tp_size
+    dp_rank = (rank // tp_size) % dp_size
+    pp_rank = rank // (tp_size * dp_size)
+    return pp_rank, dp_rank, tp_rank
+
+
+def group_ranks(tp_size: int, pp_size: int, dp_size: int) -> dict:
+    """Every process group of the grid as lists of global ranks, in a fixed order.
+
+    Keys: 'tp', 'pp', 'dp' (one list per group along that axis) and 'embedding' (first + last
+    pipeline stage with the same (dp, tp) coordinate: the ranks holding the tied embedding).
+    """
+    tp = [[rank_of(p, d, t, tp_size, dp_size) for t in range(tp_size)]
+          for p in range(pp_size) for d in range(dp_size)]
+    dp = [[rank_of(p, d, t, tp_size, dp_size) for d in range(dp_size)]
+          for p in range(pp_size) for t in range(tp_size)]
+    pp = [[rank_of(p, d, t, tp_size, dp_size) for p in range(pp_size)]
+          for d in range(dp_size) for t in range(tp_size)]
+    embedding = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in pp]
+    return {"tp": tp, "pp": pp, "dp": dp, "embedding": embedding}
+
+
+def resolve_sizes(world_size: int, tp: int, pp: int, dp: Optional[int] = None) -> Tuple[int, int, int]:
+    """Check tp * pp * dp == world_size (dp inferred when None) and return (tp, pp, dp)."""
+    for name, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"parallel.{name} must be a positive integer, got {value!r}")
+    if dp is None:
+        if world_size % (tp * pp):
+            raise ValueError(
+                f"world size {world_size} does not divide by tensor_model_parallel_size ({tp}) x "
+                f"pipeline_model_parallel_size ({pp}): launch a multiple of {tp * pp} ranks or change tp/pp")
+        dp = world_size // (tp * pp)
+    if tp * pp * dp != world_size:
+        raise ValueError(
+            f"world size {world_size} != tp ({tp}) x pp ({pp}) x dp ({dp}) = {tp * pp * dp}: launch "
+            f"{tp * pp * dp} ranks or change parallel.data_parallel_size")
+    return tp, pp, dp
+
+
+# ---------------------------------------------------------------------------------------------
+# The state object
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ParallelState:
+    """Sizes, ranks and groups of one rank. Groups are None only in a single-process world."""
+
+    world_size: int
+    rank: int
+    tp_size: int
+    tp_rank: int
+    tp_group: Optional[dist.ProcessGroup]
+    pp_size: int
+    pp_rank: int
+    pp_group: Optional[dist.ProcessGroup]
+    dp_size: int
+    dp_rank: int
+    dp_group: Optional[dist.ProcessGroup]
+    embedding_group: Optional[dist.ProcessGroup]  # first + last stage; None when pp == 1
+    device: torch.device
+    backend: Optional[str] = None
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def topology(self):
+        """DeepSpeed's `PipeModelDataParallelTopology` for this grid, checked to agree with ours."""
+        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+        topo = PipeModelDataParallelTopology(num_pp=self.pp_size, num_mp=self.tp_size, num_dp=self.dp_size)
+        check_topology_agrees(topo, self.tp_size, self.pp_size, self.dp_size)
+        return topo
+
+    def __repr__(self) -> str:
+        return (f"ParallelState(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
+                f"pp={self.pp_rank}/{self.pp_size}, dp={self.dp_rank}/{self.dp_size}, "
+                f"device={self.device}, backend={self.backend})")
+
+
+def check_topology_agrees(topo, tp_size: int, pp_size: int, dp_size: int) -> None:
+    """Raise if DeepSpeed's topology numbers ranks differently from `rank_of`."""
+    for rank in range(tp_size * pp_size * dp_size):
+        p, d, t = coords_of(rank, tp_size, pp_size, dp_size)
+        ds_rank = topo.get_rank(pipe=p, data=d, model=t)
+        if ds_rank != rank:
+            raise RuntimeError(f"DeepSpeed topology puts (pipe={p}, data={d}, model={t}) on rank {ds_rank}, "
+                               f"gptpar on {rank}: the rank grids disagree")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_device() -> torch.device:
+    """The accelerator of this rank: cuda:LOCAL_RANK when CUDA is present, else the CPU."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def init_distributed(backend: Optional[str] = None, timeout_minutes: float = 30.0) -> None:
+    """Initialise torch.distributed from the launcher's environment (RANK, WORLD_SIZE, MASTER_*).
+
+    A plain `python script.py` (no launcher variables) becomes a one-rank world on a free local port.
+    NCCL on CUDA, gloo otherwise. The timeout bounds how long a stalled collective waits.
+    """
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"] = "0", "1", "0"
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        default_device()  # bind this rank's GPU before NCCL creates its communicator
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def init_parallel(tp: int = 1, pp: int = 1, dp: Optional[int] = None, *, backend: Optional[str] = None,
+                  timeout_minutes: float = 30.0) -> ParallelState:
+    """Build the tp x pp x dp grid over all ranks and return this rank's `ParallelState`.
+
+    Initialises torch.distributed if needed (see `init_distributed`). `dp=None` takes whatever the
+    world size leaves; a world size that is not tp * pp * dp raises ValueError before any group is made.
+    Every rank must call this with the same sizes (group creation is collective).
+    """
+    if dist.is_initialized():
+        resolve_sizes(dist.get_world_size(), tp, pp, dp)
+    elif "WORLD_SIZE" in os.environ:
+        resolve_sizes(int(os.environ["WORLD_SIZE"]), tp, pp, dp)  # fail before any process group exists
+    init_distributed(backend, timeout_minutes)
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    tp, pp, dp = resolve_sizes(world_size, tp, pp, dp)
+    pp_rank, dp_rank, tp_rank = coords_of(rank, tp, pp, dp)
+
+    mine = {}
+    for axis, lists in group_ranks(tp, pp, dp).items():
+        if axis == "embedding" and pp == 1:
+            continue
+        for ranks in lists:  # every rank creates every group, in the same order
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine[axis] = group
+    return ParallelState(
+        world_size=world_size, rank=rank,
+        tp_size=tp, tp_rank=tp_rank, tp_group=mine["tp"],
+        pp_size=pp, pp_rank=pp_rank, pp_group=mine["pp"],
+        dp_size=dp, dp_rank=dp_rank, dp_group=mine["dp"],
+        embedding_group=mine.get("embedding"),
+        device=default_device(), backend=dist.get_backend(),
+    )
+
+
+def single_process_state(device: Optional[torch.device] = None) -> ParallelState:
+    """A one-rank state without torch.distributed: every size 1, every group None."""
+    return ParallelState(world_size=1, rank=0, tp_size=1, tp_rank=0, tp_group=None, pp_size=1, pp_rank=0,
+                         pp_group=None, dp_size=1, dp_rank=0, dp_group=None, embedding_group=None,
+                         device=device or torch.device("cpu"))
+
+
+def destroy_parallel() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+__all__: List[str] = ["ParallelState", "init_parallel", "init_distributed", "single_process_state",
+                      "destroy_parallel", "rank_of", "coords_of", "group_ranks", "resolve_sizes",
+                      "check_topology_agrees"]
