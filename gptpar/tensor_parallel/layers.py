@@ -1,0 +1,189 @@
+"""Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
+
+Weights keep PyTorch's `(out_features, in_features)` layout (fast `F.linear`, also in bf16 on CPU).
+  ColumnParallelLinear: rank r holds rows    [r*out/tp, (r+1)*out/tp) of the full weight (and bias).
+  RowParallelLinear:    rank r holds columns [r*in/tp,  (r+1)*in/tp)  of the full weight; the bias is full
+                        and added once, after the reduction.
+  VocabParallelEmbedding: rank r holds rows [r*V/tp, (r+1)*V/tp) of the (V, h) table.
+
+With `group=None` (or a group of one rank) each layer computes exactly what nn.Linear / nn.Embedding does.
+
+Initialisation is independent of tp: every rank generates the *full* weight from the default CPU
+generator, row-block by row-block (blocks of ~4M elements whose boundaries depend only on the full
+shape), and keeps its own slice. With the same seed, tp=1 and tp=N hold the same full weight, and a
+weight with extra (padding) rows at the end has the same leading rows. Memory stays at one block, not the
+full matrix, so 200B-sized layers initialise without materialising their weights; the cost is the time to
+draw the full matrix on every rank. On the `meta` device nothing is initialised.
+
+Sharded parameters carry Megatron's attributes `tensor_model_parallel`, `partition_dim`, `partition_stride`
+(DeepSpeed's gradient norm and clipping read them; checkpoint conversion and parameter counting too).
+Replicated parameters whose gradient must be summed over tp under sequence parallelism carry
+`sequence_parallel = True`.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gptpar.tensor_parallel.comm import (
+    Group, copy_to_tensor_parallel_region, divide, gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region, group_rank, group_size, reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region)
+
+InitMethod = Callable[[torch.Tensor], torch.Tensor]
+_INIT_BLOCK_ELEMENTS = 1 << 22
+
+
+def init_normal(std: float = 0.02) -> InitMethod:
+    """Megatron's default: normal(0, std), applied in place. Init methods must be elementwise
+    (normal_, uniform_, zeros_): they are applied to row blocks of the full weight."""
+    return functools.partial(nn.init.normal_, mean=0.0, std=std)
+
+
+def set_tensor_parallel_attributes(param: torch.Tensor, partition_dim: int, stride: int = 1) -> None:
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    param.partition_stride = stride
+
+
+def init_sharded_(shard: torch.Tensor, full_shape, partition_dim: int, rank: int, world: int,
+                  init_method: InitMethod) -> None:
+    """Fill `shard` with this rank's slice of a full `full_shape` (rows, cols) weight drawn on the CPU."""
+    if shard.device.type == "meta":
+        return
+    rows, cols = full_shape
+    per_rank = (rows if partition_dim == 0 else cols) // world
+    lo, hi = rank * per_rank, (rank + 1) * per_rank
+    rows_per_block = max(1, _INIT_BLOCK_ELEMENTS // cols)
+    out = torch.empty(shard.shape, dtype=torch.float32)
+    for r0 in range(0, rows, rows_per_block):
+        r1 = min(rows, r0 + rows_per_block)
+        block = torch.empty(r1 - r0, cols, dtype=torch.float32)
+        init_method(block)
+        if partition_dim == 1:
+            out[r0:r1] = block[:, lo:hi]
+        elif r1 > lo and r0 < hi:
+            a, b = max(r0, lo), min(r1, hi)
+            out[a - lo:b - lo] = block[a - r0:b - r0]
+    with torch.no_grad():
+        shard.copy_(out)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T + b with A split along its output dim: rank r computes Y[..., r*out/tp:(r+1)*out/tp].
+
+    Input (..., in) replicated — or, with `sequence_parallel`, (s/tp, b, in) gathered along dim 0 first.
+    Output (..., out/tp), or (..., out) with `gather_output`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, group: Group = None, bias: bool = True,
+                 gather_output: bool = False, sequence_parallel: bool = False,
+                 init_method: Optional[InitMethod] = None, dtype=None, device=None):
+        super().__init__()
+        world = group_size(group)
+        if sequence_parallel and gather_output:
+            raise ValueError("ColumnParallelLinear: sequence_parallel and gather_output exclude each other")
+        self.in_features, self.out_features, self.group = in_features, out_features, group
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        out_per_rank = divide(out_features, world, "ColumnParallelLinear out_features")
+        self.weight = nn.Parameter(torch.empty(out_per_rank, in_features, dtype=dtype, device=device))
+        set_tensor_parallel_attributes(self.weight, partition_dim=0)
+        init_sharded_(self.weight, (out_features, in_features), 0, group_rank(group), world,
+                      init_method or init_normal())
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_per_rank, dtype=dtype, device=device))
+            set_tensor_parallel_attributes(self.bias, partition_dim=0)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.group)  # (s/tp, b, in) -> (s, b, in)
+        else:
+            x = copy_to_tensor_parallel_region(x, self.group)  # f
+        y = F.linear(x, self.weight, self.bias)  # (..., out/tp)
+        return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"tp={group_size(self.group)}, bias={self.bias is not None}, sp={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T + b with A split along its input dim: each rank multiplies its block of X's last dim,
+    then the partial sums are all-reduced (g) — or reduce-scattered along dim 0 with `sequence_parallel`.
+
+    Input (..., in/tp) when `input_is_parallel` (the usual case, after a ColumnParallelLinear),
+    else (..., in) and split here. Output (..., out), or (s/tp, b, out) with `sequence_parallel`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, group: Group = None, bias: bool = True,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False,
+                 init_method: Optional[InitMethod] = None, dtype=None, device=None):
+        super().__init__()
+        world = group_size(group)
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
+        self.in_features, self.out_features, self.group = in_features, out_features, group
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        in_per_rank = divide(in_features, world, "RowParallelLinear in_features")
+        self.weight = nn.Parameter(torch.empty(out_features, in_per_rank, dtype=dtype, device=device))
+        set_tensor_parallel_attributes(self.weight, partition_dim=1)
+        init_sharded_(self.weight, (out_features, in_features), 1, group_rank(group), world,
+                      init_method or init_normal())
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
+            self.bias.sequence_parallel = sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel_region(x, self.group)
+        y = F.linear(x, self.weight)  # partial sums (..., out)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y, self.group)
+        else:
+            y = reduce_from_tensor_parallel_region(y, self.group)  # g
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"tp={group_size(self.group)}, bias={self.bias is not None}, sp={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding table split along the vocabulary: rank r holds ids [vocab_start, vocab_end).
+
+    Ids outside this rank's range look up row 0 and are zeroed, then the ranks' outputs are summed (g),
+    so every rank returns the full (..., embedding_dim) embedding.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, group: Group = None,
+                 init_method: Optional[InitMethod] = None, dtype=None, device=None):
+        super().__init__()
+        world = group_size(group)
+        self.num_embeddings, self.embedding_dim, self.group = num_embeddings, embedding_dim, group
+        per_rank = divide(num_embeddings, world, "VocabParallelEmbedding num_embeddings")
+        self.vocab_start = group_rank(group) * per_rank
+        self.vocab_end = self.vocab_start + per_rank
+        self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim, dtype=dtype, device=device))
+        set_tensor_parallel_attributes(self.weight, partition_dim=0)
+        init_sharded_(self.weight, (num_embeddings, embedding_dim), 0, group_rank(group), world,
+                      init_method or init_normal())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if group_size(self.group) == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_parallel_region(out, self.group)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, tp={group_size(self.group)}, "
+                f"rows=[{self.vocab_start}, {self.vocab_end})")

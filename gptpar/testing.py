@@ -1,0 +1,87 @@
+"""Run a function on N local ranks over gloo: the harness behind the multi-rank tests and examples.
+
+    results = run_distributed(fn, world_size=2, args=(...,))
+
+`fn(*args)` runs on every rank after torch.distributed is initialised (gloo, a free local port) and
+must be a module-level (picklable) function. Its return values come back as a list indexed by rank;
+an exception on any rank is raised here with that rank's traceback; a rank that hangs past `timeout`
+seconds gets every rank killed and a TimeoutError raised, so a broken collective cannot hang CI.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, threads: int, fn: Callable, args: Sequence,
+            env: dict, results) -> None:
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        out = fn(*args)
+        results.put((rank, "ok", out))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - surfaced to the parent with the traceback
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        results.close()
+        results.join_thread()  # flush the result to the parent before the hard exit
+        os._exit(0)  # skip interpreter teardown: avoids rare aborts in torch/DeepSpeed exit handlers
+
+
+def run_distributed(fn: Callable, world_size: int, args: Sequence = (), *, timeout: float = 300.0,
+                    threads: Optional[int] = None, env: Optional[dict] = None) -> List[Any]:
+    """Run `fn(*args)` on `world_size` spawned gloo ranks and return the per-rank results."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, threads, fn, tuple(args), env or {}, results),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: List[Any] = [None] * world_size
+    pending = set(range(world_size))
+    deadline = time.monotonic() + timeout
+    try:
+        while pending:
+            try:
+                rank, status, value = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r in pending if procs[r].exitcode not in (None, 0)]  # 0: result still in flight
+                if dead:
+                    raise RuntimeError(f"rank {dead[0]} of {world_size} died (exit code "
+                                       f"{procs[dead[0]].exitcode}) in {fn.__name__} without a result")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"distributed run of {fn.__name__} on {world_size} ranks did not finish "
+                                       f"within {timeout:.0f}s (ranks {sorted(pending)} hung)") from None
+                continue
+            if status == "error":
+                raise RuntimeError(f"rank {rank} of {world_size} failed in {fn.__name__}:\n{value}")
+            out[rank] = value
+            pending.discard(rank)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return out
