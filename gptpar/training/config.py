@@ -1,0 +1,724 @@
+"""The one config source: JSON sections as validated dataclasses, `--set` overrides, the DeepSpeed dict.
+
+    cfg = load_config("configs/cpu_tiny.json", ["training.micro_batch_size=4"])
+    tp, pp, dp = cfg.check(world_size)          # cross-section checks, before any process group
+    ds_config = deepspeed_config(cfg, dp)        # generated, never kept by hand beside the JSON
+
+Sections and keys use Megatron's names: `model` (gptpar.model.config.GPTConfig), `parallel`, `training`,
+`data`, `checkpoint`, `logging`. Each field's meaning lives in its `metadata["doc"]`; docs/config.md is
+generated from it by tools/gen_config_docs.py. Every error is a `ConfigError` naming `section.key` and the fix.
+This module is pure: it never imports DeepSpeed and never touches torch.distributed.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+from gptpar.model.config import GPTConfig
+from gptpar.parallel import resolve_sizes
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names `section.key` and how to fix it."""
+
+
+def _f(default: Any, doc: str, choices: Optional[Sequence] = None):
+    """A dataclass field carrying its documentation (and allowed values) for checks and docs/config.md."""
+    meta = {"doc": doc}
+    if choices is not None:
+        meta["choices"] = tuple(choices)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: json.loads(json.dumps(default)), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# ---------------------------------------------------------------------------------------------
+# Type checks driven by the annotations (JSON gives int where a float is meant: accept and convert)
+# ---------------------------------------------------------------------------------------------
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if origin is Union:
+        return any(_type_ok(value, arg) for arg in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if origin in (list, List):
+        (item,) = typing.get_args(tp) or (Any,)
+        return isinstance(value, list) and all(_type_ok(v, item) for v in value)
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    raise TypeError(f"unsupported annotation {tp}")
+
+
+def _accepts(tp: Any, t: type) -> bool:
+    """Whether annotation `tp` names type `t` itself (not inside a list)."""
+    if typing.get_origin(tp) is Union:
+        return any(_accepts(a, t) for a in typing.get_args(tp))
+    return tp is t
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Union:
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if typing.get_origin(tp) in (list, List):
+        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    return {bool: "bool", int: "int", float: "float", str: "string"}.get(tp, str(tp))
+
+
+def _check_fields(section: str, obj: Any) -> None:
+    """Type-check every field against its annotation and its `choices`; convert ints to floats."""
+    hints = typing.get_type_hints(type(obj))
+    for f in fields(obj):
+        value, tp = getattr(obj, f.name), hints[f.name]
+        if not _type_ok(value, tp):
+            raise ConfigError(f"{section}.{f.name} must be {_type_name(tp)}, got {value!r} "
+                              f"({type(value).__name__}): fix the value in the config or --set")
+        if type(value) is int and _accepts(tp, float) and not _accepts(tp, int):
+            setattr(obj, f.name, float(value))
+        choices = f.metadata.get("choices")
+        if choices is not None and value not in choices:
+            raise ConfigError(f"{section}.{f.name} must be one of {list(choices)}, got {value!r}")
+
+
+def _positive(section: str, obj: Any, *names: str, allow_none: bool = False, allow_zero: bool = False):
+    for name in names:
+        value = getattr(obj, name)
+        if value is None and allow_none:
+            continue
+        if value is None or value < 0 or (value == 0 and not allow_zero):
+            bound = ">= 0" if allow_zero else "> 0"
+            raise ConfigError(f"{section}.{name} must be {bound}"
+                              f"{' (or null)' if allow_none else ''}, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class ParallelConfig:
+    """How the ranks are split: tensor x pipeline x data parallel, DeepSpeed's (pipe, data, model) grid."""
+
+    tensor_model_parallel_size: int = _f(1, "Tensor-parallel ranks (Megatron column/row split); must divide "
+                                            "the heads, hidden and FFN sizes.")
+    pipeline_model_parallel_size: int = _f(1, "Pipeline stages; every stage must hold at least one "
+                                              "transformer layer.")
+    data_parallel_size: Optional[int] = _f(None, "Data-parallel replicas. When given, the launched world size "
+                                                 "must equal tp x pp x dp exactly (the config names the world "
+                                                 "it expects); null = whatever the world size leaves.")
+    partition_method: str = _f("auto", "How layers are split across pipeline stages: `balanced` counts the "
+                                       "input and the tied output embedding as one layer each (needs "
+                                       "(num_layers + 2) % pp == 0, DeepSpeed's `type:transformer|embedding`), "
+                                       "`transformer` counts transformer layers only (needs num_layers % pp == "
+                                       "0), `auto` picks balanced where it divides, else transformer.",
+                               choices=("auto", "balanced", "transformer"))
+    embedding_weight: Optional[int] = _f(None, "With `balanced` partitioning, how many transformer layers "
+                                               "each embedding counts as (relieves the first and last stages "
+                                               "of a large vocab); null = 1. Needs (num_layers + 2 x weight) "
+                                               "% pp == 0.")
+    sequence_parallel: bool = _f(False, "Megatron sequence parallelism inside tensor-parallel regions "
+                                        "(needs seq_length % tp == 0).")
+    distributed_timeout_minutes: float = _f(30.0, "Process-group timeout: a stalled rank ends the run with an "
+                                                  "error after this long instead of hanging.")
+
+    def __post_init__(self):
+        _check_fields("parallel", self)
+        _positive("parallel", self, "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                  "distributed_timeout_minutes")
+        _positive("parallel", self, "data_parallel_size", "embedding_weight", allow_none=True)
+        if self.embedding_weight is not None and self.partition_method == "transformer":
+            raise ConfigError("parallel.embedding_weight only applies to partition_method `balanced` or "
+                              "`auto`: remove it or change parallel.partition_method")
+
+
+@dataclass
+class TrainingConfig:
+    """Batch sizes, duration, optimizer, LR schedule, precision and exit conditions."""
+
+    micro_batch_size: int = _f(1, "Samples per micro-batch per data-parallel rank.")
+    global_batch_size: int = _f(8, "Samples per iteration over all data-parallel ranks = micro_batch_size x "
+                                   "micro-batches x dp (the final size when ramping up).")
+    train_iters: Optional[int] = _f(None, "Iterations to train (set this or train_samples, not both).")
+    train_samples: Optional[int] = _f(None, "Samples to train (set this or train_iters); needed by ramp-up.")
+    lr: float = _f(1.0e-4, "Peak learning rate, reached at the end of warmup.")
+    min_lr: float = _f(0.0, "Learning rate at the end of decay and after it.")
+    lr_warmup_iters: int = _f(0, "Linear warmup from 0 to lr, in iterations (iteration-based training).")
+    lr_warmup_samples: int = _f(0, "Linear warmup from 0 to lr, in samples (sample-based training).")
+    lr_decay_iters: Optional[int] = _f(None, "Iteration where decay reaches min_lr; null = train_iters.")
+    lr_decay_samples: Optional[int] = _f(None, "Sample count where decay reaches min_lr; null = train_samples.")
+    lr_decay_style: str = _f("linear", "Decay after warmup: constant, linear or cosine (Megatron's "
+                                       "AnnealingLR).", choices=("constant", "linear", "cosine"))
+    weight_decay: float = _f(0.01, "AdamW weight decay.")
+    adam_beta1: float = _f(0.9, "AdamW beta1.")
+    adam_beta2: float = _f(0.999, "AdamW beta2.")
+    adam_eps: float = _f(1.0e-8, "AdamW epsilon.")
+    clip_grad: float = _f(1.0, "Clip the global gradient norm to this value; 0 disables clipping.")
+    seed: int = _f(1234, "Seed of the model init and of the synthetic data.")
+    precision: str = _f("fp32", "Parameter/compute precision. fp16 (dynamic loss scaling) needs CUDA; on "
+                                "CPU use bf16 or fp32.", choices=("fp32", "bf16", "fp16"))
+    loss_scale: float = _f(0.0, "fp16 only: a static loss scale; 0 = dynamic loss scaling.")
+    initial_loss_scale: float = _f(4294967296.0, "fp16 only: the first dynamic loss scale (a power of 2).")
+    loss_scale_window: int = _f(1000, "fp16 only: iterations without overflow before the scale doubles.")
+    hysteresis: int = _f(2, "fp16 only: overflows tolerated before the scale halves.")
+    min_loss_scale: float = _f(1.0, "fp16 only: the dynamic scale never drops below this.")
+    zero_stage: int = _f(0, "ZeRO stage: 0 (plain data parallel) or 1 (optimizer state sharded over dp). "
+                            "The pipeline engine refuses 2 and 3.", choices=(0, 1))
+    activation_checkpointing: bool = _f(False, "Recompute each transformer layer's activations in backward "
+                                               "(also sets the TFLOPs recompute factor 4 instead of 3).")
+    rampup_batch_size: Optional[List[int]] = _f(None, "Megatron's batch-size ramp-up `[start, increment, "
+                                                      "samples]`: start at `start`, grow by `increment` "
+                                                      "evenly over `samples` samples up to "
+                                                      "global_batch_size; null = constant. Needs "
+                                                      "train_samples.")
+    eval_interval: Optional[int] = _f(1000, "Evaluate on the validation split every this many iterations; "
+                                            "null = never.")
+    eval_iters: int = _f(100, "Micro-batch rounds (global batches) per evaluation.")
+    exit_interval: Optional[int] = _f(None, "Stop when iteration % exit_interval == 0 (saving a checkpoint "
+                                            "when checkpoint.save is set); null = never.")
+    exit_duration_in_mins: Optional[float] = _f(None, "Stop (and save) after this many minutes of training; "
+                                                      "null = never.")
+
+    def __post_init__(self):
+        s = "training"
+        _check_fields(s, self)
+        _positive(s, self, "micro_batch_size", "global_batch_size", "adam_eps", "initial_loss_scale",
+                  "loss_scale_window", "hysteresis", "min_loss_scale")
+        _positive(s, self, "train_iters", "train_samples", "lr_decay_iters", "lr_decay_samples",
+                  "eval_interval", "exit_interval", "exit_duration_in_mins", allow_none=True)
+        _positive(s, self, "lr", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "weight_decay",
+                  "clip_grad", "loss_scale", "eval_iters", "seed", allow_zero=True)
+        if (self.train_iters is None) == (self.train_samples is None):
+            raise ConfigError("set exactly one of training.train_iters and training.train_samples "
+                              f"(got train_iters={self.train_iters}, train_samples={self.train_samples}); "
+                              "set the other to null")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"training.min_lr ({self.min_lr}) exceeds training.lr ({self.lr}): lower min_lr")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"training.{name} must be in [0, 1), got {getattr(self, name)}")
+        if math.log2(self.initial_loss_scale) % 1:
+            raise ConfigError(f"training.initial_loss_scale ({self.initial_loss_scale}) must be a power of 2 "
+                              f"(DeepSpeed takes its exponent), e.g. {2.0 ** round(math.log2(self.initial_loss_scale))}")
+        if self.train_iters is not None:  # Megatron: iteration-based options only
+            for name, off in (("lr_warmup_samples", 0), ("lr_decay_samples", None), ("rampup_batch_size", None)):
+                if getattr(self, name) != off:
+                    why = " (ramp-up is sample-based, like Megatron)" if name == "rampup_batch_size" else ""
+                    raise ConfigError(f"training.{name} needs sample-based training{why}: set "
+                                      f"training.train_samples instead of train_iters, or reset {name}")
+            warmup, decay, unit = self.lr_warmup_iters, self.lr_decay_iters or self.train_iters, "iters"
+        else:
+            for name, off in (("lr_warmup_iters", 0), ("lr_decay_iters", None)):
+                if getattr(self, name) != off:
+                    raise ConfigError(f"training.{name} is iteration-based but training.train_samples is set: "
+                                      f"use training.{name.replace('iters', 'samples')} instead")
+            warmup, decay, unit = self.lr_warmup_samples, self.lr_decay_samples or self.train_samples, "samples"
+        if warmup >= decay:  # Megatron's AnnealingLR asserts warmup_steps < decay_steps
+            raise ConfigError(f"training.lr_warmup_{unit} ({warmup}) must be below the decay length "
+                              f"(lr_decay_{unit} or train_{unit}: {decay}): shorten the warmup")
+        if self.rampup_batch_size is not None:
+            if len(self.rampup_batch_size) != 3:
+                raise ConfigError("training.rampup_batch_size must be [start, increment, samples], got "
+                                  f"{self.rampup_batch_size}")
+            start, increment, samples = self.rampup_batch_size
+            if start < 1 or increment < 1 or samples < 0:
+                raise ConfigError(f"training.rampup_batch_size {self.rampup_batch_size}: start and increment "
+                                  "must be > 0 and samples >= 0")
+            if start >= self.global_batch_size:
+                raise ConfigError(f"training.rampup_batch_size start ({start}) must be below "
+                                  f"training.global_batch_size ({self.global_batch_size}): lower it, or set "
+                                  "rampup_batch_size to null for a constant batch size")
+            if (self.global_batch_size - start) % increment:
+                raise ConfigError(f"training.global_batch_size - rampup start ({self.global_batch_size} - "
+                                  f"{start}) must divide by the ramp-up increment ({increment})")
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from and how samples are masked."""
+
+    data_path: Optional[Union[str, List[Union[str, float]]]] = _f(
+        None, "A preprocessed dataset prefix (`path/name_text_document`, without .bin/.idx) or Megatron's "
+              "weighted blend `[\"0.3\", \"prefixA\", \"0.7\", \"prefixB\"]`. null needs data.synthetic=true.")
+    tokenizer_model: Optional[str] = _f(None, "SentencePiece model used to preprocess the data (for "
+                                              "end-of-document ids and decoding).")
+    split: str = _f("949,50,1", "Train, validation, test proportions of each dataset (Megatron's --split).")
+    synthetic: bool = _f(False, "Train on synthetic tokens: sample i is randint(0, vocab_size, seq_length + "
+                                "1) seeded by (training.seed, i), identical for every topology.")
+    reset_position_ids: bool = _f(False, "Restart position ids after each end-of-document token.")
+    reset_attention_mask: bool = _f(False, "Do not attend across end-of-document tokens.")
+    eod_mask_loss: bool = _f(False, "Exclude end-of-document tokens from the loss.")
+    prefix_lm: bool = _f(False, "Prefix-LM: bidirectional attention over a prefix of each sample.")
+    loss_on_targets_only: bool = _f(False, "Prefix-LM: compute the loss on the non-prefix tokens only.")
+
+    def __post_init__(self):
+        _check_fields("data", self)
+        if self.synthetic and self.data_path is not None:
+            raise ConfigError("data.synthetic=true and data.data_path are both set: set data.data_path=null "
+                              "for synthetic data, or data.synthetic=false to read the dataset")
+        if isinstance(self.data_path, list):
+            parse_data_path(self.data_path)
+        elif self.data_path == "":
+            raise ConfigError("data.data_path is empty: give a dataset prefix or null")
+        parse_split(self.split)
+        if self.loss_on_targets_only and not self.prefix_lm:
+            raise ConfigError("data.loss_on_targets_only needs data.prefix_lm=true (targets follow the prefix)")
+
+
+def parse_data_path(data_path: Union[str, Sequence]) -> List[Tuple[float, str]]:
+    """Megatron's data path as [(weight, prefix)], weights normalised to sum 1.
+
+    A string or a one-element list is one dataset of weight 1; a longer list alternates weight, prefix.
+    """
+    if isinstance(data_path, str):
+        return [(1.0, data_path)]
+    items = list(data_path)
+    if len(items) == 1 and isinstance(items[0], str):
+        return [(1.0, items[0])]
+    if not items or len(items) % 2:
+        raise ConfigError(f"data.data_path list must alternate weight, prefix (an even length), got {items}")
+    pairs = []
+    for weight, prefix in zip(items[0::2], items[1::2]):
+        try:
+            w = float(weight)
+        except (TypeError, ValueError):
+            raise ConfigError(f"data.data_path weight {weight!r} is not a number: the list alternates "
+                              "weight, prefix, e.g. [\"0.3\", \"prefixA\", \"0.7\", \"prefixB\"]") from None
+        if not isinstance(prefix, str) or not math.isfinite(w) or w < 0:
+            raise ConfigError(f"data.data_path entry ({weight!r}, {prefix!r}) needs a weight >= 0 and a "
+                              "prefix string")
+        pairs.append((w, prefix))
+    total = sum(w for w, _ in pairs)
+    if total <= 0:
+        raise ConfigError("data.data_path weights sum to 0: give at least one positive weight")
+    return [(w / total, p) for w, p in pairs]
+
+
+def parse_split(split: str) -> List[float]:
+    """Megatron's `--split "949,50,1"` as three normalised fractions (train, valid, test)."""
+    parts = [p for p in split.replace("/", ",").split(",") if p.strip()]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        values = []
+    if not 1 <= len(values) <= 3 or any(v < 0 or not math.isfinite(v) for v in values) or sum(values) <= 0:
+        raise ConfigError(f"data.split must be up to three non-negative numbers like \"949,50,1\", got {split!r}")
+    values += [0.0] * (3 - len(values))
+    total = sum(values)
+    return [v / total for v in values]
+
+
+@dataclass
+class CheckpointConfig:
+    """Where checkpoints go and come from."""
+
+    save: Optional[str] = _f(None, "Directory to save checkpoints in; null = never save.")
+    load: Optional[str] = _f(None, "Directory to resume from (its `latest` pointer); empty or missing starts "
+                                   "fresh with a message.")
+    save_interval: Optional[int] = _f(None, "Save every this many iterations (and always at exit); "
+                                            "null = only at exit.")
+    keep_last: Optional[int] = _f(None, "Keep only the newest K checkpoints; null = keep all.")
+
+    def __post_init__(self):
+        _check_fields("checkpoint", self)
+        _positive("checkpoint", self, "save_interval", "keep_last", allow_none=True)
+        for name in ("save", "load"):
+            if getattr(self, name) == "":
+                raise ConfigError(f"checkpoint.{name} is an empty string: give a directory or null")
+        if self.save is None and (self.save_interval is not None or self.keep_last is not None):
+            raise ConfigError("checkpoint.save_interval / checkpoint.keep_last are set but checkpoint.save is "
+                              "null: give checkpoint.save a directory")
+
+
+@dataclass
+class LoggingConfig:
+    """The Megatron log line, the metrics file, TensorBoard and wandb."""
+
+    log_interval: int = _f(100, "Print the log line (and write metrics) every this many iterations.")
+    tensorboard_dir: Optional[str] = _f(None, "TensorBoard event directory; null = no TensorBoard.")
+    metrics_file: Optional[str] = _f(None, "JSONL file, appended, one object per logged iteration with every "
+                                           "field of the log line at full precision; null = none.")
+    tflops_formula: str = _f("improved", "TFLOPs estimate: `improved` (Narayanan et al. eq. 3, vocab term "
+                                         "corrected without recompute) or `legacy` (params x factor x 2 x "
+                                         "tokens).", choices=("improved", "legacy"))
+    log_num_zeros: bool = _f(False, "Count zero gradient entries for the `num zeros` field; false omits the "
+                                    "field.")
+    wandb_project: Optional[str] = _f(None, "Also log to this Weights & Biases project (needs wandb "
+                                            "installed); null = off.")
+
+    def __post_init__(self):
+        _check_fields("logging", self)
+        _positive("logging", self, "log_interval")
+        for name in ("tensorboard_dir", "metrics_file", "wandb_project"):
+            if getattr(self, name) == "":
+                raise ConfigError(f"logging.{name} is an empty string: give a value or null")
+
+
+# Model keys are GPTConfig's (gptpar/model/config.py); their documentation for docs/config.md lives here.
+MODEL_DOCS = {
+    "num_layers": "Transformer layers.",
+    "hidden_size": "Hidden size h.",
+    "num_attention_heads": "Attention heads; must divide hidden_size and by tp.",
+    "ffn_hidden_size": "MLP inner size; null = 4 x hidden_size.",
+    "seq_length": "Tokens per sample.",
+    "max_position_embeddings": "Rows of the learned position embedding; null = seq_length.",
+    "vocab_size": "The tokenizer's vocabulary; the embedding holds it padded to a multiple of "
+                  "make_vocab_size_divisible_by x tp.",
+    "make_vocab_size_divisible_by": "Vocab padding multiple (per tensor-parallel rank); 1 disables padding.",
+    "hidden_dropout": "Dropout after attention and MLP.",
+    "attention_dropout": "Dropout on attention probabilities.",
+    "layernorm_epsilon": "LayerNorm epsilon.",
+    "init_method_std": "Standard deviation of the normal weight init.",
+    "tie_word_embeddings": "Output layer shares the word embedding (must be true).",
+    "activation": "MLP activation: gelu, gelu_tanh or relu.",
+}
+
+SECTIONS = {"model": GPTConfig, "parallel": ParallelConfig, "training": TrainingConfig, "data": DataConfig,
+            "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+
+
+@dataclass
+class Config:
+    """All sections; `check(world_size)` adds the checks that need several sections or the world size."""
+
+    model: GPTConfig = field(default_factory=GPTConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=lambda: TrainingConfig(train_iters=10))
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able dict; `load_config` / `config_from_dict` of it gives an equal Config."""
+        return {name: asdict(getattr(self, name)) for name in SECTIONS}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def partition_method(self, pp_size: Optional[int] = None) -> str:
+        """The resolved pipeline partitioning, `balanced` or `transformer` (what `auto` means here)."""
+        pp = pp_size or self.parallel.pipeline_model_parallel_size
+        method = self.parallel.partition_method
+        if method == "auto":
+            weight = self.parallel.embedding_weight or 1
+            units = self.model.num_layers + 2 * weight
+            # balanced where it divides and leaves a transformer layer on the first and last stages
+            method = "balanced" if units % pp == 0 and units // pp > weight else "transformer"
+        return method
+
+    def check(self, world_size: int, cuda_available: Optional[bool] = None) -> Tuple[int, int, int]:
+        """Cross-section checks for a run on `world_size` ranks; returns (tp, pp, dp).
+
+        Pure: call it before creating any process group. `cuda_available` None asks torch (fp16 needs CUDA;
+        pass True where an accelerator override makes fp16 work on CPU).
+        """
+        p, t, m = self.parallel, self.training, self.model
+        try:
+            tp, pp, dp = resolve_sizes(world_size, p.tensor_model_parallel_size,
+                                       p.pipeline_model_parallel_size, p.data_parallel_size)
+            m.check_parallel(tp, pp)
+        except ConfigError:
+            raise
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+        layers, weight = m.num_layers, p.embedding_weight or 1
+        method = self.partition_method(pp)
+        if pp > 1 and method == "balanced":
+            units = layers + 2 * weight
+            if units % pp:
+                raise ConfigError(
+                    f"parallel.partition_method balanced needs (model.num_layers + 2 x {weight}) = {units} to "
+                    f"divide by parallel.pipeline_model_parallel_size ({pp}): change num_layers or pp, or use "
+                    "partition_method transformer")
+            if units // pp <= weight:
+                raise ConfigError(
+                    f"parallel.partition_method balanced gives {units // pp} unit(s) per stage, so the first and "
+                    f"last stages of pp={pp} would hold an embedding but no transformer layer (DeepSpeed hangs): "
+                    "use partition_method transformer or fewer pipeline stages")
+        if pp > 1 and method == "transformer" and layers % pp:
+            raise ConfigError(
+                f"parallel.partition_method {p.partition_method} needs model.num_layers ({layers}) to divide by "
+                f"parallel.pipeline_model_parallel_size ({pp}) (or num_layers + 2 for balanced): change one")
+        if p.sequence_parallel and m.seq_length % tp:
+            raise ConfigError(f"parallel.sequence_parallel needs model.seq_length ({m.seq_length}) to divide by "
+                              f"tensor_model_parallel_size ({tp})")
+
+        unit = t.micro_batch_size * dp
+        if t.global_batch_size % unit:
+            raise ConfigError(
+                f"training.global_batch_size ({t.global_batch_size}) must divide by training.micro_batch_size "
+                f"({t.micro_batch_size}) x data-parallel size ({dp}) = {unit}: change the batch sizes")
+        if t.rampup_batch_size is not None:
+            start, increment, _ = t.rampup_batch_size
+            for what, value in (("start", start), ("increment", increment)):
+                if value % unit:
+                    raise ConfigError(
+                        f"training.rampup_batch_size {what} ({value}) must divide by training.micro_batch_size "
+                        f"({t.micro_batch_size}) x data-parallel size ({dp}) = {unit} so that every ramp-up "
+                        "batch splits into whole micro-batches")
+
+        if self.data.data_path is None and not self.data.synthetic:
+            raise ConfigError("data.data_path is not set: give a preprocessed dataset prefix, or set "
+                              "data.synthetic=true explicitly to train on synthetic tokens")
+        if t.precision == "fp16":
+            if cuda_available is None:
+                import torch
+                cuda_available = torch.cuda.is_available()
+            if not cuda_available:
+                raise ConfigError("training.precision fp16 needs CUDA: DeepSpeed's CPU accelerator does not "
+                                  "support fp16 loss scaling. Use training.precision=bf16 (or fp32) on CPU")
+        return tp, pp, dp
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading, overrides
+# ---------------------------------------------------------------------------------------------
+
+def _suggest(name: str, options: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(sorted(options))})"
+
+
+def _build_section(name: str, cls: type, values: dict):
+    known = [f.name for f in fields(cls)]
+    hints = typing.get_type_hints(cls)
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"unknown key {name}.{key}{_suggest(key, known)}")
+        if not _type_ok(value, hints[key]):  # before __post_init__, which may compare it with numbers
+            raise ConfigError(f"{name}.{key} must be {_type_name(hints[key])}, got {value!r} "
+                              f"({type(value).__name__}): fix the value in the config or --set")
+    try:
+        return cls(**values)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:  # GPTConfig raises ValueError naming model.<key>
+        raise ConfigError(str(e)) from None
+
+
+def config_from_dict(d: dict, overrides: Sequence[str] = ()) -> Config:
+    """Build a Config from a (JSON) dict, then apply `section.key=value` overrides in order."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"a config is a JSON object of sections {sorted(SECTIONS)}, got {type(d).__name__}")
+    d = json.loads(json.dumps(d))  # a private deep copy
+    for section in d:
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown config section {section!r}{_suggest(section, SECTIONS)}")
+        if not isinstance(d[section], dict):
+            raise ConfigError(f"config section {section!r} must be an object of keys")
+    for item in overrides:
+        section, key, value = parse_override(item)
+        d.setdefault(section, {})[key] = value
+    built = {name: _build_section(name, cls, d.get(name, {})) for name, cls in SECTIONS.items()}
+    return Config(**built)
+
+
+def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> Config:
+    """Read a JSON config (None = all defaults) and apply `section.key=value` overrides."""
+    d = {}
+    if path is not None:
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found: pass --config configs/<name>.json") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
+    return config_from_dict(d, overrides)
+
+
+def parse_override(item: str) -> Tuple[str, str, Any]:
+    """`section.key=value` -> (section, key, value); value parsed as JSON where it can be, else a string.
+
+    A value that parses as JSON of a type the key does not take, while the key takes strings (e.g.
+    `data.split=100`), stays the raw string.
+    """
+    name, sep, raw = item.partition("=")
+    section, dot, key = name.strip().partition(".")
+    if not sep or not dot or not key:
+        raise ConfigError(f"override {item!r} must look like section.key=value, e.g. training.micro_batch_size=4")
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown config section {section!r} in override {item!r}{_suggest(section, SECTIONS)}")
+    cls = SECTIONS[section]
+    known = [f.name for f in fields(cls)]
+    if key not in known:
+        raise ConfigError(f"unknown key {section}.{key} in override {item!r}{_suggest(key, known)}")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        return section, key, raw
+    tp = typing.get_type_hints(cls).get(key, Any)
+    if not _type_ok(value, tp) and _type_ok(raw, tp):
+        value = raw
+    return section, key, value
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed
+# ---------------------------------------------------------------------------------------------
+
+def deepspeed_config(cfg: Config, dp_size: int, consumed_samples: int = 0) -> dict:
+    """The DeepSpeed config dict generated from `cfg` for `dp_size` data-parallel ranks.
+
+    The batch size is the one in force at `consumed_samples` (the ramp-up start for a fresh run). There is
+    no "optimizer" block: the engine is given a client torch.optim.AdamW (DeepSpeed's FusedAdam would
+    JIT-compile on CPU), and no "scheduler": the trainer sets the LR from `LearningRateSchedule`.
+    """
+    from gptpar.training.schedules import BatchSizeRampup
+
+    t = cfg.training
+    rampup = BatchSizeRampup.from_config(t, dp_size)
+    gbs = rampup.global_batch_size(consumed_samples)
+    ds = {
+        "train_batch_size": gbs,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": rampup.num_micro_batches(consumed_samples),
+        "gradient_clipping": t.clip_grad,
+        "zero_optimization": {"stage": t.zero_stage},
+        "bf16": {"enabled": t.precision == "bf16"},
+        "fp16": {"enabled": t.precision == "fp16"},
+        "steps_per_print": 2 ** 31 - 1,  # gptpar prints its own log line
+        "wall_clock_breakdown": False,
+    }
+    if t.precision == "fp16":
+        ds["fp16"].update({
+            "loss_scale": t.loss_scale,  # 0 = dynamic
+            "initial_scale_power": int(round(math.log2(t.initial_loss_scale))),
+            "loss_scale_window": t.loss_scale_window,
+            "hysteresis": t.hysteresis,
+            "min_loss_scale": t.min_loss_scale,
+        })
+    return ds
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line: --config, --set, Megatron-style aliases
+# ---------------------------------------------------------------------------------------------
+
+# Flags that are not `--<key-with-dashes>` of a unique key.
+SPECIAL_ALIASES = {
+    "--fp16": "training.precision=fp16",
+    "--bf16": "training.precision=bf16",
+    "--fp32": "training.precision=fp32",
+    "--checkpoint-activations": "training.activation_checkpointing=true",
+    "--tensorboard-dir": "logging.tensorboard_dir",
+    "--log-num-zeros-in-grad": "logging.log_num_zeros=true",
+    "--lr-warmup-iters": "training.lr_warmup_iters",
+}
+LIST_ALIASES = {"--data-path": None, "--rampup-batch-size": 3}  # nargs: None = one or more
+
+USAGE = """usage: pretrain_gpt.py --config CONFIG.json [--set section.key=value ...] [--dry-run]
+                       [Megatron-style aliases, e.g. --micro-batch-size 4 --train-iters 100 --bf16]
+Every config key has an alias --<key-with-dashes> (e.g. --tensor-model-parallel-size 2). --local_rank is
+accepted and ignored (the DeepSpeed launcher passes it; ranks come from the environment)."""
+
+
+def cli_aliases() -> Dict[str, str]:
+    """`--flag` -> `section.key` for every key (dashes for underscores), plus SPECIAL_ALIASES."""
+    aliases = {}
+    for section, cls in SECTIONS.items():
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            assert flag not in aliases, f"two sections have a key {f.name}: give one a special alias"
+            aliases[flag] = f"{section}.{f.name}"
+    aliases.update(SPECIAL_ALIASES)
+    return aliases
+
+
+def parse_args(argv: Sequence[str]) -> Tuple[Optional[str], List[str], Dict[str, Any]]:
+    """(config_path, overrides, flags) from a command line (without the program name).
+
+    Overrides come out as `section.key=value` strings in command-line order, aliases included. flags holds
+    `dry_run` (bool), `help` (bool) and `local_rank` (int or None, from the DeepSpeed launcher).
+    """
+    aliases = cli_aliases()
+    config_path, overrides = None, []
+    flags: Dict[str, Any] = {"dry_run": False, "help": False, "local_rank": None}
+    args, i = list(argv), 0
+
+    def value_of(flag: str, inline: Optional[str]) -> str:
+        nonlocal i
+        if inline is not None:
+            return inline
+        if i >= len(args) or args[i].startswith("--"):
+            raise ConfigError(f"{flag} needs a value")
+        i += 1
+        return args[i - 1]
+
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if not arg.startswith("-"):
+            raise ConfigError(f"unexpected argument {arg!r}: options look like --config X or --set section.key=v")
+        flag, eq, inline = arg.partition("=")
+        inline = inline if eq else None
+        if flag in ("--config", "-c"):
+            config_path = value_of(flag, inline)
+        elif flag == "--set":
+            overrides.append(value_of(flag, inline))
+        elif flag == "--dry-run":
+            flags["dry_run"] = True
+        elif flag in ("--help", "-h"):
+            flags["help"] = True
+        elif flag in ("--local_rank", "--local-rank"):
+            flags["local_rank"] = int(value_of(flag, inline))
+        elif flag in LIST_ALIASES:
+            values = [inline] if inline is not None else []
+            while i < len(args) and not args[i].startswith("--") and (inline is None):
+                values.append(args[i])
+                i += 1
+            nargs = LIST_ALIASES[flag]
+            if not values or (nargs is not None and len(values) != nargs):
+                raise ConfigError(f"{flag} takes {nargs or 'one or more'} value(s), got {values}")
+            target = aliases[flag]
+            if flag == "--data-path" and len(values) == 1:
+                overrides.append(f"{target}={values[0]}")
+            else:
+                parsed = [_json_or_str(v) for v in values]
+                if flag == "--data-path":
+                    parsed = [str(v) for v in values]
+                overrides.append(f"{target}={json.dumps(parsed)}")
+        elif flag in aliases:
+            target = aliases[flag]
+            if "=" in target:  # a switch like --bf16
+                if inline is not None:
+                    raise ConfigError(f"{flag} takes no value")
+                overrides.append(target)
+                continue
+            section, key = target.split(".")
+            tp = typing.get_type_hints(SECTIONS[section])[key]
+            no_value = inline is None and (i >= len(args) or args[i].startswith("--"))
+            if tp is bool and no_value:  # Megatron's store_true flags
+                overrides.append(f"{target}=true")
+            else:
+                overrides.append(f"{target}={value_of(flag, inline)}")
+        else:
+            raise ConfigError(f"unknown option {flag}{_suggest(flag, list(aliases) + ['--config', '--set', '--dry-run'])}")
+    return config_path, overrides, flags
+
+
+def _json_or_str(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+__all__ = ["ConfigError", "Config", "ParallelConfig", "TrainingConfig", "DataConfig", "CheckpointConfig",
+           "LoggingConfig", "GPTConfig", "SECTIONS", "MODEL_DOCS", "load_config", "config_from_dict",
+           "parse_override", "parse_data_path", "parse_split", "deepspeed_config", "parse_args", "cli_aliases",
+           "USAGE"]

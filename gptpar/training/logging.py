@@ -1,0 +1,242 @@
+"""The Megatron-DeepSpeed log line, the metrics JSONL file, TensorBoard and wandb.
+
+One logged iteration is one *record*: a dict with exactly `METRIC_KEYS`. The same record is printed as
+the log line (`format_log_line(**record)`), appended to the metrics file at full precision and sent to
+TensorBoard under `train/<key>`, so the three never disagree.
+
+The line is Megatron-DeepSpeed's `training_log` output: each field is ' name: value |', in this order,
+with these formats (the iteration field is ' iteration {:8d}/{:8d} |'):
+
+    consumed samples {:12d} · consumed tokens {:12d} · elapsed time per iteration (s) {:.2f} ·
+    learning rate {:.3E} · global batch size {:5d} · lm loss {:.6E} · loss scale {:.1f} · grad norm {:.3f} ·
+    num zeros {:.1f} · number of skipped iterations {:3d} · number of nan iterations {:3d} ·
+    samples per second {:.3f} · TFLOPs {:.2f}
+
+Differences from the reference, on purpose: loss scale is always printed (1.0 unless fp16), num zeros is
+omitted (never a constant) when it is not counted, skipped and nan iterations are counted honestly.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from typing import Dict, Optional
+
+METRIC_KEYS = ("iteration", "train_iters", "consumed_samples", "consumed_tokens", "elapsed_s", "lr",
+               "global_batch_size", "lm_loss", "loss_scale", "grad_norm", "num_zeros", "skipped_iterations",
+               "nan_iterations", "samples_per_second", "tflops")
+
+# (label in the line, record key, format) after the iteration field, in Megatron-DeepSpeed's order.
+_FIELDS = (
+    ("consumed samples", "consumed_samples", "{:12d}"),
+    ("consumed tokens", "consumed_tokens", "{:12d}"),
+    ("elapsed time per iteration (s)", "elapsed_s", "{:.2f}"),
+    ("learning rate", "lr", "{:.3E}"),
+    ("global batch size", "global_batch_size", "{:5d}"),
+    ("lm loss", "lm_loss", "{:.6E}"),
+    ("loss scale", "loss_scale", "{:.1f}"),
+    ("grad norm", "grad_norm", "{:.3f}"),
+    ("num zeros", "num_zeros", "{:.1f}"),
+    ("number of skipped iterations", "skipped_iterations", "{:3d}"),
+    ("number of nan iterations", "nan_iterations", "{:3d}"),
+    ("samples per second", "samples_per_second", "{:.3f}"),
+    ("TFLOPs", "tflops", "{:.2f}"),
+)
+_INT_KEYS = {"iteration", "train_iters", "consumed_samples", "consumed_tokens", "global_batch_size",
+             "skipped_iterations", "nan_iterations"}
+
+
+def format_log_line(*, iteration: int, train_iters: int, consumed_samples: int, consumed_tokens: int,
+                    elapsed_s: float, lr: float, global_batch_size: int, lm_loss: Optional[float],
+                    loss_scale: float = 1.0, grad_norm: Optional[float] = None, num_zeros: Optional[float] = None,
+                    skipped_iterations: int = 0, nan_iterations: int = 0, samples_per_second: float,
+                    tflops: float) -> str:
+    """The per-iteration line; `None` omits lm loss, grad norm or num zeros (as Megatron omits them)."""
+    values = dict(consumed_samples=consumed_samples, consumed_tokens=consumed_tokens, elapsed_s=elapsed_s,
+                  lr=lr, global_batch_size=global_batch_size, lm_loss=lm_loss, loss_scale=loss_scale,
+                  grad_norm=grad_norm, num_zeros=num_zeros, skipped_iterations=skipped_iterations,
+                  nan_iterations=nan_iterations, samples_per_second=samples_per_second, tflops=tflops)
+    line = " iteration {:8d}/{:8d} |".format(iteration, train_iters)
+    for label, key, fmt in _FIELDS:
+        if values[key] is not None:
+            line += f" {label}: {fmt.format(values[key])} |"
+    return line
+
+
+def parse_log_line(line: str) -> Dict[str, object]:
+    """A log line (anything before ' iteration' is ignored) back into a record; omitted fields are None."""
+    m = re.search(r"iteration\s+(\d+)/\s*(\d+)\s*\|(.*)$", line.rstrip("\n"))
+    if m is None:
+        raise ValueError(f"not a training log line: {line!r}")
+    record: Dict[str, object] = {key: None for key in METRIC_KEYS}
+    record["iteration"], record["train_iters"] = int(m.group(1)), int(m.group(2))
+    by_label = {label: key for label, key, _ in _FIELDS}
+    for part in m.group(3).split("|"):
+        part = part.strip()
+        if not part:
+            continue
+        label, _, value = part.rpartition(":")
+        key = by_label.get(label.strip())
+        if key is None:
+            raise ValueError(f"unknown field {label.strip()!r} in log line")
+        record[key] = int(value) if key in _INT_KEYS else float(value)
+    return record
+
+
+def format_eval_line(iteration: int, lm_loss: float) -> str:
+    """Megatron's validation line (`evaluate_and_print_results`); PPL = exp(min(20, loss))."""
+    return (f" validation loss at iteration {iteration} | lm loss value: {lm_loss:.6E} | "
+            f"lm loss PPL: {perplexity(lm_loss):.6E} | ")
+
+
+def format_eval_block(iteration: int, lm_loss: float) -> str:
+    """The validation line between two rules of dashes, as Megatron prints it."""
+    line = format_eval_line(iteration, lm_loss)
+    rule = "-" * (len(line) + 1)
+    return f"{rule}\n{line}\n{rule}"
+
+
+def perplexity(lm_loss: float) -> float:
+    return math.exp(min(20.0, lm_loss))
+
+
+class IntervalStats:
+    """Accumulates iterations between two log lines, with Megatron's interval semantics.
+
+    `add` once per iteration; `pop` returns the interval's averages and starts a new interval:
+    lm_loss is the mean over the iterations that were not skipped (None if all were), skipped_iterations
+    counts overflow-skipped steps, nan_iterations counts iterations whose loss was NaN or inf (skipped or
+    not: the reference only counts skipped ones), elapsed_s is the mean wall time per iteration.
+    """
+
+    def __init__(self):
+        self.iterations = self.skipped = self.nans = 0
+        self.loss_sum, self.loss_count, self.time_sum = 0.0, 0, 0.0
+
+    def add(self, lm_loss: float, elapsed_s: float, skipped: bool = False) -> None:
+        self.iterations += 1
+        self.time_sum += elapsed_s
+        if not math.isfinite(lm_loss):
+            self.nans += 1
+        if skipped:
+            self.skipped += 1
+        else:
+            self.loss_sum += lm_loss
+            self.loss_count += 1
+
+    def pop(self) -> Dict[str, object]:
+        out = {
+            "lm_loss": self.loss_sum / self.loss_count if self.loss_count else None,
+            "elapsed_s": self.time_sum / max(1, self.iterations),
+            "skipped_iterations": self.skipped,
+            "nan_iterations": self.nans,
+        }
+        self.__init__()
+        return out
+
+
+class MetricsWriter:
+    """Appends JSONL records: one per logged iteration (exactly METRIC_KEYS), eval records with "eval": true.
+
+    Floats are written with `json`'s shortest round-trip repr (full precision); NaN/inf as NaN/Infinity,
+    which Python's json reads back. `path` None makes every call a no-op.
+    """
+
+    def __init__(self, path: Optional[str]):
+        self.path = path
+        if path is not None and os.path.dirname(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+
+    def write(self, record: Dict[str, object]) -> None:
+        if set(record) != set(METRIC_KEYS):
+            missing, extra = set(METRIC_KEYS) - set(record), set(record) - set(METRIC_KEYS)
+            raise ValueError(f"metrics record keys differ from the contract: missing {sorted(missing)}, "
+                             f"extra {sorted(extra)}")
+        self._append({key: record[key] for key in METRIC_KEYS})
+
+    def write_eval(self, iteration: int, consumed_samples: int, lm_loss: float) -> None:
+        self._append({"eval": True, "iteration": iteration, "consumed_samples": consumed_samples,
+                      "lm_loss": lm_loss, "ppl": perplexity(lm_loss)})
+
+    def _append(self, obj: dict) -> None:
+        if self.path is None:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(obj) + "\n")
+
+
+def read_metrics(path: str) -> list:
+    """Every object of a metrics JSONL file, in order."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class TensorBoardWriter:
+    """Scalars under stable tags: `train/<key>` per METRIC_KEYS (step = iteration),
+    `train/lm_loss_vs_samples` (step = consumed samples), `eval/lm_loss` and `eval/ppl`.
+
+    Imports TensorBoard only when `log_dir` is given; `log_dir` None makes every call a no-op.
+    """
+
+    SKIP = ("iteration", "train_iters")
+
+    def __init__(self, log_dir: Optional[str]):
+        self.writer = None
+        if log_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+            self.writer = SummaryWriter(log_dir=log_dir)
+
+    def add_metrics(self, record: Dict[str, object]) -> None:
+        if self.writer is None:
+            return
+        step = record["iteration"]
+        for key in METRIC_KEYS:
+            if key not in self.SKIP and record.get(key) is not None:
+                self.writer.add_scalar(f"train/{key}", record[key], step)
+        if record.get("lm_loss") is not None:
+            self.writer.add_scalar("train/lm_loss_vs_samples", record["lm_loss"], record["consumed_samples"])
+        self.writer.flush()
+
+    def add_eval(self, iteration: int, lm_loss: float) -> None:
+        if self.writer is None:
+            return
+        self.writer.add_scalar("eval/lm_loss", lm_loss, iteration)
+        self.writer.add_scalar("eval/ppl", perplexity(lm_loss), iteration)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+class WandbWriter:
+    """Optional Weights & Biases logging with the same keys; `project` None makes every call a no-op."""
+
+    def __init__(self, project: Optional[str], config: Optional[dict] = None):
+        self.run = None
+        if project is None:
+            return
+        try:
+            import wandb
+        except ImportError:
+            raise RuntimeError("logging.wandb_project is set but wandb is not installed: pip install wandb, "
+                               "or set logging.wandb_project=null") from None
+        self.run = wandb.init(project=project, config=config)
+
+    def add_metrics(self, record: Dict[str, object]) -> None:
+        if self.run is not None:
+            self.run.log({f"train/{k}": v for k, v in record.items() if v is not None}, step=record["iteration"])
+
+    def add_eval(self, iteration: int, lm_loss: float) -> None:
+        if self.run is not None:
+            self.run.log({"eval/lm_loss": lm_loss, "eval/ppl": perplexity(lm_loss)}, step=iteration)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+
+
+__all__ = ["METRIC_KEYS", "format_log_line", "parse_log_line", "format_eval_line", "format_eval_block",
+           "perplexity", "IntervalStats", "MetricsWriter", "read_metrics", "TensorBoardWriter", "WandbWriter"]

@@ -1,0 +1,139 @@
+"""Learning-rate schedule and batch-size ramp-up, as pure functions of the training counters.
+
+Nothing here holds state that advances: the LR and the batch size are recomputed from (iteration,
+consumed_samples), which the checkpoint stores, so a resumed run continues exactly.
+
+Megatron's semantics (AnnealingLR / RampupBatchsizeNumMicroBatches):
+- the schedule counts "steps" in samples: for iteration-based training warmup and decay lengths are
+  `iters * global_batch_size` and the step count after k iterations is `k * global_batch_size`;
+  for sample-based training they are the sample counts and the step count is consumed_samples;
+- the LR used by an iteration is the one computed from the counters *before* it (the scheduler steps
+  after the optimizer), so a run with warmup trains its first iteration at LR 0, as Megatron does.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class LearningRateSchedule:
+    """Linear warmup 0 -> max_lr over warmup_steps, then constant/linear/cosine decay to min_lr at decay_steps.
+
+    `by_samples` False: steps = iteration * global_batch_size (iteration-based training, constant batch);
+    True: steps = consumed_samples.
+    """
+
+    max_lr: float
+    min_lr: float
+    warmup_steps: int
+    decay_steps: int
+    decay_style: str = "linear"
+    by_samples: bool = False
+    global_batch_size: int = 1
+
+    def __post_init__(self):
+        if self.decay_style not in ("constant", "linear", "cosine"):
+            raise ValueError(f"decay_style must be constant, linear or cosine, got {self.decay_style!r}")
+        if self.decay_steps <= 0 or not 0 <= self.warmup_steps < self.decay_steps:
+            raise ValueError(f"need 0 <= warmup_steps ({self.warmup_steps}) < decay_steps ({self.decay_steps})")
+
+    @classmethod
+    def from_config(cls, training) -> "LearningRateSchedule":
+        """From a `TrainingConfig` (lengths converted to samples, as Megatron does)."""
+        t = training
+        if t.train_iters is not None:
+            gbs = t.global_batch_size
+            return cls(t.lr, t.min_lr, t.lr_warmup_iters * gbs, (t.lr_decay_iters or t.train_iters) * gbs,
+                       t.lr_decay_style, by_samples=False, global_batch_size=gbs)
+        return cls(t.lr, t.min_lr, t.lr_warmup_samples, t.lr_decay_samples or t.train_samples,
+                   t.lr_decay_style, by_samples=True)
+
+    def steps(self, iteration: int, consumed_samples: int) -> int:
+        return consumed_samples if self.by_samples else iteration * self.global_batch_size
+
+    def lr_at(self, iteration: int, consumed_samples: int) -> float:
+        """LR of the iteration that runs after `iteration` completed iterations and `consumed_samples` samples."""
+        return self.lr_at_step(self.steps(iteration, consumed_samples))
+
+    def lr_at_step(self, num_steps: int) -> float:
+        # Megatron's AnnealingLR.get_lr, term for term.
+        if self.warmup_steps > 0 and num_steps <= self.warmup_steps:
+            return self.max_lr * float(num_steps) / float(self.warmup_steps)
+        if self.decay_style == "constant":
+            return self.max_lr
+        if num_steps > self.decay_steps:
+            return self.min_lr
+        decay_ratio = float(num_steps - self.warmup_steps) / float(self.decay_steps - self.warmup_steps)
+        if self.decay_style == "linear":
+            coeff = 1.0 - decay_ratio
+        else:
+            coeff = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+
+@dataclass(frozen=True)
+class BatchSizeRampup:
+    """Global batch size as a function of consumed samples (Megatron's RampupBatchsizeNumMicroBatches).
+
+    The batch starts at `start` and grows by `increment` every `samples / num_increments` consumed samples
+    until `samples` have been consumed; after that it is `final_batch_size` (training.global_batch_size).
+    `start=None` = constant.
+    """
+
+    final_batch_size: int
+    micro_batch_size: int
+    dp_size: int
+    start: Optional[int] = None
+    increment: int = 0
+    samples: int = 0
+
+    def __post_init__(self):
+        unit = self.micro_batch_size * self.dp_size
+        sizes = [self.final_batch_size] + ([] if self.start is None else [self.start, self.increment])
+        if unit < 1 or any(s < 1 or s % unit for s in sizes):
+            raise ValueError(f"batch sizes {sizes} must be positive multiples of micro_batch_size x dp = {unit}")
+        if self.start is not None and ((self.final_batch_size - self.start) % self.increment
+                                       or self.start >= self.final_batch_size or self.samples < 0):
+            raise ValueError(f"ramp-up start {self.start}, increment {self.increment}, samples {self.samples} "
+                             f"does not reach global batch size {self.final_batch_size}")
+
+    @classmethod
+    def from_config(cls, training, dp_size: int) -> "BatchSizeRampup":
+        r = training.rampup_batch_size
+        start, increment, samples = r if r is not None else (None, 0, 0)
+        return cls(training.global_batch_size, training.micro_batch_size, dp_size, start, increment, samples)
+
+    def global_batch_size(self, consumed_samples: int) -> int:
+        """The global batch size of the iteration that starts after `consumed_samples` samples."""
+        if self.start is None or consumed_samples > self.samples:
+            return self.final_batch_size
+        num_increments = (self.final_batch_size - self.start) // self.increment
+        samples_per_increment = self.samples / num_increments  # a float, as in Megatron
+        steps = int(consumed_samples / samples_per_increment)
+        return self.start + steps * self.increment
+
+    def num_micro_batches(self, consumed_samples: int) -> int:
+        """Micro-batches per data-parallel rank (gradient accumulation steps) at this point."""
+        return self.global_batch_size(consumed_samples) // (self.micro_batch_size * self.dp_size)
+
+    def train_iters(self, train_samples: int) -> int:
+        """Iterations that `train_samples` takes (Megatron's update_train_iters; a partial last batch is dropped)."""
+        if self.start is None:
+            return train_samples // self.final_batch_size
+        iterations = consumed = 0
+        while consumed <= self.samples:
+            consumed += self.global_batch_size(consumed)
+            iterations += 1
+        return iterations + (train_samples - consumed) // self.final_batch_size
+
+
+def train_iters(training, dp_size: int) -> int:
+    """Total iterations of a `TrainingConfig`: train_iters, or derived from train_samples (with ramp-up)."""
+    if training.train_iters is not None:
+        return training.train_iters
+    return BatchSizeRampup.from_config(training, dp_size).train_iters(training.train_samples)
+
+
+__all__ = ["LearningRateSchedule", "BatchSizeRampup", "train_iters"]
