@@ -1,0 +1,277 @@
+"""GPT pre-training samples from MMIDIDX files (Megatron semantics), with split, epochs, shuffling and blending.
+
+The documents of a split are concatenated, epoch after epoch, into one token stream; each epoch visits the
+documents in its own random order. Sample j is the `seq_length + 1` tokens starting at stream position
+`j * seq_length`, so consecutive samples share one token (the last target of one is the first input of the
+next) and samples cross document boundaries. Samples are then shuffled *within* the group of samples that
+start in the same epoch.
+
+Everything is derived from (files, split, seq_length, seed) through counter-based generators keyed by
+(seed, epoch): sample i does not depend on how many samples were asked for, so a run resumes by indexing
+from its consumed-samples count, and a longer run starts with exactly the samples of a shorter one.
+The three index arrays (document order, sample starts, shuffle) are built with vectorised numpy, cached as
+.npy next to the data (or in cache_dir) and memory-mapped when reused.
+"""
+import hashlib
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from gptpar.data.blending import BlendedDataset, build_blending_indices
+from gptpar.data.indexed import DataError, IndexedDataset, index_file_path
+
+INDEX_VERSION = 1  # bump when the index construction changes, to invalidate old caches
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def log(msg):
+    print(f"[gptpar.data] {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------- parsing
+
+def parse_data_path(data_path):
+    """'A', ['A', 'B'], ['0.3', 'A', '0.7', 'B'] or '0.3 A 0.7 B' -> (prefixes, weights or None)."""
+    items = data_path.split() if isinstance(data_path, str) else [str(x) for x in data_path]
+    if not items:
+        raise DataError("data_path is empty")
+
+    def is_number(s):
+        try:
+            float(s)
+            return True
+        except ValueError:
+            return False
+
+    if len(items) >= 2 and is_number(items[0]):
+        if len(items) % 2 or not all(is_number(w) for w in items[0::2]):
+            raise DataError(f"weighted data_path must alternate weight and prefix ('0.3 A 0.7 B'), got {items}")
+        return items[1::2], [float(w) for w in items[0::2]]
+    return items, None
+
+
+def parse_split(split):
+    """'949,50,1' (or '949/50/1', or fewer fields) -> three fractions summing to 1."""
+    try:
+        parts = [float(s) for s in str(split).replace("/", ",").split(",")]
+    except ValueError:
+        raise DataError(f"split {split!r} must be up to three comma-separated numbers, e.g. '949,50,1'") from None
+    if len(parts) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise DataError(f"split {split!r} must be up to three non-negative numbers with a positive sum")
+    parts += [0.0] * (3 - len(parts))
+    return [p / sum(parts) for p in parts]
+
+
+def split_ranges(split, num_documents):
+    """Document ranges [(start, stop)] x 3, rounded as Megatron's get_train_valid_test_split_."""
+    fractions = parse_split(split)
+    bounds = [0]
+    for f in fractions:
+        bounds.append(bounds[-1] + int(round(f * num_documents)))
+    diff = bounds[-1] - num_documents  # rounding drift is taken off every boundary after the first
+    bounds = [bounds[0]] + [b - diff for b in bounds[1:]]
+    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+
+
+# ---------------------------------------------------------------------------------- index construction
+
+def _rng(seed, epoch, stream):
+    # Counter-based seeding: epoch e's permutation is the same whatever the number of epochs built.
+    return np.random.Generator(np.random.PCG64([seed, epoch, stream]))
+
+
+def num_epoch_groups(tokens_per_epoch, seq_length, num_samples):
+    """Smallest G such that the samples starting in epochs 0..G-1, ceil(G*T/s), are >= num_samples."""
+    return max(1, (max(num_samples, 1) - 1) * seq_length // tokens_per_epoch + 1)
+
+
+def build_doc_order(documents, num_epochs, seed):
+    """Document ids in stream order: each epoch a fresh permutation of `documents`. (num_epochs * D,)"""
+    documents = np.asarray(documents, dtype=np.int64)
+    return np.concatenate([documents[_rng(seed, e, 0).permutation(len(documents))] for e in range(num_epochs)])
+
+
+def build_sample_idx(doc_sizes, seq_length, num_samples):
+    """Where each sample starts: (position in doc order, token offset in that document), each (num_samples,).
+
+    doc_sizes: (n,) tokens of each document in stream order; sample j starts at stream token j * seq_length.
+    """
+    ends = np.cumsum(doc_sizes, dtype=np.int64)              # (n,) exclusive end of each document
+    starts = np.arange(num_samples, dtype=np.int64) * seq_length
+    if num_samples and starts[-1] + seq_length >= ends[-1]:
+        raise DataError("internal: the document order is too short for the requested samples")
+    doc_pos = np.searchsorted(ends, starts, side="right")   # first document ending after the start
+    offset = starts - (ends[doc_pos] - np.asarray(doc_sizes, dtype=np.int64)[doc_pos])
+    return doc_pos, offset
+
+
+def build_shuffle_idx(num_samples_per_group, seed):
+    """A permutation of all samples that only mixes samples of the same epoch group. (sum,)"""
+    parts, first = [], 0
+    for e, n in enumerate(num_samples_per_group):
+        parts.append(first + _rng(seed, e, 1).permutation(n))
+        first += n
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def build_indices(sizes, documents, seq_length, seed, num_samples):
+    """(doc_order, doc_pos, offset, shuffle) for a split's documents; pure numpy, no I/O."""
+    doc_sizes = np.asarray(sizes, dtype=np.int64)[documents]
+    tokens_per_epoch = int(doc_sizes.sum())
+    if tokens_per_epoch == 0:
+        raise DataError("the split's documents hold no tokens")
+    groups = num_epoch_groups(tokens_per_epoch, seq_length, num_samples)
+    total = -(-groups * tokens_per_epoch // seq_length)    # ceil(G*T/s) samples start in epochs 0..G-1
+    last_token = (total - 1) * seq_length + seq_length      # stream position of the last token needed
+    num_epochs = last_token // tokens_per_epoch + 1
+    doc_order = build_doc_order(documents, num_epochs, seed)
+    doc_pos, offset = build_sample_idx(np.asarray(sizes, dtype=np.int64)[doc_order], seq_length, total)
+    # Samples starting in epoch e: j in [ceil(e*T/s), ceil((e+1)*T/s)).
+    group_starts = -(-np.arange(groups + 1, dtype=np.int64) * tokens_per_epoch // seq_length)
+    shuffle = build_shuffle_idx(np.diff(group_starts).tolist(), seed)
+    return doc_order, doc_pos, offset, shuffle
+
+
+# ------------------------------------------------------------------------------------------- datasets
+
+def _file_digest(path):
+    h = hashlib.sha1()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+class GPTDataset:
+    """Samples of `seq_length + 1` token ids from one MMIDIDX dataset's document range.
+
+    `ds[i] == {"text": int64 array (seq_length + 1,)}`; inputs are text[:-1], labels text[1:].
+    """
+
+    def __init__(self, indexed, documents, seq_length, seed, num_samples, name="train", cache_dir=None):
+        if seq_length < 1:
+            raise DataError(f"seq_length must be >= 1, got {seq_length}")
+        self.indexed, self.seq_length, self.name = indexed, seq_length, name
+        documents = np.asarray(documents, dtype=np.int64)
+        arrays = self._load_or_build(documents, seed, num_samples, cache_dir)
+        self.doc_order, self.doc_pos, self.offset, self.shuffle = arrays
+
+    def _load_or_build(self, documents, seed, num_samples, cache_dir):
+        # The .idx digest (not its name or mtime) keys the cache: re-preprocessing under the same name rebuilds.
+        key = dict(version=INDEX_VERSION, idx=_file_digest(index_file_path(self.indexed.prefix)),
+                   docs=hashlib.sha1(documents.tobytes()).hexdigest(), seq_length=self.seq_length, seed=seed,
+                   groups=num_epoch_groups(max(int(self.indexed.sizes[documents].sum()), 1), self.seq_length,
+                                           num_samples))
+        digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        directory = cache_dir or os.path.dirname(os.path.abspath(self.indexed.prefix))
+        base = os.path.join(directory, f"{os.path.basename(self.indexed.prefix)}_{self.name}_{digest}")
+        paths = [f"{base}_{part}.npy" for part in ("doc_order", "doc_pos", "offset", "shuffle")]
+        if all(os.path.exists(p) for p in paths):
+            return [np.load(p, mmap_mode="r") for p in paths]
+        log(f"building {self.name} sample index for {self.indexed.prefix}: {len(documents):,} documents, "
+            f"seq_length {self.seq_length}, {num_samples:,} samples, seed {seed}")
+        start = time.perf_counter()
+        arrays = build_indices(self.indexed.sizes, documents, self.seq_length, seed, num_samples)
+        log(f"  built {len(arrays[3]):,} samples; document order spans {len(arrays[0]) // max(len(documents), 1)} epoch(s) "
+            f"in {time.perf_counter() - start:.2f} s")
+        try:
+            os.makedirs(directory, exist_ok=True)
+            for path, array in zip(paths, arrays):
+                tmp = f"{path}.tmp-{os.getpid()}.npy"  # atomic: concurrent ranks never read half a file
+                np.save(tmp, array)
+                os.replace(tmp, path)
+            log(f"  cached in {base}_*.npy")
+        except OSError as e:
+            log(f"  could not cache the index in {directory} ({e}); pass cache_dir to a writable directory")
+        return arrays
+
+    def __len__(self):
+        return len(self.shuffle)
+
+    def __getitem__(self, i):
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} out of range for {len(self)} samples")
+        j = int(self.shuffle[i])
+        pos, offset = int(self.doc_pos[j]), int(self.offset[j])
+        pieces, needed = [], self.seq_length + 1
+        while needed > 0:
+            doc = int(self.doc_order[pos])
+            take = min(needed, int(self.indexed.sizes[doc]) - offset)
+            pieces.append(self.indexed.get(doc, offset, take))
+            needed -= take
+            pos, offset = pos + 1, 0
+        return {"text": np.concatenate(pieces).astype(np.int64)}
+
+
+def _cache_blend(prefixes, weights, name, num_samples, cache_dir):
+    """Blending indices, cached like the GPT indices (the greedy loop is the slow part for huge runs)."""
+    key = json.dumps(dict(prefixes=[os.path.abspath(p) for p in prefixes], weights=list(map(float, weights)),
+                          n=num_samples), sort_keys=True)
+    directory = cache_dir or os.path.dirname(os.path.abspath(prefixes[0]))
+    path = os.path.join(directory, f"blend_{name}_{hashlib.sha1(key.encode()).hexdigest()[:16]}.npy")
+    if os.path.exists(path):
+        both = np.load(path, mmap_mode="r")
+        return both[0], both[1]
+    start = time.perf_counter()
+    dataset_index, sample_index = build_blending_indices(weights, num_samples)
+    log(f"built {name} blending index of {num_samples:,} samples over {len(prefixes)} datasets "
+        f"in {time.perf_counter() - start:.2f} s")
+    try:
+        tmp = f"{path}.tmp-{os.getpid()}.npy"
+        np.save(tmp, np.stack([dataset_index, sample_index]))
+        os.replace(tmp, path)
+    except OSError as e:
+        log(f"  could not cache the blending index in {directory} ({e})")
+    return dataset_index, sample_index
+
+
+def build_train_valid_test_datasets(data_path, split, seq_length, seed, num_samples, cache_dir=None,
+                                    vocab_size=None):
+    """(train, valid, test) GPT datasets; None for a split with no documents or no samples requested.
+
+    data_path: a prefix, a list of prefixes, or Megatron's weighted form ['0.3', 'A', '0.7', 'B'] /
+    '0.3 A 0.7 B'. Each prefix is split by document with `split` (e.g. '949,50,1'), then the splits are
+    blended with the weights (unweighted lists are weighted by their tokens in the split, i.e. concatenation).
+    num_samples: (train, valid, test) sample counts; a dataset may hold more (whole epochs), never fewer.
+    vocab_size: if given, every token id is checked to be < vocab_size (one pass over the data).
+    """
+    prefixes, weights = parse_data_path(data_path)
+    if len(num_samples) != 3:
+        raise DataError(f"num_samples must be (train, valid, test), got {num_samples}")
+    indexed = [IndexedDataset(p) for p in prefixes]
+    if vocab_size is not None:
+        for ds in indexed:
+            ds.check_token_ids(vocab_size)
+    ranges = [split_ranges(split, ds.num_documents) for ds in indexed]
+    results = []
+    for s, name in enumerate(SPLIT_NAMES):
+        n = int(num_samples[s])
+        parts = [(ds, np.arange(*r[s])) for ds, r in zip(indexed, ranges)]
+        if n <= 0 or all(len(docs) == 0 for _, docs in parts):
+            results.append(None)
+            continue
+        if len(indexed) == 1:
+            ds, docs = parts[0]
+            results.append(GPTDataset(ds, _sequences(ds, docs), seq_length, seed, n, name, cache_dir))
+            continue
+        for (ds, docs) in parts:
+            if len(docs) == 0:
+                raise DataError(f"{ds.prefix}: the {name} split {split!r} leaves it no documents; with several "
+                                f"datasets every one needs documents in every used split")
+        w = weights if weights is not None else [int(ds.sizes[_sequences(ds, d)].sum()) for ds, d in parts]
+        dataset_index, sample_index = _cache_blend(prefixes, w, name, n, cache_dir)
+        counts = np.bincount(dataset_index, minlength=len(parts))
+        members = [GPTDataset(ds, _sequences(ds, docs), seq_length, seed, max(int(c), 1), name, cache_dir)
+                   for (ds, docs), c in zip(parts, counts)]
+        results.append(BlendedDataset(members, w, n, dataset_index, sample_index))
+    return tuple(results)
+
+
+def _sequences(ds, documents):
+    """Sequence ids of a document range (identical for gptpar's one-sequence-per-document files)."""
+    if len(documents) == 0:
+        return documents
+    return np.arange(ds.doc_idx[documents[0]], ds.doc_idx[documents[-1] + 1])
