@@ -242,8 +242,8 @@ class TrainingConfig:
                                   f"training.global_batch_size ({self.global_batch_size}): lower it, or set "
                                   "rampup_batch_size to null for a constant batch size")
             if (self.global_batch_size - start) % increment:
-                raise ConfigError(f"training.global_batch_size - rampup start ({self.global_batch_size} - "
-                                  f"{start}) must divide by the ramp-up increment ({increment})")
+                raise ConfigError(f"training.rampup_batch_size: global_batch_size - start ({self.global_batch_size} "
+                                  f"- {start}) must divide by the increment ({increment})")
 
 
 @dataclass
@@ -408,7 +408,7 @@ class Config:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
-    def partition_method(self, pp_size: Optional[int] = None) -> str:
+    def resolved_partition_method(self, pp_size: Optional[int] = None) -> str:
         """The resolved pipeline partitioning, `balanced` or `transformer` (what `auto` means here)."""
         pp = pp_size or self.parallel.pipeline_model_parallel_size
         method = self.parallel.partition_method
@@ -436,7 +436,7 @@ class Config:
             raise ConfigError(str(e)) from None
 
         layers, weight = m.num_layers, p.embedding_weight or 1
-        method = self.partition_method(pp)
+        method = self.resolved_partition_method(pp)
         if pp > 1 and method == "balanced":
             units = layers + 2 * weight
             if units % pp:
