@@ -1,0 +1,186 @@
+"""Pure formulas for model size, parameters per pipeline stage / tensor rank, FLOPs, TFLOPs and MFU.
+
+One source for the trainer's log line (`tflops_per_gpu` every iteration: cheap, no torch) and for
+the planning tools. The architecture is gptpar's pre-LN GPT-2 with a tied output embedding:
+
+    per layer   LN(2h) + QKV(3h^2+3h) + proj(h^2+h) + LN(2h) + fc1(h*f+f) + fc2(f*h+h)
+                = 12h^2 + 13h with f = 4h
+    embedding   V_padded * h word embedding (+ its tied copy on the last stage when pp > 1)
+                + max_position_embeddings * h position embedding (first stage)
+    final LN    2h (last stage)
+
+Under tensor parallelism QKV/fc1 are column-parallel (weight and bias split), proj/fc2 row-parallel
+(weight split, bias replicated); LayerNorms and position embeddings are replicated; the word
+embedding is split along the vocab. See docs/planning.md for the derivations and the seed checks.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+from gptpar.model.config import pad_vocab_size
+
+PARTITION_METHODS = ("balanced", "transformer")
+FORMULAS = ("improved", "legacy")
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameter counts
+# ---------------------------------------------------------------------------------------------
+
+def model_size_formula(num_layers: int, hidden_size: int, vocab_size: int, seq_length: int) -> int:
+    """Seed 000's estimate `L*(12h^2+13h) + V*h + s*h + 2h` (one tied embedding, final LN)."""
+    h = hidden_size
+    return num_layers * (12 * h * h + 13 * h) + vocab_size * h + seq_length * h + 2 * h
+
+
+def layer_params(hidden_size: int, ffn_hidden_size: Optional[int] = None, tp_size: int = 1) -> int:
+    """Parameters of one transformer block held by one tensor-parallel rank (12h^2+13h at tp=1, f=4h)."""
+    h, f = hidden_size, ffn_hidden_size or 4 * hidden_size
+    split = (3 * h * h + 3 * h) + h * h + (h * f + f) + f * h   # QKV, proj weight, fc1, fc2 weight
+    replicated = 2 * h + 2 * h + h + h                           # two LayerNorms, proj and fc2 biases
+    if split % tp_size:
+        raise ValueError(f"hidden/ffn sizes ({h}/{f}) do not split evenly over tp={tp_size}")
+    return split // tp_size + replicated
+
+
+def stage_layer_ranges(num_layers: int, pp_size: int, partition_method: str = "transformer"
+                       ) -> List[Tuple[int, int]]:
+    """Half-open [start, end) transformer-block ranges of each pipeline stage.
+
+    "transformer": L % pp == 0, L/pp blocks per stage, embeddings ride on the first and last stage.
+    "balanced": the input and the tied output embedding count as one unit each beside the L blocks
+    (DeepSpeed's `type:transformer|embedding`): (L + 2) % pp == 0 and every stage holds (L+2)/pp units,
+    so the first and last stage hold one block fewer. Every stage must keep at least one block.
+    """
+    if partition_method not in PARTITION_METHODS:
+        raise ValueError(f"parallel.partition_method must be one of {PARTITION_METHODS}, got {partition_method!r}")
+    if pp_size < 1:
+        raise ValueError(f"pipeline_model_parallel_size must be >= 1, got {pp_size}")
+    if partition_method == "transformer" or pp_size == 1:
+        if num_layers % pp_size:
+            raise ValueError(f"num_layers ({num_layers}) must divide by pipeline_model_parallel_size ({pp_size}) "
+                             f"with partition_method 'transformer': change the layers or pp, or use 'balanced'")
+        per = num_layers // pp_size
+        return [(i * per, (i + 1) * per) for i in range(pp_size)]
+    if (num_layers + 2) % pp_size:
+        raise ValueError(f"(num_layers + 2) = {num_layers + 2} must divide by pipeline_model_parallel_size "
+                         f"({pp_size}) with partition_method 'balanced': change the layers or pp")
+    units = (num_layers + 2) // pp_size
+    if units < 2:
+        raise ValueError(f"partition_method 'balanced' with {num_layers} layers over pp={pp_size} leaves the first "
+                         f"and last stage without a transformer block (DeepSpeed hangs): lower pp")
+    counts = [units - 1] + [units] * (pp_size - 2) + [units - 1]
+    starts = [sum(counts[:i]) for i in range(pp_size)]
+    return [(s, s + c) for s, c in zip(starts, counts)]
+
+
+def params_per_stage(*, num_layers: int, hidden_size: int, vocab_size: int, seq_length: int,
+                     pp_size: int = 1, tp_size: int = 1, partition_method: str = "transformer",
+                     ffn_hidden_size: Optional[int] = None, max_position_embeddings: Optional[int] = None,
+                     make_vocab_size_divisible_by: int = 128, per_tp_rank: bool = False) -> List[int]:
+    """Parameters of each pipeline stage: its unique tensors (default) or what one tp rank holds.
+
+    The word embedding is padded for tp (Megatron's rule). With pp > 1 the last stage holds the tied
+    copy of it, so sum(stages) = exact_model_params + V_padded*h. Per tp rank, split tensors count 1/tp
+    and replicated ones (LayerNorms, row-parallel biases, position embedding) count whole.
+    """
+    h = hidden_size
+    v = pad_vocab_size(vocab_size, tp_size, make_vocab_size_divisible_by)
+    positions = max_position_embeddings or seq_length
+    tp = tp_size if per_tp_rank else 1
+    block = layer_params(h, ffn_hidden_size, tp)
+    out = []
+    for i, (start, end) in enumerate(stage_layer_ranges(num_layers, pp_size, partition_method)):
+        first, last = i == 0, i == pp_size - 1
+        total = (end - start) * block
+        if first:
+            total += v * h // tp + positions * h
+        if last:
+            total += 2 * h + (v * h // tp if pp_size > 1 else 0)
+        out.append(total)
+    return out
+
+
+def exact_model_params(*, num_layers: int, hidden_size: int, vocab_size: int, seq_length: int,
+                       tp_size: int = 1, ffn_hidden_size: Optional[int] = None,
+                       max_position_embeddings: Optional[int] = None, make_vocab_size_divisible_by: int = 128) -> int:
+    """Unique parameters of the (unsharded) model with the padded vocab: what a meta-device build counts."""
+    h = hidden_size
+    v = pad_vocab_size(vocab_size, tp_size, make_vocab_size_divisible_by)
+    return (num_layers * layer_params(h, ffn_hidden_size, 1) + v * h
+            + (max_position_embeddings or seq_length) * h + 2 * h)
+
+
+def legacy_param_count(num_layers: int, hidden_size: int, tp_size: int = 1) -> int:
+    """The non-embedding count behind the early seed tables' TFLOPs (Megatron-DeepSpeed, before PR 251).
+
+    The reference summed the parameters one rank holds in its transformer blocks and multiplied by the
+    model-parallel size (tp * pp). Replicated tensors (two LayerNorms = 4h, the row-parallel output
+    biases = 2h per block) are thereby counted tp times: L*(12h^2+13h) + 6h*(tp-1)*L. Word/position
+    embeddings and the final LayerNorm are not in it (the best fit to all 31 legacy seed rows).
+    """
+    h = hidden_size
+    return num_layers * (12 * h * h + 13 * h) + 6 * h * (tp_size - 1) * num_layers
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs and TFLOPs
+# ---------------------------------------------------------------------------------------------
+
+def model_flops_per_iteration(*, num_layers: int, hidden_size: int, vocab_size: int, seq_length: int,
+                              global_batch_size: int, recompute: bool = True, formula: str = "improved",
+                              glu: bool = False, tp_size: int = 1, ffn_hidden_size: Optional[int] = None) -> float:
+    """FLOPs one training iteration performs (all GPUs together), counting recomputation when enabled.
+
+    improved (Narayanan et al. 2021, eq. 3, generalised): forward FLOPs per layer and token are
+    8h^2 (QKV, proj) + 4sh (QK^T, AV) + 4hf (MLP; 6hf for GLU), times ckpt (4 = fwd + bwd (2x) +
+    recomputed fwd, 3 without); logits 2hV per token times 3 (never recomputed). With f = 4h, no GLU and recompute this is exactly
+    96 B s L h^2 (1 + s/(6h) + V/(16Lh)); without recompute the vocab term becomes V/(12Lh) (the reference
+    kept V/(16Lh), which undercounts). vocab_size is used as given (pass the padded size).
+    legacy: legacy_param_count * ckpt * 2 * s * B (the early seed tables; tp changes the count).
+    """
+    if formula not in FORMULAS:
+        raise ValueError(f"formula must be one of {FORMULAS}, got {formula!r}")
+    ckpt = 4 if recompute else 3
+    b, s, L, h, v = global_batch_size, seq_length, num_layers, hidden_size, vocab_size
+    if formula == "legacy":
+        return float(legacy_param_count(L, h, tp_size)) * ckpt * 2 * s * b
+    f = ffn_hidden_size or 4 * h
+    mlp = (6 if glu else 4) * h * f
+    per_token_layer = 8 * h * h + mlp + 4 * s * h     # forward multiply-adds x 2, one layer, one token
+    return float(b * s) * (ckpt * L * per_token_layer + 3 * 2 * h * v)
+
+
+def tflops_per_gpu(*, num_layers: int, hidden_size: int, vocab_size: int, seq_length: int,
+                   global_batch_size: int, sec_per_iter: float, num_gpus: int, recompute: bool = True,
+                   formula: str = "improved", glu: bool = False, tp_size: int = 1,
+                   ffn_hidden_size: Optional[int] = None) -> float:
+    """Achieved model TFLOPs per GPU: model_flops_per_iteration / (sec_per_iter * num_gpus * 1e12)."""
+    if sec_per_iter <= 0 or num_gpus < 1:
+        raise ValueError(f"sec_per_iter must be > 0 and num_gpus >= 1, got {sec_per_iter}, {num_gpus}")
+    flops = model_flops_per_iteration(num_layers=num_layers, hidden_size=hidden_size, vocab_size=vocab_size,
+                                      seq_length=seq_length, global_batch_size=global_batch_size,
+                                      recompute=recompute, formula=formula, glu=glu, tp_size=tp_size,
+                                      ffn_hidden_size=ffn_hidden_size)
+    return flops / (sec_per_iter * num_gpus * 1e12)
+
+
+def tflops_from_param_count(params: float, *, seq_length: int, global_batch_size: int, sec_per_iter: float,
+                            num_gpus: int, recompute: bool = True) -> float:
+    """The one-liner of seed 002 / bigscience math: params * ckpt * 2 * s * B / (sec * n * 1e12)."""
+    return params * (4 if recompute else 3) * 2 * seq_length * global_batch_size / (sec_per_iter * num_gpus * 1e12)
+
+
+def mfu(*, peak_tflops: float, **tflops_kwargs) -> float:
+    """Model FLOPs utilisation: achieved TFLOPs per GPU / the GPU's peak (e.g. 312 for A100 bf16).
+
+    Use recompute=False for the strict MFU definition (recomputation is not useful work).
+    """
+    if peak_tflops <= 0:
+        raise ValueError(f"peak_tflops must be > 0, got {peak_tflops}")
+    return tflops_per_gpu(**tflops_kwargs) / peak_tflops
+
+
+__all__ = ["model_size_formula", "layer_params", "stage_layer_ranges", "params_per_stage", "exact_model_params",
+           "legacy_param_count", "model_flops_per_iteration", "tflops_per_gpu", "tflops_from_param_count", "mfu",
+           "PARTITION_METHODS", "FORMULAS"]
