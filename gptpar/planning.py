@@ -1,0 +1,270 @@
+"""3D-topology planning: settings from a config file and/or Megatron-style flags, and the planner.
+
+The planner enumerates (tp, pp, dp, micro batch) for a model on `nodes x gpus_per_node` GPUs, drops what
+cannot run (hard constraints), flags what runs badly or breaks the batch ramp-up (soft constraints),
+and ranks the rest by a predicted time per iteration (the time model below, documented in
+docs/planning.md). Pure functions; the CLI lives in tools/plan_topology.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional
+
+from gptpar.flops import model_flops_per_iteration, params_per_stage, stage_layer_ranges
+from gptpar.memory import GIB, memory_per_gpu
+from gptpar.model.config import pad_vocab_size
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings: the config sections the tools need, flattened, with CLI overrides
+# ---------------------------------------------------------------------------------------------
+
+def load_config(path: str) -> dict:
+    """json.load a config file; ValueError naming --config and the fix when it is missing or bad."""
+    if not path or not os.path.isfile(path):
+        raise ValueError(f"--config {path!r}: no such file (pass a JSON file such as configs/200b.json)")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--config {path}: not valid JSON ({e}); fix the file") from None
+    if not isinstance(cfg, dict) or "model" not in cfg:
+        raise ValueError(f"--config {path}: needs a 'model' section (see configs/200b.json)")
+    return cfg
+
+
+def settings_from_config(cfg: dict) -> dict:
+    """Flatten the sections the planning tools read; missing keys get Megatron's defaults."""
+    m, p, t = cfg.get("model", {}), cfg.get("parallel", {}), cfg.get("training", {})
+    h = m.get("hidden_size")
+    tp = p.get("tensor_model_parallel_size", 1)
+    s = {
+        "num_layers": m.get("num_layers"), "hidden_size": h, "num_attention_heads": m.get("num_attention_heads"),
+        "ffn_hidden_size": m.get("ffn_hidden_size") or (4 * h if h else None),
+        "seq_length": m.get("seq_length"), "max_position_embeddings": m.get("max_position_embeddings"),
+        "vocab_size": m.get("vocab_size"), "make_vocab_size_divisible_by": m.get("make_vocab_size_divisible_by", 128),
+        "activation": m.get("activation", "gelu"),
+        "tp_size": tp, "pp_size": p.get("pipeline_model_parallel_size", 1),
+        "dp_size": p.get("data_parallel_size", 1), "partition_method": p.get("partition_method", "transformer"),
+        "micro_batch_size": t.get("micro_batch_size", 1), "global_batch_size": t.get("global_batch_size"),
+        "precision": t.get("precision", "bf16"), "zero_stage": t.get("zero_stage", 1),
+        "activation_checkpointing": t.get("activation_checkpointing", True),
+        "rampup_batch_size": t.get("rampup_batch_size"),
+    }
+    if s["vocab_size"]:
+        s["padded_vocab_size"] = pad_vocab_size(s["vocab_size"], tp, s["make_vocab_size_divisible_by"])
+    return s
+
+
+def add_model_flags(parser) -> None:
+    """The Megatron-style flags shared by tools/model_size.py, tflops.py and memory.py."""
+    parser.add_argument("--config", help="JSON config (configs/*.json); flags below override it")
+    for flag in ("num-layers", "hidden-size", "num-attention-heads", "seq-length", "vocab-size",
+                 "global-batch-size", "tensor-model-parallel-size", "pipeline-model-parallel-size", "gpus"):
+        parser.add_argument(f"--{flag}", type=int)
+    parser.add_argument("--sec-per-iter", type=float)
+    parser.add_argument("--formula", default="improved", help="improved (default) or legacy")
+    parser.add_argument("--no-recompute", action="store_true", help="activation recompute off (factor 3)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def settings_from_args(args) -> dict:
+    """Config (if any) overridden by explicit flags. --vocab-size is taken as the padded size as given."""
+    s = settings_from_config(load_config(args.config)) if args.config else settings_from_config({})
+    for flag, key in (("num_layers", "num_layers"), ("hidden_size", "hidden_size"),
+                      ("num_attention_heads", "num_attention_heads"), ("seq_length", "seq_length"),
+                      ("global_batch_size", "global_batch_size"), ("tensor_model_parallel_size", "tp_size"),
+                      ("pipeline_model_parallel_size", "pp_size")):
+        if getattr(args, flag) is not None:
+            s[key] = getattr(args, flag)
+    if args.hidden_size is not None and not (args.config and args.hidden_size == s.get("hidden_size")):
+        s["ffn_hidden_size"] = 4 * args.hidden_size
+    if args.vocab_size is not None:
+        s["vocab_size"] = s["padded_vocab_size"] = args.vocab_size
+        s["make_vocab_size_divisible_by"] = 1
+    elif s.get("vocab_size"):
+        s["padded_vocab_size"] = pad_vocab_size(s["vocab_size"], s["tp_size"], s["make_vocab_size_divisible_by"])
+    s["gpus"] = args.gpus if args.gpus is not None else s["tp_size"] * s["pp_size"] * s["dp_size"]
+    s["sec_per_iter"] = args.sec_per_iter
+    if args.formula not in ("improved", "legacy"):
+        raise ValueError(f"--formula {args.formula!r}: use --formula improved or --formula legacy")
+    s["formula"], s["recompute"] = args.formula, not args.no_recompute
+    return s
+
+
+def require(s: dict, *keys: str) -> None:
+    """ValueError naming the flag (and the fix) for every key that is unset or not positive."""
+    for k in keys:
+        v, flag = s.get(k), "--" + _FLAG.get(k, k).replace("_", "-")
+        if v is None:
+            where = "" if k in ("gpus", "sec_per_iter") else " or a --config that sets it"
+            raise ValueError(f"missing {flag}: pass {flag}{where}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise ValueError(f"{flag} must be a positive number, got {v!r}")
+
+
+_FLAG = {"tp_size": "tensor_model_parallel_size", "pp_size": "pipeline_model_parallel_size"}
+
+
+# ---------------------------------------------------------------------------------------------
+# The time model
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Hardware:
+    """Assumptions of the time model (defaults: A100 80GB nodes as in seed 003)."""
+
+    gpus_per_node: int = 8
+    gpu_mem_gib: float = 80.0
+    achieved_tflops: float = 155.0      # model TFLOPs/GPU a large micro batch reaches (seed 003: 143-157 on 1 node)
+    mbs_half_point: float = 0.25        # efficiency(b) = b / (b + 0.25): small GEMMs and launches at small b
+    intra_node_gbps: float = 150.0      # GB/s all-reduce bus bandwidth inside a node (NVLink)
+    inter_node_gbps: float = 135 / 8    # GB/s per node between nodes (seed 001 measured 135 Gbps)
+    tile_penalty: float = 0.80          # hidden % 128 != 0 (seed 003: 14400 vs 13824, 94 vs 120 TFLOPs)
+    softmax_penalty: float = 0.90       # (heads/tp)*mbs % 4 != 0: no fused softmax kernel
+    soft_rank_penalty: float = 0.05     # ranking penalty per batch-ramp-up incompatibility
+
+
+@dataclass
+class Candidate:
+    tp: int
+    pp: int
+    dp: int
+    mbs: int
+    nodes: int
+    global_batch_size: int
+    micro_batches: int
+    mem_gib: float
+    sec_per_iter: float              # predicted, at global_batch_size
+    sec_per_requested_batch: float   # scaled to the requested global batch (ranks configs fairly)
+    compute_s: float
+    bubble_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    dp_comm_s: float
+    score: float
+    soft: List[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _ramp_ok(rampup, dp_mbs: int) -> bool:
+    if not rampup:
+        return True
+    start, increment = rampup[0], rampup[1]
+    return start % dp_mbs == 0 and increment % dp_mbs == 0
+
+
+def predict(s: dict, tp: int, pp: int, dp: int, mbs: int, gbs: int, hw: Hardware) -> dict:
+    """Predicted seconds per iteration, split into its parts (see docs/planning.md).
+
+    m = gbs/(dp*mbs) micro batches pass a pp-stage 1F1B pipeline: (m + pp - 1) slots, each slot one
+    micro batch through one stage: its compute at efficiency(mbs) * achieved_tflops (times the soft
+    penalties), its tensor-parallel all-reduces (6 per layer with recompute, 4 without, of b*s*h
+    bf16 values, ring within a node) and its stage-to-stage send (b*s*h/tp per GPU, between nodes).
+    Then the gradient all-reduce over dp (2 bytes per parameter of the rank, not overlapped).
+    """
+    L, h, seq = s["num_layers"], s["hidden_size"], s["seq_length"]
+    heads, v = s["num_attention_heads"], pad_vocab_size(s["vocab_size"], tp, s["make_vocab_size_divisible_by"])
+    m = gbs // (dp * mbs)
+    rate = hw.achieved_tflops * 1e12 * mbs / (mbs + hw.mbs_half_point)
+    if h % 128:
+        rate *= hw.tile_penalty
+    if (heads // tp) * mbs % 4:
+        rate *= hw.softmax_penalty
+    flops = model_flops_per_iteration(num_layers=L, hidden_size=h, vocab_size=v, seq_length=seq,
+                                      global_batch_size=gbs, recompute=s["activation_checkpointing"],
+                                      ffn_hidden_size=s["ffn_hidden_size"])
+    slot_compute = flops / (m * dp * pp * tp) / rate
+    layers_per_stage = L / pp
+    n_ar = 6 if s["activation_checkpointing"] else 4
+    ar_bytes = mbs * seq * h * 2
+    slot_tp = 0.0 if tp == 1 else layers_per_stage * n_ar * ar_bytes * 2 * (tp - 1) / tp / (hw.intra_node_gbps * 1e9)
+    per_gpu_inter = hw.inter_node_gbps * 1e9 / hw.gpus_per_node
+    slot_pp = 0.0 if pp == 1 else 2 * ar_bytes / tp / per_gpu_inter
+    slots = m + pp - 1
+    rank_params = max(params_per_stage(num_layers=L, hidden_size=h, vocab_size=s["vocab_size"], seq_length=seq,
+                                       pp_size=pp, tp_size=tp, partition_method=s["partition_method"],
+                                       ffn_hidden_size=s["ffn_hidden_size"],
+                                       make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"],
+                                       per_tp_rank=True))
+    dp_bw = hw.intra_node_gbps * 1e9 if tp * dp <= hw.gpus_per_node else per_gpu_inter
+    dp_comm = 0.0 if dp == 1 else rank_params * 2 * 2 * (dp - 1) / dp / dp_bw
+    return {"compute_s": m * slot_compute, "bubble_s": (pp - 1) * slot_compute,
+            "tp_comm_s": slots * slot_tp, "pp_comm_s": slots * slot_pp, "dp_comm_s": dp_comm,
+            "sec_per_iter": slots * (slot_compute + slot_tp + slot_pp) + dp_comm}
+
+
+def plan_topology(s: dict, nodes: int, hw: Hardware = Hardware(), mbs_choices=(1, 2, 4, 8, 16)) -> List[Candidate]:
+    """Every runnable (tp, pp, dp, mbs) on whole nodes of `nodes`, best first (see module doc)."""
+    if nodes < 1 or hw.gpus_per_node < 1 or hw.gpu_mem_gib <= 0:
+        raise ValueError("--nodes, --gpus-per-node and --gpu-mem must be positive")
+    require(s, "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "global_batch_size")
+    L, h, heads, gbs_req = s["num_layers"], s["hidden_size"], s["num_attention_heads"], s["global_batch_size"]
+    total = nodes * hw.gpus_per_node
+    out = []
+    for tp in range(1, hw.gpus_per_node + 1):
+        if heads % tp or h % tp or s["ffn_hidden_size"] % tp:
+            continue
+        for pp in range(1, L + 1):
+            try:
+                stage_layer_ranges(L, pp, s["partition_method"])
+            except ValueError:
+                continue
+            for dp in range(1, total // (tp * pp) + 1):
+                world = tp * pp * dp
+                if world % hw.gpus_per_node:      # whole nodes only
+                    continue
+                for mbs in sorted(set(mbs_choices) | {s["micro_batch_size"]}):
+                    c = _candidate(s, tp, pp, dp, mbs, gbs_req, world // hw.gpus_per_node, hw)
+                    if c is not None:
+                        out.append(c)
+    out.sort(key=lambda c: (c.score, c.tp * c.pp * c.dp))
+    return out
+
+
+def _candidate(s, tp, pp, dp, mbs, gbs_req, nodes, hw) -> Optional[Candidate]:
+    gbs = gbs_req - gbs_req % (dp * mbs)          # the seeds trimmed the batch (2040, 2016) to fit dp
+    if gbs < dp * mbs:
+        return None
+    mem = memory_per_gpu(num_layers=s["num_layers"], hidden_size=s["hidden_size"],
+                         num_attention_heads=s["num_attention_heads"], vocab_size=s["vocab_size"],
+                         seq_length=s["seq_length"], micro_batch_size=mbs, global_batch_size=gbs, tp_size=tp,
+                         pp_size=pp, dp_size=dp, partition_method=s["partition_method"], precision=s["precision"],
+                         zero_stage=s["zero_stage"], activation_checkpointing=s["activation_checkpointing"],
+                         ffn_hidden_size=s["ffn_hidden_size"],
+                         make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"])["max"]["total"] / GIB
+    if mem > hw.gpu_mem_gib:
+        return None
+    soft = []
+    if gbs != gbs_req:
+        soft.append(f"gbs {gbs_req}->{gbs}")
+    if not _ramp_ok(s.get("rampup_batch_size"), dp * mbs):
+        soft.append("rampup")
+    if (s["num_attention_heads"] // tp) * mbs % 4:
+        soft.append("no fused softmax")
+    if s["hidden_size"] % 128:
+        soft.append("hidden%128")
+    t = predict(s, tp, pp, dp, mbs, gbs, hw)
+    per_req = t["sec_per_iter"] * gbs_req / gbs
+    n_ramp = sum(1 for f in soft if f == "rampup" or f.startswith("gbs"))
+    return Candidate(tp=tp, pp=pp, dp=dp, mbs=mbs, nodes=nodes, global_batch_size=gbs,
+                     micro_batches=gbs // (dp * mbs), mem_gib=round(mem, 1), sec_per_iter=t["sec_per_iter"],
+                     sec_per_requested_batch=per_req, compute_s=t["compute_s"], bubble_s=t["bubble_s"],
+                     tp_comm_s=t["tp_comm_s"], pp_comm_s=t["pp_comm_s"], dp_comm_s=t["dp_comm_s"],
+                     score=per_req * (1 + hw.soft_rank_penalty * n_ramp), soft=soft)
+
+
+def dry_run_report(config_dict: dict, sec_per_iter: Optional[float] = None,
+                   meta_param_count: Optional[int] = None) -> str:
+    """The text `pretrain_gpt.py --dry-run` prints (see gptpar/planning_report.py): resolved config,
+    partition, parameters per stage and per tp rank, memory per GPU, TFLOPs the seed timings imply."""
+    from gptpar.planning_report import render_dry_run
+    return render_dry_run(config_dict, sec_per_iter, meta_param_count)
+
+
+__all__ = ["load_config", "settings_from_config", "add_model_flags", "settings_from_args", "require", "Hardware",
+           "Candidate", "predict", "plan_topology", "dry_run_report"]
