@@ -1,0 +1,62 @@
+#!/usr/bin/env python
+"""Memory per GPU for every pipeline stage: weights, gradients, optimizer, activations, CUDA context.
+
+    python tools/memory.py --config configs/200b.json
+    python tools/memory.py --config configs/181b_48nodes.json --pipeline-model-parallel-size 12 --gpus 384
+
+Micro batch, precision, ZeRO stage, checkpointing and partition come from --config (defaults: 1,
+bf16, ZeRO-1, on, transformer); dp = --gpus / (tp * pp) when --gpus is given.
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from gptpar.memory import GIB, memory_per_gpu  # noqa: E402
+from gptpar.planning import add_model_flags, require, settings_from_args  # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_flags(parser)
+    args = parser.parse_args(argv)
+    try:
+        s = settings_from_args(args)
+        require(s, "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                "global_batch_size", "gpus")
+        if s["gpus"] % (s["tp_size"] * s["pp_size"]):
+            raise ValueError(f"--gpus {s['gpus']} must divide by tp x pp = {s['tp_size'] * s['pp_size']}")
+        dp = s["gpus"] // (s["tp_size"] * s["pp_size"])
+        mem = memory_per_gpu(num_layers=s["num_layers"], hidden_size=s["hidden_size"],
+                             num_attention_heads=s["num_attention_heads"], vocab_size=s["vocab_size"],
+                             seq_length=s["seq_length"], micro_batch_size=s["micro_batch_size"],
+                             global_batch_size=s["global_batch_size"], tp_size=s["tp_size"], pp_size=s["pp_size"],
+                             dp_size=dp, partition_method=s["partition_method"], precision=s["precision"],
+                             zero_stage=s["zero_stage"], activation_checkpointing=s["activation_checkpointing"],
+                             ffn_hidden_size=s["ffn_hidden_size"], max_position_embeddings=s["max_position_embeddings"],
+                             make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"])
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = {"tp_size": s["tp_size"], "pp_size": s["pp_size"], "dp_size": dp, "micro_batch_size": s["micro_batch_size"],
+           "precision": s["precision"], "zero_stage": s["zero_stage"], "stages": mem["stages"],
+           "max_stage": mem["max"]["stage"], "max_gib": mem["max"]["total"] / GIB}
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"tp={s['tp_size']} pp={s['pp_size']} dp={dp} micro batch {s['micro_batch_size']} {s['precision']} "
+          f"ZeRO-{s['zero_stage']} checkpointing {'on' if s['activation_checkpointing'] else 'off'} (GiB)")
+    print(f"{'stage':>5} {'params/rank':>14} {'weights':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'ctx':>6} "
+          f"{'total':>8}")
+    for st in mem["stages"]:
+        print(f"{st['stage']:>5} {st['params']:>14,} {st['weights'] / GIB:>8.1f} {st['gradients'] / GIB:>8.1f} "
+              f"{st['optimizer'] / GIB:>8.1f} {st['activations'] / GIB:>8.1f} {st['cuda_context'] / GIB:>6.1f} "
+              f"{st['total'] / GIB:>8.1f}")
+    print(f"heaviest: stage {out['max_stage']}, {out['max_gib']:.1f} GiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
