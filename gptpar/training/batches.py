@@ -20,14 +20,19 @@ from typing import List
 import numpy as np
 import torch
 
-SEED_STRIDE = 2 ** 32
+SEED_MULTIPLIER = 0x9E3779B9  # odd, ~2**32 / golden ratio: different seeds land far apart in the 32-bit space
 
 
 def synthetic_sample_seed(seed: int, index: int) -> int:
-    """f(seed, i) = seed * 2**32 + i: distinct for every (seed, i) with 0 <= i < 2**32, 0 <= seed < 2**31."""
-    if not 0 <= index < SEED_STRIDE or not 0 <= seed < 2 ** 31:
-        raise ValueError(f"synthetic sample seed needs 0 <= index < 2**32 and 0 <= seed < 2**31, got {seed}, {index}")
-    return seed * SEED_STRIDE + index
+    """f(seed, i) = (seed * 0x9E3779B9 + i) mod 2**32.
+
+    torch's CPU generator (mt19937) keeps only the low 32 bits of a seed (manual_seed(2**32) ==
+    manual_seed(0)), so f maps into 32 bits on purpose: distinct for every index of one seed below 2**32, and
+    two seeds only share samples at an index offset of (seed_a - seed_b) * 0x9E3779B9 mod 2**32 (billions).
+    """
+    if index < 0 or seed < 0:
+        raise ValueError(f"synthetic sample seed needs seed >= 0 and index >= 0, got {seed}, {index}")
+    return (seed * SEED_MULTIPLIER + index) % 2 ** 32
 
 
 class SyntheticDataset:
@@ -42,7 +47,7 @@ class SyntheticDataset:
         return torch.randint(0, self.vocab_size, (self.seq_length + 1,), generator=g)
 
     def __len__(self) -> int:
-        return SEED_STRIDE
+        return 2 ** 32
 
 
 def sample_tokens(sample) -> torch.Tensor:

@@ -1,0 +1,115 @@
+"""The Megatron-DeepSpeed log line vs the lines quoted in seed 003, the metrics file, TensorBoard tags."""
+import json
+import math
+
+import pytest
+
+from gptpar.training.logging import (METRIC_KEYS, IntervalStats, MetricsWriter, TensorBoardWriter,
+                                     format_eval_block, format_eval_line, format_log_line, parse_log_line,
+                                     read_metrics)
+
+# Quoted verbatim from /work/shared/seeds/003_c1a2cf81af8065a2.txt (Megatron-DeepSpeed output, fp16 and bf16).
+SEED_LINES = [
+    " iteration        2/   95367 | consumed samples:         4096 | consumed tokens:      8388608 | elapsed time per iteration (s): 769.99 | learning rate: 3.787E-06 | global batch size:  2048 | lm loss: 6.384045E+01 | loss scale: 4096.0 | grad norm: 15906.210 | num zeros: 0.0 | number of skipped iterations:   0 | number of nan iterations:   0 | samples per second: 2.660 | TFLOPs: 108.47 |",  # noqa: E501
+    " iteration        2/   95367 | consumed samples:         4096 | consumed tokens:      8388608 | elapsed time per iteration (s): 844.81 | learning rate: 3.787E-06 | global batch size:  2048 | lm loss: 6.373861E+01 | loss scale: 4096.0 | grad norm: 34132.119 | num zeros: 0.0 | number of skipped iterations:   0 | number of nan iterations:   0 | samples per second: 2.424 | TFLOPs: 98.87 |",  # noqa: E501
+    " iteration        2/   95367 | consumed samples:         4096 | consumed tokens:      8388608 | elapsed time per iteration (s): 430.21 | learning rate: 3.787E-06 | global batch size:  2048 | lm loss: 6.373876E+01 | loss scale: 4096.0 | grad norm: 34027.311 | num zeros: 0.0 | number of skipped iterations:   0 | number of nan iterations:   0 | samples per second: 4.761 | TFLOPs: 97.07 |",  # noqa: E501
+    " iteration        2/   95367 | consumed samples:         4096 | consumed tokens:      8388608 | elapsed time per iteration (s): 777.09 | learning rate: 3.787E-06 | global batch size:  2048 | lm loss: 6.381926E+01 | loss scale: 1.0 | grad norm: 2.763 | num zeros: 0.0 | number of skipped iterations:   0 | number of nan iterations:   0 | samples per second: 2.635 | TFLOPs: 107.48 |",  # noqa: E501
+    " iteration        2/   95367 | consumed samples:         4096 | consumed tokens:      8388608 | elapsed time per iteration (s): 853.81 | learning rate: 3.787E-06 | global batch size:  2048 | lm loss: 6.369443E+01 | loss scale: 1.0 | grad norm: 4.461 | num zeros: 0.0 | number of skipped iterations:   0 | number of nan iterations:   0 | samples per second: 2.399 | TFLOPs: 97.82 |",  # noqa: E501
+]
+
+
+def test_rebuild_seed_line_from_its_values():
+    # the 20B fp16 row: 2 iterations of 2048 samples of 2048 tokens, 769.99 s per iteration
+    gbs, seq, iteration, sec = 2048, 2048, 2, 769.99
+    line = format_log_line(
+        iteration=iteration, train_iters=95367, consumed_samples=iteration * gbs,
+        consumed_tokens=iteration * gbs * seq, elapsed_s=sec, lr=3.787e-6, global_batch_size=gbs,
+        lm_loss=63.84045, loss_scale=4096.0, grad_norm=15906.21, num_zeros=0.0, skipped_iterations=0,
+        nan_iterations=0, samples_per_second=gbs / sec, tflops=108.47)
+    assert line == SEED_LINES[0]
+
+
+@pytest.mark.parametrize("line", SEED_LINES)
+def test_parse_format_round_trip_on_seed_lines(line):
+    record = parse_log_line(line)
+    assert set(record) == set(METRIC_KEYS)
+    assert record["consumed_tokens"] == record["consumed_samples"] * 2048
+    assert format_log_line(**record) == line
+
+
+def test_loss_scale_always_and_num_zeros_omitted():
+    record = dict(iteration=10, train_iters=100, consumed_samples=160, consumed_tokens=160 * 64, elapsed_s=0.1234,
+                  lr=1e-3, global_batch_size=16, lm_loss=5.5, grad_norm=1.25, skipped_iterations=1,
+                  nan_iterations=0, samples_per_second=129.66, tflops=0.001)
+    line = format_log_line(**record)
+    assert "| loss scale: 1.0 |" in line  # the default when not fp16
+    assert "num zeros" not in line
+    assert " number of skipped iterations:   1 |" in line
+    assert line.endswith(" TFLOPs: 0.00 |") and line.startswith(" iteration       10/     100 |")
+    parsed = parse_log_line("[rank 1] " + line)
+    assert parsed["num_zeros"] is None and parsed["loss_scale"] == 1.0
+    assert parsed["elapsed_s"] == 0.12 and parsed["consumed_samples"] == 160
+
+
+def test_order_of_fields_matches_anchor():
+    line = format_log_line(iteration=1, train_iters=2, consumed_samples=3, consumed_tokens=4, elapsed_s=5.0, lr=6.0,
+                           global_batch_size=7, lm_loss=8.0, loss_scale=9.0, grad_norm=10.0, num_zeros=11.0,
+                           skipped_iterations=12, nan_iterations=13, samples_per_second=14.0, tflops=15.0)
+    labels = [part.split(":")[0].strip() for part in line.strip(" |").split(" | ")[1:]]
+    assert labels == ["consumed samples", "consumed tokens", "elapsed time per iteration (s)", "learning rate",
+                      "global batch size", "lm loss", "loss scale", "grad norm", "num zeros",
+                      "number of skipped iterations", "number of nan iterations", "samples per second", "TFLOPs"]
+
+
+def test_eval_line_megatron_format():
+    line = format_eval_line(100, 2.0)
+    assert line == f" validation loss at iteration 100 | lm loss value: 2.000000E+00 | lm loss PPL: {math.exp(2):.6E} | "
+    block = format_eval_block(100, 30.0).split("\n")
+    assert block[0] == block[2] == "-" * (len(block[1]) + 1)
+    assert f"{math.exp(20):.6E}" in block[1]  # Megatron caps the perplexity exponent at 20
+
+
+def test_interval_stats():
+    stats = IntervalStats()
+    stats.add(2.0, 0.5)
+    stats.add(float("nan"), 0.7, skipped=True)
+    stats.add(4.0, 0.9)
+    out = stats.pop()
+    assert out == {"lm_loss": 3.0, "elapsed_s": pytest.approx(0.7), "skipped_iterations": 1, "nan_iterations": 1}
+    assert stats.pop()["skipped_iterations"] == 0  # a new interval
+
+
+def test_metrics_writer_full_precision_and_append(tmp_path):
+    path = tmp_path / "sub" / "metrics.jsonl"
+    record = dict(zip(METRIC_KEYS, [5, 10, 80, 80 * 64, 0.123456789012345, 1.234567890123e-4, 16,
+                                    3.14159265358979, 1.0, 0.987654321, None, 0, 0, 129.870129870, 1.2e-6]))
+    MetricsWriter(str(path)).write(record)
+    writer = MetricsWriter(str(path))  # a resumed run appends
+    writer.write_eval(5, 80, 3.0)
+    objects = read_metrics(str(path))
+    assert objects[0] == record and list(objects[0]) == list(METRIC_KEYS)
+    assert objects[1] == {"eval": True, "iteration": 5, "consumed_samples": 80, "lm_loss": 3.0, "ppl": math.exp(3.0)}
+    line = parse_log_line(format_log_line(**record))
+    assert line["lm_loss"] == float(f"{record['lm_loss']:.6E}")  # the line rounds, the file does not
+    with pytest.raises(ValueError, match="missing"):
+        writer.write({k: v for k, v in record.items() if k != "tflops"})
+    MetricsWriter(None).write(record)  # no file: a no-op
+
+
+def test_tensorboard_tags(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    record = dict(zip(METRIC_KEYS, [3, 10, 48, 48 * 64, 0.5, 1e-3, 16, 4.5, 1.0, 2.0, None, 0, 0, 32.0, 0.0]))
+    tb = TensorBoardWriter(str(tmp_path))
+    tb.add_metrics(record)
+    tb.add_eval(3, 4.0)
+    tb.close()
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    expected = {f"train/{k}" for k in METRIC_KEYS if k not in ("iteration", "train_iters", "num_zeros")}
+    assert expected | {"train/lm_loss_vs_samples", "eval/lm_loss", "eval/ppl"} == tags
+    assert acc.Scalars("train/lm_loss")[0].value == pytest.approx(4.5)
+    assert acc.Scalars("train/lm_loss_vs_samples")[0].step == 48
+    TensorBoardWriter(None).add_metrics(record)  # no directory: a no-op
