@@ -156,6 +156,9 @@ class GPTDataset:
             raise DataError(f"seq_length must be >= 1, got {seq_length}")
         self.indexed, self.seq_length, self.name = indexed, seq_length, name
         documents = np.asarray(documents, dtype=np.int64)
+        if len(documents) == 0 or int(np.asarray(indexed.sizes)[documents].sum()) == 0:
+            raise DataError(f"{indexed.prefix}: the {name} split has no tokens ({len(documents)} documents); "
+                            f"change the split or the data")
         arrays = self._load_or_build(documents, seed, num_samples, cache_dir)
         self.doc_order, self.doc_pos, self.offset, self.shuffle = arrays
 
@@ -175,8 +178,8 @@ class GPTDataset:
             f"seq_length {self.seq_length}, {num_samples:,} samples, seed {seed}")
         start = time.perf_counter()
         arrays = build_indices(self.indexed.sizes, documents, self.seq_length, seed, num_samples)
-        log(f"  built {len(arrays[3]):,} samples; document order spans {len(arrays[0]) // max(len(documents), 1)} epoch(s) "
-            f"in {time.perf_counter() - start:.2f} s")
+        epochs = len(arrays[0]) // len(documents)
+        log(f"  built {len(arrays[3]):,} samples over {epochs} epoch(s) in {time.perf_counter() - start:.2f} s")
         try:
             os.makedirs(directory, exist_ok=True)
             for path, array in zip(paths, arrays):

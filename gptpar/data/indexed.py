@@ -146,6 +146,9 @@ class IndexedDataset:
             return [self.get(j) for j in range(*i.indices(len(self)))]
         return self.get(int(i))
 
+    def __iter__(self):
+        return (self.get(i) for i in range(len(self)))
+
     def check_token_ids(self, vocab_size, chunk_tokens=1 << 26):
         """Raise DataError if any token id lies outside [0, vocab_size); scans the .bin in bounded chunks."""
         tokens = np.frombuffer(self._bin, dtype=self.dtype, count=self.num_tokens) if self.num_tokens else []
