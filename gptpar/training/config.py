@@ -414,9 +414,8 @@ class Config:
         method = self.parallel.partition_method
         if method == "auto":
             weight = self.parallel.embedding_weight or 1
-            units = self.model.num_layers + 2 * weight
-            # balanced where it divides and leaves a transformer layer on the first and last stages
-            method = "balanced" if units % pp == 0 and units // pp > weight else "transformer"
+            # as gptpar.model.pipeline.resolve_partition_method: balanced wherever it divides
+            method = "balanced" if (self.model.num_layers + 2 * weight) % pp == 0 else "transformer"
         return method
 
     def check(self, world_size: int, cuda_available: Optional[bool] = None) -> Tuple[int, int, int]:
@@ -615,9 +614,7 @@ SPECIAL_ALIASES = {
     "--bf16": "training.precision=bf16",
     "--fp32": "training.precision=fp32",
     "--checkpoint-activations": "training.activation_checkpointing=true",
-    "--tensorboard-dir": "logging.tensorboard_dir",
     "--log-num-zeros-in-grad": "logging.log_num_zeros=true",
-    "--lr-warmup-iters": "training.lr_warmup_iters",
 }
 LIST_ALIASES = {"--data-path": None, "--rampup-batch-size": 3}  # nargs: None = one or more
 
