@@ -19,7 +19,7 @@ from typing import List, Optional, Tuple
 
 from gptpar.model.config import pad_vocab_size
 
-PARTITION_METHODS = ("balanced", "transformer")
+PARTITION_METHODS = ("auto", "balanced", "transformer")
 FORMULAS = ("improved", "legacy")
 
 
@@ -43,41 +43,53 @@ def layer_params(hidden_size: int, ffn_hidden_size: Optional[int] = None, tp_siz
     return split // tp_size + replicated
 
 
-def stage_layer_ranges(num_layers: int, pp_size: int, partition_method: str = "transformer"
-                       ) -> List[Tuple[int, int]]:
+def resolve_partition_method(partition_method: str, num_layers: int, pp_size: int, embedding_weight: int = 1) -> str:
+    """"auto" is balanced where (L + 2w) % pp == 0, else transformer (as gptpar.model.pipeline does)."""
+    if partition_method not in PARTITION_METHODS:
+        raise ValueError(f"parallel.partition_method must be one of {PARTITION_METHODS}, got {partition_method!r}")
+    if partition_method == "auto":
+        return "balanced" if (num_layers + 2 * embedding_weight) % pp_size == 0 else "transformer"
+    return partition_method
+
+
+def stage_layer_ranges(num_layers: int, pp_size: int, partition_method: str = "transformer",
+                       embedding_weight: int = 1) -> List[Tuple[int, int]]:
     """Half-open [start, end) transformer-block ranges of each pipeline stage.
 
     "transformer": L % pp == 0, L/pp blocks per stage, embeddings ride on the first and last stage.
-    "balanced": the input and the tied output embedding count as one unit each beside the L blocks
-    (DeepSpeed's `type:transformer|embedding`): (L + 2) % pp == 0 and every stage holds (L+2)/pp units,
-    so the first and last stage hold one block fewer. Every stage must keep at least one block.
+    "balanced": the input and the tied output embedding count as w units each beside the L blocks
+    (DeepSpeed's `type:transformer|embedding` for w = 1): (L + 2w) % pp == 0 and every stage holds
+    (L+2w)/pp units, so the first and last stage hold w blocks fewer. "auto": balanced where it divides.
+    Every stage must keep at least one block (DeepSpeed hangs on an empty stage).
     """
-    if partition_method not in PARTITION_METHODS:
-        raise ValueError(f"parallel.partition_method must be one of {PARTITION_METHODS}, got {partition_method!r}")
-    if pp_size < 1:
-        raise ValueError(f"pipeline_model_parallel_size must be >= 1, got {pp_size}")
-    if partition_method == "transformer" or pp_size == 1:
-        if num_layers % pp_size:
-            raise ValueError(f"num_layers ({num_layers}) must divide by pipeline_model_parallel_size ({pp_size}) "
-                             f"with partition_method 'transformer': change the layers or pp, or use 'balanced'")
-        per = num_layers // pp_size
-        return [(i * per, (i + 1) * per) for i in range(pp_size)]
-    if (num_layers + 2) % pp_size:
-        raise ValueError(f"(num_layers + 2) = {num_layers + 2} must divide by pipeline_model_parallel_size "
-                         f"({pp_size}) with partition_method 'balanced': change the layers or pp")
-    units = (num_layers + 2) // pp_size
-    if units < 2:
-        raise ValueError(f"partition_method 'balanced' with {num_layers} layers over pp={pp_size} leaves the first "
-                         f"and last stage without a transformer block (DeepSpeed hangs): lower pp")
-    counts = [units - 1] + [units] * (pp_size - 2) + [units - 1]
-    starts = [sum(counts[:i]) for i in range(pp_size)]
-    return [(s, s + c) for s, c in zip(starts, counts)]
+    if pp_size < 1 or num_layers < 1 or embedding_weight < 1:
+        raise ValueError(f"need num_layers, pipeline_model_parallel_size and embedding_weight >= 1, "
+                         f"got {num_layers}, {pp_size}, {embedding_weight}")
+    method = resolve_partition_method(partition_method, num_layers, pp_size, embedding_weight)
+    w = embedding_weight if method == "balanced" else 0
+    if (num_layers + 2 * w) % pp_size:
+        if method == "balanced":
+            raise ValueError(f"(num_layers + 2*{w}) = {num_layers + 2 * w} must divide by pipeline_model_parallel_size "
+                             f"({pp_size}) with partition_method 'balanced': change the layers or pp")
+        raise ValueError(f"num_layers ({num_layers}) must divide by pipeline_model_parallel_size ({pp_size}) "
+                         f"with partition_method 'transformer': change the layers or pp, or use 'balanced'")
+    units = (num_layers + 2 * w) // pp_size
+    out, start = [], 0
+    for i in range(pp_size):
+        n = units - (w if i == 0 else 0) - (w if i == pp_size - 1 else 0)
+        if n < 1:
+            raise ValueError(f"stage {i} of {pp_size} would hold no transformer block ({num_layers} layers, {method} "
+                             f"placement): DeepSpeed hangs on such a stage; lower pp")
+        out.append((start, start + n))
+        start += n
+    return out
 
 
 def params_per_stage(*, num_layers: int, hidden_size: int, vocab_size: int, seq_length: int,
                      pp_size: int = 1, tp_size: int = 1, partition_method: str = "transformer",
                      ffn_hidden_size: Optional[int] = None, max_position_embeddings: Optional[int] = None,
-                     make_vocab_size_divisible_by: int = 128, per_tp_rank: bool = False) -> List[int]:
+                     make_vocab_size_divisible_by: int = 128, per_tp_rank: bool = False,
+                     embedding_weight: int = 1) -> List[int]:
     """Parameters of each pipeline stage: its unique tensors (default) or what one tp rank holds.
 
     The word embedding is padded for tp (Megatron's rule). With pp > 1 the last stage holds the tied
@@ -90,7 +102,7 @@ def params_per_stage(*, num_layers: int, hidden_size: int, vocab_size: int, seq_
     tp = tp_size if per_tp_rank else 1
     block = layer_params(h, ffn_hidden_size, tp)
     out = []
-    for i, (start, end) in enumerate(stage_layer_ranges(num_layers, pp_size, partition_method)):
+    for i, (start, end) in enumerate(stage_layer_ranges(num_layers, pp_size, partition_method, embedding_weight)):
         first, last = i == 0, i == pp_size - 1
         total = (end - start) * block
         if first:
@@ -181,6 +193,6 @@ def mfu(*, peak_tflops: float, **tflops_kwargs) -> float:
     return tflops_per_gpu(**tflops_kwargs) / peak_tflops
 
 
-__all__ = ["model_size_formula", "layer_params", "stage_layer_ranges", "params_per_stage", "exact_model_params",
+__all__ = ["model_size_formula", "layer_params", "resolve_partition_method", "stage_layer_ranges", "params_per_stage", "exact_model_params",
            "legacy_param_count", "model_flops_per_iteration", "tflops_per_gpu", "tflops_from_param_count", "mfu",
            "PARTITION_METHODS", "FORMULAS"]

@@ -78,7 +78,7 @@ def memory_per_gpu(*, num_layers: int, hidden_size: int, num_attention_heads: in
                    precision: str = "bf16", zero_stage: int = 1, activation_checkpointing: bool = True,
                    ffn_hidden_size: Optional[int] = None, make_vocab_size_divisible_by: int = 128,
                    max_position_embeddings: Optional[int] = None,
-                   cuda_context_bytes: float = CUDA_CONTEXT_BYTES) -> Dict[str, dict]:
+                   cuda_context_bytes: float = CUDA_CONTEXT_BYTES, embedding_weight: int = 1) -> Dict[str, dict]:
     """Bytes per GPU for every pipeline stage and for the heaviest one.
 
     Returns {"stages": [{"stage", "params", "weights", "gradients", "optimizer", "activations",
@@ -92,8 +92,9 @@ def memory_per_gpu(*, num_layers: int, hidden_size: int, num_attention_heads: in
                                 seq_length=seq_length, pp_size=pp_size, tp_size=tp_size,
                                 partition_method=partition_method, ffn_hidden_size=ffn_hidden_size,
                                 max_position_embeddings=max_position_embeddings,
-                                make_vocab_size_divisible_by=make_vocab_size_divisible_by, per_tp_rank=True)
-    ranges = stage_layer_ranges(num_layers, pp_size, partition_method)
+                                make_vocab_size_divisible_by=make_vocab_size_divisible_by, per_tp_rank=True,
+                                embedding_weight=embedding_weight)
+    ranges = stage_layer_ranges(num_layers, pp_size, partition_method, embedding_weight)
     v_pad = pad_vocab_size(vocab_size, tp_size, make_vocab_size_divisible_by)
     stages = []
     for i, (params, (start, end)) in enumerate(zip(per_rank, ranges)):

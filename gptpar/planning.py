@@ -47,7 +47,8 @@ def settings_from_config(cfg: dict) -> dict:
         "vocab_size": m.get("vocab_size"), "make_vocab_size_divisible_by": m.get("make_vocab_size_divisible_by", 128),
         "activation": m.get("activation", "gelu"),
         "tp_size": tp, "pp_size": p.get("pipeline_model_parallel_size", 1),
-        "dp_size": p.get("data_parallel_size", 1), "partition_method": p.get("partition_method", "transformer"),
+        "dp_size": p.get("data_parallel_size", 1), "partition_method": p.get("partition_method", "auto"),
+        "embedding_weight": p.get("embedding_weight") or 1,
         "micro_batch_size": t.get("micro_batch_size", 1), "global_batch_size": t.get("global_batch_size"),
         "precision": t.get("precision", "bf16"), "zero_stage": t.get("zero_stage", 1),
         "activation_checkpointing": t.get("activation_checkpointing", True),
@@ -188,6 +189,7 @@ def predict(s: dict, tp: int, pp: int, dp: int, mbs: int, gbs: int, hw: Hardware
     slots = m + pp - 1
     rank_params = max(params_per_stage(num_layers=L, hidden_size=h, vocab_size=s["vocab_size"], seq_length=seq,
                                        pp_size=pp, tp_size=tp, partition_method=s["partition_method"],
+                                       embedding_weight=s.get("embedding_weight", 1),
                                        ffn_hidden_size=s["ffn_hidden_size"],
                                        make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"],
                                        per_tp_rank=True))
@@ -211,7 +213,7 @@ def plan_topology(s: dict, nodes: int, hw: Hardware = Hardware(), mbs_choices=(1
             continue
         for pp in range(1, L + 1):
             try:
-                stage_layer_ranges(L, pp, s["partition_method"])
+                stage_layer_ranges(L, pp, s["partition_method"], s.get("embedding_weight", 1))
             except ValueError:
                 continue
             for dp in range(1, total // (tp * pp) + 1):
@@ -234,6 +236,7 @@ def _candidate(s, tp, pp, dp, mbs, gbs_req, nodes, hw) -> Optional[Candidate]:
                          num_attention_heads=s["num_attention_heads"], vocab_size=s["vocab_size"],
                          seq_length=s["seq_length"], micro_batch_size=mbs, global_batch_size=gbs, tp_size=tp,
                          pp_size=pp, dp_size=dp, partition_method=s["partition_method"], precision=s["precision"],
+                         embedding_weight=s.get("embedding_weight", 1),
                          zero_stage=s["zero_stage"], activation_checkpointing=s["activation_checkpointing"],
                          ffn_hidden_size=s["ffn_hidden_size"],
                          make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"])["max"]["total"] / GIB

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from typing import List, Optional, Tuple
 
-from gptpar.flops import (exact_model_params, model_size_formula, params_per_stage, stage_layer_ranges,
-                          tflops_per_gpu)
+from gptpar.flops import (exact_model_params, model_size_formula, params_per_stage, resolve_partition_method,
+                          stage_layer_ranges, tflops_per_gpu)
 from gptpar.memory import GIB, memory_per_gpu
 from gptpar.planning import settings_from_config
 
@@ -46,7 +46,8 @@ def render_dry_run(cfg: dict, sec_per_iter: Optional[float] = None, meta_param_c
     v, v_pad, seq = s["vocab_size"], s["padded_vocab_size"], s["seq_length"]
     mbs, gbs = s["micro_batch_size"], s["global_batch_size"]
     shape = dict(num_layers=L, hidden_size=h, vocab_size=v, seq_length=seq, pp_size=pp, tp_size=tp,
-                 partition_method=s["partition_method"], ffn_hidden_size=s["ffn_hidden_size"],
+                 partition_method=s["partition_method"], embedding_weight=s["embedding_weight"],
+                 ffn_hidden_size=s["ffn_hidden_size"],
                  max_position_embeddings=s["max_position_embeddings"],
                  make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"])
     lines = ["== resolved config =="]
@@ -57,16 +58,18 @@ def render_dry_run(cfg: dict, sec_per_iter: Optional[float] = None, meta_param_c
     lines.append(f"derived: world_size={world} (tp {tp} x pp {pp} x dp {dp}), padded_vocab_size={v_pad}, "
                  f"micro_batches={gbs // (mbs * dp) if gbs else '?'} per step, ffn_hidden_size={s['ffn_hidden_size']}")
 
-    ranges = stage_layer_ranges(L, pp, s["partition_method"])
+    ranges = stage_layer_ranges(L, pp, s["partition_method"], s["embedding_weight"])
+    method = resolve_partition_method(s["partition_method"], L, pp, s["embedding_weight"])
     unique = params_per_stage(**shape)
     per_rank = params_per_stage(**shape, per_tp_rank=True)
     mem = memory_per_gpu(num_layers=L, hidden_size=h, num_attention_heads=s["num_attention_heads"], vocab_size=v,
                          seq_length=seq, micro_batch_size=mbs, global_batch_size=gbs, tp_size=tp, pp_size=pp,
                          dp_size=dp, partition_method=s["partition_method"], precision=s["precision"],
+                         embedding_weight=s["embedding_weight"],
                          zero_stage=s["zero_stage"], activation_checkpointing=s["activation_checkpointing"],
                          ffn_hidden_size=s["ffn_hidden_size"], max_position_embeddings=s["max_position_embeddings"],
                          make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"])
-    lines += ["", f"== pipeline partition ({s['partition_method']}) and parameters ==",
+    lines += ["", f"== pipeline partition ({method}, from {s['partition_method']!r}) and parameters ==",
               f"{'stage':>5} {'blocks':>11} {'extra':<28} {'params':>17} {'per tp rank':>15} {'mem/GPU GiB':>11}"]
     for i, ((a, b), u, r, m) in enumerate(zip(ranges, unique, per_rank, mem["stages"])):
         extra = []
