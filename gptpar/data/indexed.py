@@ -171,6 +171,20 @@ def _size_hint(actual, expected, n_tokens):
     return "the .bin has trailing data: .bin and .idx come from different runs; re-create them together"
 
 
+def write_index(path, dtype, sizes, doc_idx):
+    """Write an `.idx` for sequences of `sizes` tokens of `dtype` stored back to back; pointers are derived."""
+    dtype = np.dtype(dtype)
+    sizes = np.asarray(sizes, dtype=np.int32)
+    pointers = np.zeros(len(sizes), dtype=np.int64)
+    np.cumsum(sizes[:-1].astype(np.int64) * dtype.itemsize, out=pointers[1:])
+    with open(path, "wb") as f:
+        f.write(MAGIC)
+        f.write(struct.pack("<QBQQ", VERSION, DTYPE_CODES[dtype], len(sizes), len(doc_idx)))
+        f.write(sizes.tobytes())
+        f.write(pointers.tobytes())
+        f.write(np.asarray(doc_idx, dtype=np.int64).tobytes())
+
+
 class IndexedDatasetBuilder:
     """Streams documents to `{prefix}.bin/.idx`, written under temporary names and renamed by `finalize`.
 
@@ -216,16 +230,8 @@ class IndexedDatasetBuilder:
     def finalize(self):
         """Write the index and move both files to their final names; returns the number of documents."""
         self._bin.close()
-        sizes = np.asarray(self._sizes, dtype=np.int32)
-        pointers = np.zeros(len(sizes), dtype=np.int64)
-        np.cumsum(sizes[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
         idx_tmp = index_file_path(self.prefix) + self._tmp
-        with open(idx_tmp, "wb") as f:
-            f.write(MAGIC)
-            f.write(struct.pack("<QBQQ", VERSION, DTYPE_CODES[self.dtype], len(sizes), len(self._doc_idx)))
-            f.write(sizes.tobytes())
-            f.write(pointers.tobytes())
-            f.write(np.asarray(self._doc_idx, dtype=np.int64).tobytes())
+        write_index(idx_tmp, self.dtype, self._sizes, self._doc_idx)
         # Remove a stale index first so a crash between the renames never pairs an old .idx with a new .bin.
         if os.path.exists(index_file_path(self.prefix)):
             os.remove(index_file_path(self.prefix))

@@ -1,0 +1,13 @@
+"""Smoke test: the preprocessing benchmark runs end to end in its --tiny form."""
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_preprocess_tiny(tmp_path):
+    out = subprocess.run([sys.executable, "bench/bench_preprocess.py", "--tiny", "--workdir", str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "outputs identical: True" in out.stdout and "tokens/s" in out.stdout
