@@ -174,3 +174,19 @@ def test_train_tokenizer_bad_input(tmp_path):
         train_tokenizer.main(["--input", str(tmp_path / "t.jsonl"), "--vocab-size", "100",
                               "--output-prefix", str(tmp_path / "tok")])
     assert not (tmp_path / "tok.model").exists()
+
+
+def test_train_tokenizer_reports_bad_line_mid_file(tmp_path):
+    lines = good_lines(50)
+    lines[40] = b'{"text": "caf\xe9"}\n'
+    (tmp_path / "t.jsonl").write_bytes(b"".join(lines))
+    with pytest.raises(SystemExit, match=r"t\.jsonl:41: invalid UTF-8"):
+        train_tokenizer.main(["--input", str(tmp_path / "t.jsonl"), "--vocab-size", "100",
+                              "--output-prefix", str(tmp_path / "tok")])
+    assert not list(tmp_path.glob("tok.model*"))
+
+
+def test_not_a_tokenizer_file(tmp_path):
+    (tmp_path / "x.model").write_text("hello")
+    with pytest.raises(DataError, match=r"x\.model: not a SentencePiece model"):
+        load_tokenizer(str(tmp_path / "x.model"))

@@ -40,25 +40,39 @@ def train(paths, vocab_size, model_type, output_prefix, byte_fallback=False, key
     if not os.path.isdir(out_dir):
         raise DataError(f"{output_prefix}: output directory {out_dir} does not exist; create it first")
     model = io.BytesIO()
+    errors = []  # a DataError raised inside SentencePiece's read loop would come back wrapped and garbled
+
+    def sentences():
+        try:
+            yield from iter_sentences(paths, keys)
+        except DataError as e:
+            errors.append(e)
+
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter_sentences(paths, keys), model_writer=model, vocab_size=vocab_size,
+            sentence_iterator=sentences(), model_writer=model, vocab_size=vocab_size,
             model_type=model_type, byte_fallback=byte_fallback, character_coverage=character_coverage,
             input_sentence_size=input_sentence_size, shuffle_input_sentence=True,
             normalization_rule_name="identity", remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
             split_digits=True, user_defined_symbols=["\n", "\t"], max_sentence_length=1 << 16,
             train_extremely_large_corpus=False, minloglevel=2, **SPECIALS)
     except RuntimeError as e:
-        raise DataError(f"sentencepiece training failed: {e} (a smaller --vocab-size or more text usually fixes "
-                        f"'Vocabulary size too high')") from e
+        if errors:
+            raise errors[0] from None
+        hint = " (use a smaller --vocab-size or more text)" if "Vocabulary size" in str(e) else ""
+        raise DataError(f"sentencepiece training failed: {e}{hint}") from e
+    if errors:
+        raise errors[0]
     # Write under a temporary name, then rename: a crash never leaves a half-written .model.
     tmp = f"{output_prefix}.model.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
         f.write(model.getvalue())
     sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
-    with open(f"{output_prefix}.vocab", "w", encoding="utf-8") as f:
+    vocab_tmp = f"{output_prefix}.vocab.tmp-{os.getpid()}"
+    with open(vocab_tmp, "w", encoding="utf-8") as f:
         for i in range(sp.get_piece_size()):
             f.write(f"{sp.id_to_piece(i)}\t{sp.get_score(i)}\n")
+    os.replace(vocab_tmp, f"{output_prefix}.vocab")
     os.replace(tmp, f"{output_prefix}.model")
     return sp.get_piece_size()
 
