@@ -1,4 +1,5 @@
 """MMIDIDX files: byte compatibility with an independent implementation of the format, and clear errors."""
+import pickle
 import struct
 
 import numpy as np
@@ -92,12 +93,36 @@ def test_reader_is_memory_mapped(tmp_path):
     assert isinstance(ds._bin, np.memmap) and not view.flags.owndata and not view.flags.writeable
 
 
+def test_pickles_by_reference(tmp_path):
+    docs = random_docs(np.random.default_rng(6), 200, 1000, max_len=400)
+    write_with_gptpar(str(tmp_path / "p"), docs, 1000)
+    ds = IndexedDataset(str(tmp_path / "p"))
+    blob = pickle.dumps(ds)
+    assert len(blob) < ds.num_tokens  # the prefix travels, not the tokens
+    again = pickle.loads(blob)
+    assert all(np.array_equal(again[i], d) for i, d in enumerate(docs))
+
+
 def test_megatron_core_reads_gptpar_files(tmp_path):
     indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
     docs = random_docs(np.random.default_rng(2), 20, 500)
     write_with_gptpar(str(tmp_path / "c"), docs, 500)
     theirs = indexed.IndexedDataset(str(tmp_path / "c"))
     assert all(np.array_equal(theirs[i], d) for i, d in enumerate(docs))
+
+
+def test_gptpar_reads_megatron_core_files(tmp_path):
+    indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    torch = pytest.importorskip("torch")
+    docs = random_docs(np.random.default_rng(7), 20, 500)
+    prefix = str(tmp_path / "mc")
+    builder = indexed.IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for d in docs:
+        builder.add_item(torch.tensor(d))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    ours = IndexedDataset(prefix)
+    assert len(ours) == len(docs) and all(np.array_equal(ours[i], d) for i, d in enumerate(docs))
 
 
 def test_merge_concatenates(tmp_path):

@@ -126,6 +126,13 @@ class IndexedDataset:
     def __len__(self):
         return len(self.sizes)
 
+    # Pickle by prefix (e.g. into spawned DataLoader workers): pickling the memmaps would copy the whole .bin.
+    def __getstate__(self):
+        return {"prefix": self.prefix}
+
+    def __setstate__(self, state):
+        self.__init__(state["prefix"])
+
     @property
     def num_documents(self):
         return len(self.doc_idx) - 1
