@@ -105,7 +105,8 @@ def main(argv=None):
     for workers, docs, tokens, wall, rate in rows:
         print(f"| {workers} | {docs:,} | {tokens:,} | {wall:.2f} | {rate:,.0f} |")
     print(f"index for {int(args.index_tokens):,} tokens ({idx['docs']:,} documents, one epoch):")
-    print("| seq_length | samples | build, cold (s) | load from cache (s) | random sample reads/s |\n|---|---|---|---|---|")
+    print("| seq_length | samples | build, cold (s) | load from cache (s) | random sample reads/s |")
+    print("|---|---|---|---|---|")
     for seq_length, r in idx["seq"].items():
         print(f"| {seq_length} | {r['samples']:,} | {r['cold']:.3f} | {r['warm']:.3f} | {r['reads_per_s']:,.0f} |")
     print(f"blending index of {args.blend_samples:,} samples over 2 datasets: {idx['blend']:.2f} s")
