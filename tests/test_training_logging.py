@@ -1,5 +1,4 @@
 """The Megatron-DeepSpeed log line vs the lines quoted in seed 003, the metrics file, TensorBoard tags."""
-import json
 import math
 
 import pytest

@@ -15,11 +15,12 @@ import difflib
 import json
 import math
 import typing
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from gptpar.model.config import GPTConfig
 from gptpar.parallel import resolve_sizes
+from gptpar.training.schedules import BatchSizeRampup
 
 
 class ConfigError(ValueError):
@@ -577,8 +578,6 @@ def deepspeed_config(cfg: Config, dp_size: int, consumed_samples: int = 0) -> di
     no "optimizer" block: the engine is given a client torch.optim.AdamW (DeepSpeed's FusedAdam would
     JIT-compile on CPU), and no "scheduler": the trainer sets the LR from `LearningRateSchedule`.
     """
-    from gptpar.training.schedules import BatchSizeRampup
-
     t = cfg.training
     rampup = BatchSizeRampup.from_config(t, dp_size)
     gbs = rampup.global_batch_size(consumed_samples)
