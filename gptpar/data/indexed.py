@@ -18,6 +18,7 @@ dataset; the reader still accepts several sequences per document.
 
 Both files are memory-mapped: opening a 100 GB dataset costs nothing, and `get` returns views, not copies.
 """
+import array
 import os
 import struct
 
@@ -182,6 +183,7 @@ def write_index(path, dtype, sizes, doc_idx):
     """Write an `.idx` for sequences of `sizes` tokens of `dtype` stored back to back; pointers are derived."""
     dtype = np.dtype(dtype)
     sizes = np.asarray(sizes, dtype=np.int32)
+    doc_idx = np.asarray(doc_idx, dtype=np.int64)
     pointers = np.zeros(len(sizes), dtype=np.int64)
     np.cumsum(sizes[:-1].astype(np.int64) * dtype.itemsize, out=pointers[1:])
     with open(path, "wb") as f:
@@ -189,7 +191,7 @@ def write_index(path, dtype, sizes, doc_idx):
         f.write(struct.pack("<QBQQ", VERSION, DTYPE_CODES[dtype], len(sizes), len(doc_idx)))
         f.write(sizes.tobytes())
         f.write(pointers.tobytes())
-        f.write(np.asarray(doc_idx, dtype=np.int64).tobytes())
+        f.write(doc_idx.tobytes())
 
 
 class IndexedDatasetBuilder:
@@ -206,8 +208,9 @@ class IndexedDatasetBuilder:
         self.vocab_size = vocab_size
         self._tmp = f".tmp-{os.getpid()}"
         self._bin = open(data_file_path(prefix) + self._tmp, "wb")
-        self._sizes = []      # one int per sequence; small next to the tokens
-        self._doc_idx = [0]
+        # Compact arrays, not lists: 4 + 8 bytes per document even for a billion documents.
+        self._sizes = array.array("i")
+        self._doc_idx = array.array("q", [0])
 
     def add_document(self, ids):
         """Append one document (one sequence) of token ids."""
@@ -231,8 +234,8 @@ class IndexedDatasetBuilder:
             while block := src.read(1 << 24):
                 self._bin.write(block)
         base = len(self._sizes)
-        self._sizes.extend(other.sizes.tolist())
-        self._doc_idx.extend((other.doc_idx[1:] + base).tolist())
+        self._sizes.frombytes(np.ascontiguousarray(other.sizes, dtype=np.int32).tobytes())
+        self._doc_idx.frombytes((other.doc_idx[1:] + base).astype(np.int64).tobytes())
 
     def finalize(self):
         """Write the index and move both files to their final names; returns the number of documents."""
