@@ -187,3 +187,7 @@ def test_vocab_check_and_empty_split(tmp_path):
         b.finalize()
     with pytest.raises(DataError, match=r"empty: the train split has no tokens"):
         build_train_valid_test_datasets(str(tmp_path / "empty"), "1", 8, 1, (10, 0, 0))
+    with IndexedDatasetBuilder(str(tmp_path / "nodocs"), np.uint16) as b:
+        b.finalize()
+    with pytest.raises(DataError, match=r"nodocs: split '1' leaves the train split no documents"):
+        build_train_valid_test_datasets(str(tmp_path / "nodocs"), "1", 8, 1, (10, 0, 0))

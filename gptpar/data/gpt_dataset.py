@@ -259,6 +259,12 @@ def build_train_valid_test_datasets(data_path, split, seq_length, seed, num_samp
     for s, name in enumerate(SPLIT_NAMES):
         n = int(num_samples[s])
         parts = [(ds, np.arange(*r[s])) for ds, r in zip(indexed, ranges)]
+        if n > 0 and all(len(docs) == 0 for _, docs in parts):
+            where = f"{len(indexed[0].sizes)} documents" if len(indexed) == 1 else "the datasets"
+            if name == "train":
+                raise DataError(f"{prefixes[0]}: split {split!r} leaves the train split no documents ({where}); "
+                                f"check the data and the split")
+            log(f"warning: split {split!r} leaves the {name} split no documents; {name} dataset is None")
         if n <= 0 or all(len(docs) == 0 for _, docs in parts):
             results.append(None)
             continue
