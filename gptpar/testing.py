@@ -9,6 +9,7 @@ seconds gets every rank killed and a TimeoutError raised, so a broken collective
 """
 from __future__ import annotations
 
+import io
 import os
 import queue
 import socket
@@ -16,6 +17,7 @@ import time
 import traceback
 from typing import Any, Callable, List, Optional, Sequence
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -37,7 +39,11 @@ def _worker(rank: int, world_size: int, port: int, threads: int, fn: Callable, a
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         out = fn(*args)
-        results.put((rank, "ok", out))
+        # Serialised to bytes here: tensors sent as-is travel as shared-memory handles that die with
+        # this process, which exits right after.
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        results.put((rank, "ok", buf.getvalue()))
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - surfaced to the parent with the traceback
@@ -77,7 +83,7 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence = (), *, timeo
                 continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} of {world_size} failed in {fn.__name__}:\n{value}")
-            out[rank] = value
+            out[rank] = torch.load(io.BytesIO(value), weights_only=False)
             pending.discard(rank)
     finally:
         for p in procs:

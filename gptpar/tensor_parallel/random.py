@@ -15,6 +15,7 @@ Forking swaps the state of the default generator of the device (CPU or CUDA) in 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Dict, Optional
 
 import torch
@@ -86,3 +87,38 @@ def model_parallel_seed(seed: int, tp_rank: int = 0, pp_rank: int = 0,
     tracker = RNGStatesTracker(device)
     tracker.add(TENSOR_PARALLEL_STREAM, default_seed + _TP_SEED_OFFSET + tp_rank)
     return tracker
+
+
+def checkpoint(function, *args, tracker: Optional[RNGStatesTracker] = None):
+    """Activation checkpointing that replays dropout exactly, the tracker's streams included.
+
+    torch's non-reentrant checkpoint restores the default generators before recomputing; the tracker's
+    named streams have moved on by then, so they are put back to their state at the original forward
+    for the recomputation and restored afterwards.
+    """
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    if tracker is None:
+        return torch_checkpoint(function, *args, use_reentrant=False)
+    return torch_checkpoint(function, *args, use_reentrant=False,
+                            context_fn=functools.partial(_tracker_contexts, tracker))
+
+
+def _tracker_contexts(tracker: RNGStatesTracker):
+    saved: Dict[str, torch.Tensor] = {}
+
+    @contextlib.contextmanager
+    def on_forward():
+        saved.update(tracker.get_states())
+        yield
+
+    @contextlib.contextmanager
+    def on_recompute():
+        current = tracker.get_states()
+        tracker.set_states(saved)
+        try:
+            yield
+        finally:
+            tracker.set_states(current)
+
+    return on_forward(), on_recompute()

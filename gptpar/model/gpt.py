@@ -1,0 +1,267 @@
+"""A pre-LayerNorm GPT-2 built from the tensor-parallel layers.
+
+Activations flow as (s, b, h) — sequence first, as in Megatron — so that sequence parallelism splits a
+contiguous block of dim 0. Under sequence parallelism (sp) the residual stream is (s/tp, b, h) between
+the attention and MLP blocks; LayerNorms run on the local block and their gradients (and the row-parallel
+biases') are summed over tp by gradient hooks.
+
+Fused QKV layout: `attention.query_key_value.weight` is the ColumnParallelLinear of shape (3h, h) whose
+output dim is ordered (head, {q, k, v}, head_dim) — Megatron's layout — so rank r's contiguous rows hold
+whole heads [r*nh/tp, (r+1)*nh/tp), each with its q, k and v. Hugging Face's GPT-2 `c_attn` (a Conv1D,
+(h, 3h)) orders its output ({q, k, v}, head, head_dim); `gptpar.model.hf` converts between the two.
+
+Every block seeds its own initialisation (a per-block seed derived from the model seed), so a block's
+weights are the same whichever pipeline stage builds it and whatever the tp size: any topology starts
+from the same model as tp = pp = 1.
+
+The blocks double as DeepSpeed pipeline layers: each takes and returns either a hidden tensor or a
+tuple (hidden, attention_mask), so the same classes build the plain `GPTModel` and the `PipelineModule`.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gptpar.model.config import GPTConfig
+from gptpar.model.kernels import make_layer_norm
+from gptpar.tensor_parallel.comm import (Group, copy_to_tensor_parallel_region, divide,
+                                         gather_from_sequence_parallel_region, group_size,
+                                         scatter_to_sequence_parallel_region)
+from gptpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from gptpar.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                           init_normal)
+from gptpar.tensor_parallel.random import RNGStatesTracker, checkpoint
+
+_ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
+
+
+@contextlib.contextmanager
+def seeded(seed: int):
+    """Run a block's construction on its own CPU generator state, leaving the caller's untouched."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def block_seed(seed: int, index: int) -> int:
+    """Seed of block `index` (0 = embedding, 1 + i = transformer layer i)."""
+    return seed * 1000003 + index
+
+
+def _split_mask(inputs):
+    return inputs if isinstance(inputs, tuple) else (inputs, None)
+
+
+def _join_mask(hidden, mask):
+    return hidden if mask is None else (hidden, mask)
+
+
+def _all_reduce_grad(grad: torch.Tensor, group: Group) -> torch.Tensor:
+    grad = grad.contiguous()
+    torch.distributed.all_reduce(grad, group=group)
+    return grad
+
+
+def mark_sequence_parallel(params, group: Group) -> None:
+    """Sum over tp the gradients of replicated parameters that only saw this rank's sequence block
+    (LayerNorms, row-parallel biases). A tensor hook sums each backward's contribution, so gradient
+    accumulation over micro-batches stays a plain sum."""
+    for param in params:
+        param.sequence_parallel = True
+        if group_size(group) > 1 and param.requires_grad:
+            param.register_hook(functools.partial(_all_reduce_grad, group=group))
+
+
+class _Dropout(nn.Module):
+    """Dropout that draws from the tensor-parallel stream when its input differs across tp ranks."""
+
+    def __init__(self, p: float, tracker: Optional[RNGStatesTracker], per_rank: bool):
+        super().__init__()
+        self.p, self.tracker, self.per_rank = p, tracker, per_rank
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            return x
+        if self.per_rank and self.tracker is not None:
+            with self.tracker.fork():
+                return F.dropout(x, self.p, training=True)
+        return F.dropout(x, self.p, training=True)
+
+
+class GPTEmbedding(nn.Module):
+    """Word (vocab-parallel) + learned position embeddings. (b, s) ids -> (s, b, h), or (s/tp, b, h) under sp.
+
+    Input: ids, or a tuple (ids, position_ids, attention_mask) where either may be None.
+    `with_position_embeddings=False` builds the last pipeline stage's tied copy, which only needs the words.
+    """
+
+    def __init__(self, config: GPTConfig, *, tp_group: Group = None, sequence_parallel: bool = False,
+                 rng_tracker: Optional[RNGStatesTracker] = None, seed: int = 1234,
+                 with_position_embeddings: bool = True, device=None, dtype=None):
+        super().__init__()
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        init = init_normal(config.init_method_std)
+        with seeded(block_seed(seed, 0)):
+            self.word_embeddings = VocabParallelEmbedding(
+                config.padded_vocab_size(group_size(tp_group)), config.hidden_size, group=tp_group,
+                init_method=init, device=device, dtype=dtype)
+            self.position_embeddings = None
+            if with_position_embeddings:
+                self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size,
+                                                        device=device, dtype=dtype)
+                if self.position_embeddings.weight.device.type != "meta":
+                    init(self.position_embeddings.weight.data)
+        self.dropout = _Dropout(config.hidden_dropout, rng_tracker, per_rank=sequence_parallel)
+
+    def forward(self, inputs):
+        if isinstance(inputs, tuple):
+            ids, position_ids, mask = (tuple(inputs) + (None, None))[:3]
+        else:
+            ids, position_ids, mask = inputs, None, None
+        if position_ids is None:
+            position_ids = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+        x = self.word_embeddings(ids) + self.position_embeddings(position_ids)  # (b, s, h)
+        x = x.transpose(0, 1).contiguous()  # (s, b, h)
+        if self.sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x, self.tp_group)  # (s/tp, b, h)
+        return _join_mask(self.dropout(x), mask)
+
+
+class TransformerLayer(nn.Module):
+    """x + attn(ln1(x)), then + mlp(ln2(x)). Input/output (s, b, h) (or (s/tp, b, h) under sp),
+    optionally paired with a boolean attention mask (b, 1, s, s), True = may attend."""
+
+    def __init__(self, config: GPTConfig, layer_number: int, *, tp_group: Group = None,
+                 sequence_parallel: bool = False, rng_tracker: Optional[RNGStatesTracker] = None,
+                 seed: int = 1234, device=None, dtype=None):
+        super().__init__()
+        tp = group_size(tp_group)
+        h = config.hidden_size
+        self.num_heads = divide(config.num_attention_heads, tp, "num_attention_heads")  # heads on this rank
+        self.head_dim = config.head_dim
+        self.attention_dropout = config.attention_dropout
+        self.activation = _ACTIVATIONS[config.activation]
+        self.rng_tracker = rng_tracker
+        init = init_normal(config.init_method_std)
+        # GPT-2 / Megatron: the projections into the residual stream are scaled by 1/sqrt(2 * layers).
+        out_init = init_normal(config.init_method_std / math.sqrt(2.0 * config.num_layers))
+        tp_kw = dict(group=tp_group, sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        with seeded(block_seed(seed, 1 + layer_number)):
+            self.input_layernorm = make_layer_norm(h, config.layernorm_epsilon, device=device, dtype=dtype)
+            self.query_key_value = ColumnParallelLinear(h, 3 * h, init_method=init, **tp_kw)
+            self.dense = RowParallelLinear(h, h, init_method=out_init, **tp_kw)
+            self.post_attention_layernorm = make_layer_norm(h, config.layernorm_epsilon, device=device,
+                                                            dtype=dtype)
+            self.dense_h_to_4h = ColumnParallelLinear(h, config.ffn_hidden_size, init_method=init, **tp_kw)
+            self.dense_4h_to_h = RowParallelLinear(config.ffn_hidden_size, h, init_method=out_init, **tp_kw)
+        if sequence_parallel:
+            mark_sequence_parallel([*self.input_layernorm.parameters(), *self.post_attention_layernorm.parameters(),
+                                    self.dense.bias, self.dense_4h_to_h.bias], tp_group)
+        self.hidden_dropout = _Dropout(config.hidden_dropout, rng_tracker, per_rank=sequence_parallel)
+
+    def attention(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        qkv = self.query_key_value(x)  # (s, b, 3h/tp), heads of this rank
+        s, b = qkv.shape[0], qkv.shape[1]
+        qkv = qkv.view(s, b, self.num_heads, 3, self.head_dim)
+        q, k, v = (qkv[:, :, :, i].permute(1, 2, 0, 3) for i in range(3))  # each (b, nh/tp, s, d)
+        dropout_p = self.attention_dropout if self.training else 0.0
+        # The attention probabilities belong to this rank's heads: their dropout draws per tp rank.
+        fork = self.rng_tracker.fork() if (dropout_p > 0 and self.rng_tracker) else contextlib.nullcontext()
+        with fork:
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                                 is_causal=mask is None)
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)  # (s, b, h/tp)
+        return self.dense(ctx)
+
+    def forward(self, inputs):
+        x, mask = _split_mask(inputs)
+        x = x + self.hidden_dropout(self.attention(self.input_layernorm(x), mask))
+        y = self.dense_4h_to_h(self.activation(self.dense_h_to_4h(self.post_attention_layernorm(x))))
+        x = x + self.hidden_dropout(y)
+        return _join_mask(x, mask)
+
+
+class FinalLayerNorm(nn.Module):
+    """The last LayerNorm; drops the attention mask, which the output layer does not need."""
+
+    def __init__(self, config: GPTConfig, *, tp_group: Group = None, sequence_parallel: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        self.norm = make_layer_norm(config.hidden_size, config.layernorm_epsilon, device=device, dtype=dtype)
+        if sequence_parallel:
+            mark_sequence_parallel(self.norm.parameters(), tp_group)
+
+    def forward(self, inputs):
+        x, _ = _split_mask(inputs)
+        return self.norm(x)
+
+
+def lm_logits(embedding: GPTEmbedding, hidden: torch.Tensor) -> torch.Tensor:
+    """The output layer, tied to the word embedding: (s, b, h) -> (s, b, V/tp) logits of this rank's vocab.
+
+    Also the `forward_fn` of the last pipeline stage's tied embedding (a plain function, no lambda)."""
+    if embedding.sequence_parallel:
+        hidden = gather_from_sequence_parallel_region(hidden, embedding.tp_group)  # bwd: reduce-scatter
+    else:
+        hidden = copy_to_tensor_parallel_region(hidden, embedding.tp_group)  # f
+    return F.linear(hidden, embedding.word_embeddings.weight)
+
+
+class GPTLoss:
+    """Mean cross-entropy over the tokens whose loss mask is 1.
+
+    Called as loss_fn(logits (s, b, V/tp), labels) with labels (b, s) or a tuple (labels, loss_mask).
+    A plain callable object so DeepSpeed's pipeline can hold it (no lambdas)."""
+
+    def __init__(self, vocab_size: int, tp_group: Group = None):
+        self.vocab_size, self.tp_group = vocab_size, tp_group
+        self.__name__ = "GPTLoss"
+
+    def __call__(self, logits: torch.Tensor, labels) -> torch.Tensor:
+        labels, loss_mask = labels if isinstance(labels, (tuple, list)) else (labels, None)
+        losses = vocab_parallel_cross_entropy(logits, labels.t(), group=self.tp_group,
+                                              vocab_size=self.vocab_size)  # (s, b)
+        if loss_mask is None:
+            return losses.mean()
+        loss_mask = loss_mask.t().to(losses.dtype)
+        return (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
+
+
+class GPTModel(nn.Module):
+    """The whole GPT on one pipeline stage (pp = 1), for any tp and with or without sequence parallelism.
+
+    forward(input_ids (b, s), position_ids=None, attention_mask=None, labels=None, loss_mask=None):
+    the mean loss when `labels` is given, else this rank's logits (b, s, V/tp).
+    """
+
+    def __init__(self, config: GPTConfig, *, tp_group: Group = None, sequence_parallel: bool = False,
+                 rng_tracker: Optional[RNGStatesTracker] = None, seed: int = 1234,
+                 activation_checkpointing: bool = False, device=None, dtype=None):
+        super().__init__()
+        config.check_parallel(group_size(tp_group), 1)
+        self.config = config
+        self.activation_checkpointing, self.rng_tracker = activation_checkpointing, rng_tracker
+        kw = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        self.embedding = GPTEmbedding(config, rng_tracker=rng_tracker, seed=seed, **kw)
+        self.layers = nn.ModuleList(TransformerLayer(config, i, rng_tracker=rng_tracker, seed=seed, **kw)
+                                    for i in range(config.num_layers))
+        self.final_layernorm = FinalLayerNorm(config, **kw)
+        self.loss_fn = GPTLoss(config.vocab_size, tp_group)
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None, labels=None, loss_mask=None):
+        x = self.embedding((input_ids, position_ids, attention_mask))
+        for layer in self.layers:
+            if self.activation_checkpointing and self.training:
+                x = checkpoint(layer, x, tracker=self.rng_tracker)
+            else:
+                x = layer(x)
+        logits = lm_logits(self.embedding, self.final_layernorm(x))  # (s, b, V/tp)
+        if labels is None:
+            return logits.transpose(0, 1)
+        return self.loss_fn(logits, (labels, loss_mask) if loss_mask is not None else labels)

@@ -1,0 +1,185 @@
+"""The GPT under a DeepSpeed engine: ZeRO-1, gradient accumulation, clipping, fp32/bf16/fp16.
+
+`build_engine` takes the model (a plain `GPTModel` for pp = 1, a `PipelineModule` for pp > 1), a client
+AdamW (so DeepSpeed does not JIT-build its CPU FusedAdam) and a generated DeepSpeed config dict.
+`TrainEngine.train_step(micro_batches)` runs one optimizer step over the micro-batches of this
+data-parallel rank, the same way for both kinds of model, and exposes what the log line needs.
+
+A micro-batch is a dict: `input_ids` (b, s) and `labels` (b, s) long tensors, and optionally
+`loss_mask` (b, s) float, `attention_mask` (b, 1, s, s) bool (True = may attend), `position_ids` (b, s).
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from gptpar.model.kernels import make_adamw
+
+
+class ParallelStateMPU:
+    """The model-parallel-unit interface DeepSpeed asks for, answered from a `ParallelState`.
+
+    DeepSpeed takes its data-parallel group (gradient all-reduce, ZeRO sharding) and its model-parallel
+    group (global gradient norm without double-counting replicated parameters) from here."""
+
+    def __init__(self, pstate):
+        self.pstate = pstate
+
+    def get_model_parallel_rank(self):
+        return self.pstate.tp_rank
+
+    def get_model_parallel_world_size(self):
+        return self.pstate.tp_size
+
+    def get_model_parallel_group(self):
+        return self.pstate.tp_group
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_tensor_model_parallel_src_rank(self):
+        return self.pstate.rank - self.pstate.tp_rank
+
+    def get_data_parallel_rank(self):
+        return self.pstate.dp_rank
+
+    def get_data_parallel_world_size(self):
+        return self.pstate.dp_size
+
+    def get_data_parallel_group(self):
+        return self.pstate.dp_group
+
+    def get_pipeline_model_parallel_rank(self):
+        return self.pstate.pp_rank
+
+    def get_pipeline_model_parallel_world_size(self):
+        return self.pstate.pp_size
+
+    def get_pipeline_model_parallel_group(self):
+        return self.pstate.pp_group
+
+    def get_sequence_parallel_world_size(self):
+        return 1  # DeepSpeed's Ulysses sequence parallelism is not used
+
+
+def optimizer_param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
+    """Megatron's split: weight decay on matrices, none on biases, LayerNorms and embeddings' 1-d params."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class TrainEngine:
+    """One optimizer step per `train_step`, for a plain (pp = 1) or pipelined model."""
+
+    def __init__(self, ds_engine, pstate, pipelined: bool):
+        self.ds, self.pstate, self.pipelined = ds_engine, pstate, pipelined
+
+    # -- the step ------------------------------------------------------------------------------
+    def train_step(self, micro_batches: List[dict]) -> float:
+        """Forward, backward and optimizer step over this dp rank's micro-batches.
+
+        Returns the loss averaged over the micro-batches and the data-parallel ranks (on every rank)."""
+        self.ds.train()
+        if self.pipelined:
+            loss = self.ds.train_batch(data_iter=iter([_pipe_batch(mb) for mb in micro_batches]))
+            return float(loss)
+        losses = []
+        for mb in micro_batches:
+            loss = self.ds(**mb)
+            self.ds.backward(loss)
+            self.ds.step()
+            losses.append(loss.detach().float())
+        return _dp_mean(torch.stack(losses).mean(), self.pstate)
+
+    @torch.no_grad()
+    def eval_step(self, micro_batches: List[dict]) -> float:
+        """Mean loss over the micro-batches and dp ranks, without updating anything."""
+        self.ds.eval()
+        if self.pipelined:
+            loss = self.ds.eval_batch(data_iter=iter([_pipe_batch(mb) for mb in micro_batches]),
+                                      num_micro_batches=len(micro_batches))
+            return float(loss)
+        losses = [self.ds.module(**mb).float() for mb in micro_batches]
+        return _dp_mean(torch.stack(losses).mean(), self.pstate)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.ds.optimizer.param_groups:
+            group["lr"] = lr
+
+    def set_micro_batches(self, num_micro_batches: int, micro_batch_size: int) -> None:
+        """Follow a batch-size ramp-up: the engine's accumulation steps and train batch size."""
+        self.ds.set_train_batch_size(num_micro_batches * micro_batch_size * self.pstate.dp_size)
+
+    # -- what the log line needs ---------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        """The dynamic loss scale in fp16; 1.0 in fp32/bf16."""
+        scale = getattr(self.ds.optimizer, "cur_scale", None)
+        return float(scale) if scale is not None and self.ds.fp16_enabled() else 1.0
+
+    @property
+    def grad_norm(self) -> Optional[float]:
+        norm = self.ds.get_global_grad_norm()
+        if norm is None:
+            return None
+        norm = float(norm)
+        return None if norm < 0 else norm  # DeepSpeed reports -1 for an inf/nan norm
+
+    @property
+    def step_applied(self) -> bool:
+        """False when the last step was skipped (fp16 overflow)."""
+        return bool(self.ds.was_step_applied())
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self.ds.skipped_steps)
+
+
+def _pipe_batch(mb: dict):
+    """(inputs, labels) as DeepSpeed's pipeline wants them: tensors or tuples of tensors only."""
+    if mb.get("attention_mask") is not None or mb.get("position_ids") is not None:
+        ids = mb["input_ids"]
+        positions = mb.get("position_ids")
+        if positions is None:
+            positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        inputs = (ids, positions) if mb.get("attention_mask") is None else (ids, positions, mb["attention_mask"])
+    else:
+        inputs = mb["input_ids"]
+    labels = mb["labels"] if mb.get("loss_mask") is None else (mb["labels"], mb["loss_mask"])
+    return inputs, labels
+
+
+def _dp_mean(loss: torch.Tensor, pstate) -> float:
+    if pstate.dp_size > 1:
+        loss = loss.clone()
+        dist.all_reduce(loss, group=pstate.dp_group)
+        loss /= pstate.dp_size
+    return float(loss)
+
+
+def build_engine(model: torch.nn.Module, pstate, ds_config: dict, *, lr: float = 1e-4,
+                 weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8,
+                 has_attention_mask: bool = False) -> TrainEngine:
+    """Wrap `model` in a DeepSpeed engine with a client AdamW. Call on every rank."""
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+
+    pipelined = isinstance(model, PipelineModule)
+    optimizer = make_adamw(optimizer_param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps,
+                           weight_decay=weight_decay, device=pstate.device)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
+                                           mpu=None if pipelined else ParallelStateMPU(pstate))
+    if pipelined and has_attention_mask:
+        engine.set_has_attention_mask(True)  # the mask travels as the last tensor between stages
+    return TrainEngine(engine, pstate, pipelined)
+
+
+def is_finite(value: Optional[float]) -> bool:
+    return value is not None and math.isfinite(value)
