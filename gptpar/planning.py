@@ -74,14 +74,15 @@ def add_model_flags(parser) -> None:
 def settings_from_args(args) -> dict:
     """Config (if any) overridden by explicit flags. --vocab-size is taken as the padded size as given."""
     s = settings_from_config(load_config(args.config)) if args.config else settings_from_config({})
+    config_hidden = s["hidden_size"]
     for flag, key in (("num_layers", "num_layers"), ("hidden_size", "hidden_size"),
                       ("num_attention_heads", "num_attention_heads"), ("seq_length", "seq_length"),
                       ("global_batch_size", "global_batch_size"), ("tensor_model_parallel_size", "tp_size"),
                       ("pipeline_model_parallel_size", "pp_size")):
         if getattr(args, flag) is not None:
             s[key] = getattr(args, flag)
-    if args.hidden_size is not None and not (args.config and args.hidden_size == s.get("hidden_size")):
-        s["ffn_hidden_size"] = 4 * args.hidden_size
+    if args.hidden_size is not None and args.hidden_size != config_hidden:
+        s["ffn_hidden_size"] = 4 * args.hidden_size   # a new width: Megatron's default ffn, not the config's
     if args.vocab_size is not None:
         s["vocab_size"] = s["padded_vocab_size"] = args.vocab_size
         s["make_vocab_size_divisible_by"] = 1
@@ -92,7 +93,21 @@ def settings_from_args(args) -> dict:
     if args.formula not in ("improved", "legacy"):
         raise ValueError(f"--formula {args.formula!r}: use --formula improved or --formula legacy")
     s["formula"], s["recompute"] = args.formula, not args.no_recompute
+    check_tp(s)
     return s
+
+
+def check_tp(s: dict) -> None:
+    """ValueError naming --tensor-model-parallel-size when it does not divide heads, hidden or ffn."""
+    tp = s.get("tp_size") or 1
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"--tensor-model-parallel-size must be a positive integer, got {tp!r}")
+    for key in ("num_attention_heads", "hidden_size", "ffn_hidden_size"):
+        if s.get(key) and s[key] % tp:
+            raise ValueError(f"--tensor-model-parallel-size {tp} must divide {key} ({s[key]}): "
+                             f"pick a tp that divides heads, hidden and ffn sizes")
+    if s.get("pp_size") is not None and (not isinstance(s["pp_size"], int) or s["pp_size"] < 1):
+        raise ValueError(f"--pipeline-model-parallel-size must be a positive integer, got {s['pp_size']!r}")
 
 
 def require(s: dict, *keys: str) -> None:
@@ -271,5 +286,5 @@ def dry_run_report(config_dict: dict, sec_per_iter: Optional[float] = None,
     return render_dry_run(config_dict, sec_per_iter, meta_param_count)
 
 
-__all__ = ["load_config", "settings_from_config", "add_model_flags", "settings_from_args", "require", "Hardware",
+__all__ = ["load_config", "settings_from_config", "add_model_flags", "settings_from_args", "require", "check_tp", "Hardware",
            "Candidate", "predict", "plan_topology", "dry_run_report"]

@@ -1,0 +1,126 @@
+"""The planning CLIs, run as `python tools/X.py` from the repo root, as users do."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Three log lines of seed 003 (fp16 "Best TFLOPs" section), verbatim
+SEED_LOG = """\
+ iteration        2/   95367 | consumed samples:         4096 | consumed tokens:      8388608 | elapsed time per iteration (s): 844.81 | learning rate: 3.787E-06 | global batch size:  2048 | lm loss: 6.373861E+01 | loss scale: 4096.0 | grad norm: 34132.119 | num zeros: 0.0 | number of skipped iterations:   0 | number of nan iterations:   0 | samples per second: 2.424 | TFLOPs: 98.87 |
+some other line that the parser must skip
+ iteration        2/   95367 | consumed samples:         4096 | consumed tokens:      8388608 | elapsed time per iteration (s): 853.81 | learning rate: 3.787E-06 | global batch size:  2048 | lm loss: 6.369443E+01 | loss scale: 1.0 | grad norm: 4.461 | num zeros: 0.0 | number of skipped iterations:   0 | number of nan iterations:   0 | samples per second: 2.399 | TFLOPs: 97.82 |
+"""
+
+
+def run(tool, *args, check=True):
+    proc = subprocess.run([sys.executable, os.path.join("tools", tool), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": ""})
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def run_json(tool, *args):
+    out = run(tool, *args, "--json").stdout
+    assert len(out.strip().splitlines()) == 1
+    return json.loads(out)
+
+
+def test_tflops_flags_reproduce_the_20b_log_line():
+    out = run_json("tflops.py", "--num-layers", "8", "--hidden-size", "14400", "--vocab-size", "250880",
+                   "--seq-length", "2048", "--global-batch-size", "2048", "--tensor-model-parallel-size", "8",
+                   "--gpus", "8", "--sec-per-iter", "769.99", "--formula", "legacy")
+    assert abs(out["tflops"] - 108.47) <= 0.01
+
+
+def test_tflops_config_with_override_reproduces_the_final_round():
+    out = run_json("tflops.py", "--config", "configs/181b_48nodes.json", "--gpus", "384", "--sec-per-iter", "120.85")
+    assert abs(out["tflops"] - 133.40) <= 0.01 and out["formula"] == "improved" and out["recompute"]
+    # flags override the config: seed 003's 84-layer, 13312-wide final-round model (ffn back to 4h)
+    other = run_json("tflops.py", "--config", "configs/181b_48nodes.json", "--num-layers", "84", "--hidden-size",
+                     "13312", "--gpus", "384", "--sec-per-iter", "122.93")
+    assert abs(other["tflops"] - 132.00) <= 0.01
+    no_rc = run_json("tflops.py", "--config", "configs/181b_48nodes.json", "--gpus", "384", "--sec-per-iter",
+                     "120.85", "--no-recompute")
+    assert no_rc["tflops"] < out["tflops"] * 0.8 and not no_rc["recompute"]
+
+
+def test_tflops_from_a_log(tmp_path):
+    log = tmp_path / "train.log"
+    log.write_text(SEED_LOG)
+    out = run_json("tflops.py", "--config", "configs/200b.json", "--gpus", "80", "--formula", "legacy",
+                   "--log", str(log))
+    assert [r["iteration"] for r in out["iterations"]] == [2, 2]
+    for r in out["iterations"]:
+        assert abs(r["tflops"] - r["printed_tflops"]) <= 0.01
+    text = run("tflops.py", "--config", "configs/200b.json", "--gpus", "80", "--formula", "legacy",
+               "--log", str(log)).stdout
+    assert "98.87" in text and "mean TFLOPs" in text
+
+
+def test_model_size_tool():
+    out = run_json("model_size.py", "--num-layers", "64", "--hidden-size", "11600", "--seq-length", "2048",
+                   "--vocab-size", "50257")
+    assert round(out["model_size_formula"] / 1e9) == 104
+    cfg = run_json("model_size.py", "--config", "configs/200b.json")
+    assert len(cfg["params_per_stage"]) == 10 and cfg["padded_vocab_size"] == 250880
+    assert sum(cfg["params_per_stage"]) == cfg["exact_params"] + 250880 * 14400
+    assert "Model size" not in run("model_size.py", "--config", "configs/104b.json").stdout  # table, not JSON
+    assert "104B" in run("model_size.py", "--config", "configs/104b.json").stdout
+
+
+def test_memory_tool():
+    out = run_json("memory.py", "--config", "configs/181b_48nodes.json")
+    assert out["dp_size"] == 8 and len(out["stages"]) == 6 and 30 < out["max_gib"] < 80
+    pp12 = run_json("memory.py", "--config", "configs/181b_48nodes.json", "--pipeline-model-parallel-size", "12",
+                    "--gpus", "384")
+    assert pp12["dp_size"] == 4 and pp12["pp_size"] == 12
+
+
+def test_plan_topology_tool():
+    out = run_json("plan_topology.py", "--config", "configs/181b_48nodes.json", "--nodes", "48",
+                   "--gpus-per-node", "8", "--gpu-mem", "80")
+    top = [(c["tp"], c["pp"], c["dp"], c["mbs"]) for c in out["candidates"][:5]]
+    assert (8, 6, 8, 4) in top and (8, 12, 4, 4) in top
+    text = run("plan_topology.py", "--config", "configs/200b.json", "--nodes", "48").stdout
+    assert "layouts fit" in text and "hidden%128" in text     # 14400 is off the 128 tile: flagged
+
+
+@pytest.mark.parametrize("tool,args,needle", [
+    ("tflops.py", ["--config", "configs/missing.json"], "--config"),
+    ("tflops.py", ["--config", "configs/200b.json", "--gpus", "80", "--sec-per-iter", "1", "--formula", "x"],
+     "--formula"),
+    ("tflops.py", ["--config", "configs/200b.json", "--gpus", "80"], "--sec-per-iter"),
+    ("tflops.py", ["--num-layers", "8"], "--hidden-size"),
+    ("tflops.py", ["--config", "configs/200b.json", "--gpus", "80", "--log", "no/such.log"], "--log"),
+    ("memory.py", ["--config", "configs/200b.json", "--tensor-model-parallel-size", "7", "--gpus", "70"],
+     "--tensor-model-parallel-size 7"),
+    ("memory.py", ["--config", "configs/200b.json", "--pipeline-model-parallel-size", "7"], "pipeline_model_parallel"),
+    ("model_size.py", ["--config", "configs/200b.json", "--pipeline-model-parallel-size", "100"], "pp"),
+    ("plan_topology.py", ["--config", "configs/200b.json", "--nodes", "0"], "--nodes"),
+    ("plan_topology.py", ["--config", "configs/200b.json", "--nodes", "1", "--gpu-mem", "8"], "--gpu-mem"),
+])
+def test_bad_input_is_one_clear_message(tool, args, needle):
+    proc = run(tool, *args, check=False)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    assert needle in proc.stderr, proc.stderr
+
+
+def test_allreduce_bench_on_two_gloo_ranks():
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2", "tools/allreduce_bench.py", "--min-bytes", "4K", "--max-bytes",
+                           "64K", "--factor", "4", "--iters", "3", "--warmup", "1", "--backend", "gloo", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][0])
+    assert out["world_size"] == 2 and out["backend"] == "gloo"
+    assert [r["bytes"] for r in out["results"]] == [4096, 16384, 65536]
+    for r in out["results"]:
+        assert r["algbw_GBps"] == pytest.approx(r["bytes"] / (r["time_us"] * 1e-6) / 1e9)
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * 2 * (2 - 1) / 2)
