@@ -36,11 +36,13 @@ def bench_preprocess(work, max_docs, vocab_size):
     train_tokenizer.train([corpus], vocab_size, "bpe", os.path.join(work, "tok"), byte_fallback=True)
     rows = []
     for workers in (1, 2):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), os.times()
         s = preprocess(corpus, ["text"], os.path.join(work, "tok.model"), os.path.join(work, f"w{workers}"),
                        workers=workers, append_eod=True, progress=False)
-        wall = time.perf_counter() - start
-        rows.append((workers, s["docs"], s["tokens"]["text"], wall, s["tokens"]["text"] / wall))
+        wall, cpu_end = time.perf_counter() - start, os.times()
+        # CPU seconds of this process and its (joined) workers: shows whether cores, not the code, limit scaling.
+        cpu = sum(cpu_end[i] - cpu_start[i] for i in range(4))
+        rows.append((workers, s["docs"], s["tokens"]["text"], wall, s["tokens"]["text"] / wall, cpu))
     same = all(open(os.path.join(work, f"w1_text_document{x}"), "rb").read() ==
                open(os.path.join(work, f"w2_text_document{x}"), "rb").read() for x in (".bin", ".idx"))
     return rows, same, os.path.getsize(corpus)
@@ -101,9 +103,9 @@ def main(argv=None):
     print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"Python {platform.python_version()}, numpy {np.__version__}")
     print(f"preprocessing ({corpus_bytes / 1e6:.1f} MB jsonl, vocab {args.vocab_size}; outputs identical: {same})")
-    print("| workers | docs | tokens | wall (s) | tokens/s |\n|---|---|---|---|---|")
-    for workers, docs, tokens, wall, rate in rows:
-        print(f"| {workers} | {docs:,} | {tokens:,} | {wall:.2f} | {rate:,.0f} |")
+    print("| workers | docs | tokens | wall (s) | tokens/s | CPU s (all processes) |\n|---|---|---|---|---|---|")
+    for workers, docs, tokens, wall, rate, cpu in rows:
+        print(f"| {workers} | {docs:,} | {tokens:,} | {wall:.2f} | {rate:,.0f} | {cpu:.1f} |")
     print(f"index for {int(args.index_tokens):,} tokens ({idx['docs']:,} documents, one epoch):")
     print("| seq_length | samples | build, cold (s) | load from cache (s) | random sample reads/s |")
     print("|---|---|---|---|---|")
