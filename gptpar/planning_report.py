@@ -13,6 +13,7 @@ from typing import List, Optional, Tuple
 from gptpar.flops import (exact_model_params, model_size_formula, params_per_stage, resolve_partition_method,
                           stage_layer_ranges, tflops_per_gpu)
 from gptpar.memory import GIB, memory_per_gpu
+from gptpar.model.config import pad_vocab_size
 from gptpar.planning import settings_from_config
 
 # Runs measured in seeds 002/003: (where, layers, hidden, tp, pp, dp, mbs, gbs, sec/it, printed TFLOPs, formula).
@@ -107,18 +108,13 @@ def render_dry_run(cfg: dict, sec_per_iter: Optional[float] = None, meta_param_c
     for where, _, _, rtp, rpp, rdp, rmbs, rgbs, sec, printed, how in runs:
         kw = dict(num_layers=L, hidden_size=h, seq_length=seq, global_batch_size=rgbs, sec_per_iter=sec,
                   num_gpus=rtp * rpp * rdp, tp_size=rtp, ffn_hidden_size=s["ffn_hidden_size"])
-        vr = v_pad if rtp == tp else params_pad(v, rtp, s["make_vocab_size_divisible_by"])
+        vr = pad_vocab_size(v, rtp, s["make_vocab_size_divisible_by"])   # padded for that run's tp
         imp = tflops_per_gpu(vocab_size=vr, **kw)
         leg = tflops_per_gpu(vocab_size=vr, formula="legacy", **kw)
         seed = f"seed printed {printed} ({how})" if printed is not None else ""
         lines.append(f"{where}: tp{rtp} pp{rpp} dp{rdp} mbs{rmbs} gbs{rgbs} {sec} s/it -> improved {imp:.2f}, "
                      f"legacy {leg:.2f} TFLOPs; {seed}")
     return "\n".join(lines) + "\n"
-
-
-def params_pad(vocab: int, tp: int, divisible_by: int) -> int:
-    from gptpar.model.config import pad_vocab_size
-    return pad_vocab_size(vocab, tp, divisible_by)
 
 
 __all__ = ["SEED_RUNS", "render_dry_run"]
