@@ -1,0 +1,62 @@
+"""Full (tp = 1) state dicts <-> tensor-parallel shards, driven by the parameters' own tags.
+
+A parameter with `tensor_model_parallel=True` holds block `tp_rank` of its full tensor along
+`partition_dim`; every other parameter is replicated. Nothing here matches on names, so the same
+functions serve any model built from gptpar's layers (checkpoint conversion, loading Hugging Face
+weights, gathering for export).
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from gptpar.tensor_parallel.comm import Group, group_rank, group_size
+
+
+def shard_tensor(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's block of `full` for `param`, padding the partitioned dim with zeros if `full` is shorter
+    (a vocabulary padded to a multiple of tp x 128)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim = param.partition_dim
+    per_rank = param.shape[dim]
+    want = per_rank * tp_size
+    if full.shape[dim] > want:
+        raise ValueError(f"tensor of {full.shape[dim]} along dim {dim} does not fit {tp_size} x {per_rank}")
+    if full.shape[dim] < want:
+        pad_shape = list(full.shape)
+        pad_shape[dim] = want - full.shape[dim]
+        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
+    return full.narrow(dim, tp_rank * per_rank, per_rank)
+
+
+def load_full_state_dict(model: nn.Module, full: Dict[str, torch.Tensor], tp_group: Group = None) -> None:
+    """Copy a tp = 1 state dict into a (possibly) tensor-parallel model, each rank taking its blocks."""
+    rank, size = group_rank(tp_group), group_size(tp_group)
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(full))
+    if missing:
+        raise KeyError(f"state dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    with torch.no_grad():
+        for name, param in params.items():
+            block = shard_tensor(full[name], param, rank, size)
+            if block.shape != param.shape:
+                raise ValueError(f"{name}: expected {tuple(param.shape)} on this rank, got {tuple(block.shape)}")
+            param.copy_(block)
+
+
+def gather_full_state_dict(model: nn.Module, tp_group: Group = None) -> Dict[str, torch.Tensor]:
+    """The tp = 1 state dict of a tensor-parallel model (a collective over `tp_group`; CPU tensors)."""
+    size = group_size(tp_group)
+    out = {}
+    for name, param in model.named_parameters():
+        t = param.detach()
+        if size > 1 and getattr(param, "tensor_model_parallel", False):
+            parts = [torch.empty_like(t) for _ in range(size)]
+            dist.all_gather(parts, t.contiguous(), group=tp_group)
+            t = torch.cat(parts, dim=param.partition_dim)
+        out[name] = t.cpu().clone()
+    return out
