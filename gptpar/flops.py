@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 from gptpar.model.config import pad_vocab_size
+from gptpar.model.partition import PARTITION_METHODS, partition_layers, resolve_partition_method  # noqa: F401
 
-PARTITION_METHODS = ("auto", "balanced", "transformer")
 FORMULAS = ("improved", "legacy")
 
 
@@ -43,46 +43,11 @@ def layer_params(hidden_size: int, ffn_hidden_size: Optional[int] = None, tp_siz
     return split // tp_size + replicated
 
 
-def resolve_partition_method(partition_method: str, num_layers: int, pp_size: int, embedding_weight: int = 1) -> str:
-    """"auto" is balanced where (L + 2w) % pp == 0, else transformer (as gptpar.model.pipeline does)."""
-    if partition_method not in PARTITION_METHODS:
-        raise ValueError(f"parallel.partition_method must be one of {PARTITION_METHODS}, got {partition_method!r}")
-    if partition_method == "auto":
-        return "balanced" if (num_layers + 2 * embedding_weight) % pp_size == 0 else "transformer"
-    return partition_method
-
-
 def stage_layer_ranges(num_layers: int, pp_size: int, partition_method: str = "transformer",
                        embedding_weight: int = 1) -> List[Tuple[int, int]]:
-    """Half-open [start, end) transformer-block ranges of each pipeline stage.
-
-    "transformer": L % pp == 0, L/pp blocks per stage, embeddings ride on the first and last stage.
-    "balanced": the input and the tied output embedding count as w units each beside the L blocks
-    (DeepSpeed's `type:transformer|embedding` for w = 1): (L + 2w) % pp == 0 and every stage holds
-    (L+2w)/pp units, so the first and last stage hold w blocks fewer. "auto": balanced where it divides.
-    Every stage must keep at least one block (DeepSpeed hangs on an empty stage).
-    """
-    if pp_size < 1 or num_layers < 1 or embedding_weight < 1:
-        raise ValueError(f"need num_layers, pipeline_model_parallel_size and embedding_weight >= 1, "
-                         f"got {num_layers}, {pp_size}, {embedding_weight}")
-    method = resolve_partition_method(partition_method, num_layers, pp_size, embedding_weight)
-    w = embedding_weight if method == "balanced" else 0
-    if (num_layers + 2 * w) % pp_size:
-        if method == "balanced":
-            raise ValueError(f"(num_layers + 2*{w}) = {num_layers + 2 * w} must divide by pipeline_model_parallel_size "
-                             f"({pp_size}) with partition_method 'balanced': change the layers or pp")
-        raise ValueError(f"num_layers ({num_layers}) must divide by pipeline_model_parallel_size ({pp_size}) "
-                         f"with partition_method 'transformer': change the layers or pp, or use 'balanced'")
-    units = (num_layers + 2 * w) // pp_size
-    out, start = [], 0
-    for i in range(pp_size):
-        n = units - (w if i == 0 else 0) - (w if i == pp_size - 1 else 0)
-        if n < 1:
-            raise ValueError(f"stage {i} of {pp_size} would hold no transformer block ({num_layers} layers, {method} "
-                             f"placement): DeepSpeed hangs on such a stage; lower pp")
-        out.append((start, start + n))
-        start += n
-    return out
+    """Half-open [start, end) transformer-layer ranges of each pipeline stage (gptpar.model.partition's rule)."""
+    plan = partition_layers(num_layers, pp_size, partition_method, embedding_weight)
+    return [(s.first_layer, s.first_layer + s.num_layers) for s in plan.stages]
 
 
 def params_per_stage(*, num_layers: int, hidden_size: int, vocab_size: int, seq_length: int,

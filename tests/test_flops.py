@@ -287,7 +287,7 @@ def test_partition_rules_and_errors():
         stage_layer_ranges(72, 12, "balanced")
     with pytest.raises(ValueError, match="must divide"):
         stage_layer_ranges(70, 12, "transformer")
-    with pytest.raises(ValueError, match="no transformer block"):
+    with pytest.raises(ValueError, match="no transformer layer"):
         stage_layer_ranges(2, 4, "balanced")
     with pytest.raises(ValueError, match="partition_method"):
         stage_layer_ranges(8, 2, "type:transformer")

@@ -128,7 +128,7 @@ def test_partition_70_layers_pp12_balanced():
 
 @pytest.mark.parametrize("layers,pp,method,match", [
     (2, 4, "balanced", "no transformer layer"),  # stage 0 would hold only the embedding
-    (10, 4, "transformer", "num_layers % pp"),
+    (10, 4, "transformer", "must divide by pp"),
     (11, 4, "balanced", r"\(num_layers \+ 2\*1\) % pp"),
     (4, 3, "diagonal", "partition_method must be one of"),
 ])

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from gptpar.model.config import GPTConfig
+from gptpar.model.partition import partition_layers, resolve_partition_method
 from gptpar.parallel import resolve_sizes
 from gptpar.training.schedules import BatchSizeRampup
 
@@ -412,12 +413,8 @@ class Config:
     def resolved_partition_method(self, pp_size: Optional[int] = None) -> str:
         """The resolved pipeline partitioning, `balanced` or `transformer` (what `auto` means here)."""
         pp = pp_size or self.parallel.pipeline_model_parallel_size
-        method = self.parallel.partition_method
-        if method == "auto":
-            weight = self.parallel.embedding_weight or 1
-            # as gptpar.model.pipeline.resolve_partition_method: balanced wherever it divides
-            method = "balanced" if (self.model.num_layers + 2 * weight) % pp == 0 else "transformer"
-        return method
+        return resolve_partition_method(self.parallel.partition_method, self.model.num_layers, pp,
+                                        self.parallel.embedding_weight or 1)
 
     def check(self, world_size: int, cuda_available: Optional[bool] = None) -> Tuple[int, int, int]:
         """Cross-section checks for a run on `world_size` ranks; returns (tp, pp, dp).
@@ -435,24 +432,11 @@ class Config:
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
-        layers, weight = m.num_layers, p.embedding_weight or 1
-        method = self.resolved_partition_method(pp)
-        if pp > 1 and method == "balanced":
-            units = layers + 2 * weight
-            if units % pp:
-                raise ConfigError(
-                    f"parallel.partition_method balanced needs (model.num_layers + 2 x {weight}) = {units} to "
-                    f"divide by parallel.pipeline_model_parallel_size ({pp}): change num_layers or pp, or use "
-                    "partition_method transformer")
-            if units // pp <= weight:
-                raise ConfigError(
-                    f"parallel.partition_method balanced gives {units // pp} unit(s) per stage, so the first and "
-                    f"last stages of pp={pp} would hold an embedding but no transformer layer (DeepSpeed hangs): "
-                    "use partition_method transformer or fewer pipeline stages")
-        if pp > 1 and method == "transformer" and layers % pp:
-            raise ConfigError(
-                f"parallel.partition_method {p.partition_method} needs model.num_layers ({layers}) to divide by "
-                f"parallel.pipeline_model_parallel_size ({pp}) (or num_layers + 2 for balanced): change one")
+        if pp > 1:
+            try:
+                partition_layers(m.num_layers, pp, p.partition_method, p.embedding_weight or 1)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if p.sequence_parallel and m.seq_length % tp:
             raise ConfigError(f"parallel.sequence_parallel needs model.seq_length ({m.seq_length}) to divide by "
                               f"tensor_model_parallel_size ({tp})")
