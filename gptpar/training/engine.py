@@ -10,6 +10,7 @@ A micro-batch is a dict: `input_ids` (b, s) and `labels` (b, s) long tensors, an
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import List, Optional
 
@@ -178,7 +179,17 @@ def build_engine(model: torch.nn.Module, pstate, ds_config: dict, *, lr: float =
                                            mpu=None if pipelined else ParallelStateMPU(pstate))
     if pipelined and has_attention_mask:
         engine.set_has_attention_mask(True)  # the mask travels as the last tensor between stages
+    if not (engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization()):
+        # Plain fp32 without ZeRO: DeepSpeed clips with clip_grad_norm_ but drops the norm it returns.
+        engine.clip_fp32_gradients = functools.partial(_clip_and_keep_norm, engine)
     return TrainEngine(engine, pstate, pipelined)
+
+
+def _clip_and_keep_norm(engine) -> None:
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    engine._global_grad_norm = clip_grad_norm_(parameters=engine.module.parameters(),
+                                               max_norm=engine.gradient_clipping(), mpu=engine.mpu)
 
 
 def is_finite(value: Optional[float]) -> bool:

@@ -1,0 +1,289 @@
+"""The training loop, with Megatron's semantics for batches, schedules, logging, evaluation and exits.
+
+One iteration:
+    gbs = ramp-up(consumed_samples)             global batch = micro batch x micro-batches x dp
+    lr  = schedule(iteration, consumed_samples) the LR this iteration uses (set before the step)
+    loss = engine.train_step(this rank's micro-batches)   mean over the global batch's tokens, every rank
+    counters += (1, gbs, gbs x seq_length)
+then, in Megatron's order: the log line every `log_interval`, evaluation every `eval_interval`, a checkpoint
+every `save_interval`, and the exit checks (signal, exit_duration_in_mins, exit_interval), on which all
+ranks agree through one all-reduce per iteration.
+
+The log line is printed by the last pipeline stage's first data-parallel rank (tp rank 0); the same record
+goes to the metrics JSONL, TensorBoard and wandb (gptpar.training.logging). Skipped iterations are counted
+from the engine's `step_applied`, NaN iterations from the loss, num zeros from the gradients the optimizer
+steps on (only with logging.log_num_zeros, else omitted), TFLOPs from gptpar.flops.
+"""
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from gptpar.flops import tflops_per_gpu
+from gptpar.training.logging import (IntervalStats, MetricsWriter, TensorBoardWriter, WandbWriter,
+                                     format_eval_block, format_log_line)
+from gptpar.training.schedules import BatchSizeRampup, LearningRateSchedule, train_iters
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+@dataclass
+class Counters:
+    """Where training stands; saved in every checkpoint."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+    consumed_tokens: int = 0
+
+
+class StopSignals:
+    """SIGTERM / SIGUSR1 set a flag; the loop finishes the iteration, saves and exits 0."""
+
+    def __init__(self):
+        self.received: Optional[int] = None
+        self._previous = {}
+
+    def install(self) -> None:
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+
+class ZeroCounter:
+    """Counts zero entries in the gradients the optimizer is about to step on (after clipping).
+
+    A step-pre-hook on the client optimizer: under ZeRO-1 / the bf16 optimizer it sees this dp rank's
+    flat fp32 partition (alignment padding subtracted), otherwise the full gradients. `total()` sums over
+    the ranks that hold different parameters (a collective). Tensor-parallel replicas (LayerNorms,
+    row-parallel biases) are counted once per tp rank.
+    """
+
+    def __init__(self, ds_engine, pstate, partitioned: bool):
+        self.ds_opt, self.pstate, self.partitioned = ds_engine.optimizer, pstate, partitioned
+        inner = getattr(self.ds_opt, "optimizer", self.ds_opt)
+        self.local: Optional[int] = None
+        self._handle = inner.register_step_pre_hook(self._count)
+
+    def _count(self, optimizer, args, kwargs) -> None:
+        zeros = sum(int((p.grad == 0).sum()) for g in optimizer.param_groups for p in g["params"]
+                    if p.grad is not None)
+        padding = getattr(self.ds_opt, "groups_padding", None) or getattr(self.ds_opt, "group_paddings", None)
+        self.local = zeros - (sum(padding) if self.partitioned and padding else 0)
+
+    def total(self, step_applied: bool) -> Optional[float]:
+        """Zeros over the whole model at the last step; None when it was skipped (an overflow is agreed by
+        all ranks, so either every rank enters the all-reduces or none does)."""
+        if not step_applied or self.local is None:
+            return None
+        count = torch.tensor([self.local], dtype=torch.float64, device=self.pstate.device)
+        groups = [self.pstate.tp_group, self.pstate.pp_group] + ([self.pstate.dp_group] if self.partitioned else [])
+        for group in groups:
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(count, group=group)
+        return float(count.item())
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+class Trainer:
+    """Runs the loop for one process; every method is called on every rank (they hold collectives)."""
+
+    def __init__(self, cfg, pstate, engine, train_source, valid_source, checkpointer=None, tracker=None,
+                 log=print):
+        self.cfg, self.pstate, self.engine, self.log = cfg, pstate, engine, log
+        self.train_source, self.valid_source = train_source, valid_source
+        self.checkpointer, self.tracker = checkpointer, tracker
+        t = cfg.training
+        self.train_iters = train_iters(t, pstate.dp_size)
+        self.rampup = BatchSizeRampup.from_config(t, pstate.dp_size)
+        self.schedule = LearningRateSchedule.from_config(t)
+        self.counters = Counters()
+        self.stats = IntervalStats()
+        self.signals = StopSignals()
+        self.engine_gbs = None
+        self.last = {}
+        self.saved_at = self.evaluated_at = None
+        self.is_log_rank = pstate.is_last_stage and pstate.dp_rank == 0 and pstate.tp_rank == 0
+        partitioned = t.zero_stage >= 1 or t.precision == "bf16"
+        self.zeros = ZeroCounter(engine.ds, pstate, partitioned) if cfg.logging.log_num_zeros else None
+        self.metrics = self.tensorboard = self.wandb = None
+
+    # -- the loop ------------------------------------------------------------------------------
+    def train(self) -> str:
+        """Train to train_iters or an exit condition; returns why it stopped."""
+        self._open_writers()
+        self.signals.install()
+        self.start_time = time.time()
+        try:
+            return self._loop()
+        finally:
+            self.signals.restore()
+            self._close_writers()
+            if self.zeros is not None:
+                self.zeros.remove()
+
+    def _loop(self) -> str:
+        c, t = self.counters, self.cfg.training
+        while c.iteration < self.train_iters:
+            self.train_step()
+            if c.iteration % self.cfg.logging.log_interval == 0:
+                self.log_interval()
+            if t.eval_interval and c.iteration % t.eval_interval == 0:
+                self.evaluate()
+            reason = self.stop_reason()
+            if self._save_due() or reason:
+                self.save()
+            if reason:
+                self._say(f"stopping at iteration {c.iteration}: {reason}")
+                return reason
+        if t.eval_interval and self.evaluated_at != c.iteration and c.iteration > 0:
+            self.evaluate()
+        if self.cfg.checkpoint.save and self.saved_at != c.iteration:
+            self.save()
+        return "train_iters reached"
+
+    def train_step(self) -> None:
+        c, t = self.counters, self.cfg.training
+        gbs = self.rampup.global_batch_size(c.consumed_samples)
+        if gbs != self.engine_gbs:
+            self.engine.set_micro_batches(gbs // (t.micro_batch_size * self.pstate.dp_size), t.micro_batch_size)
+            self.engine_gbs = gbs
+        lr = self.schedule.lr_at(c.iteration, c.consumed_samples)
+        self.engine.set_lr(lr)
+        start = time.perf_counter()
+        loss = self.engine.train_step(self.train_source.micro_batches(c.consumed_samples, gbs))
+        elapsed = time.perf_counter() - start
+        applied = self.engine.step_applied
+        c.iteration += 1
+        c.consumed_samples += gbs
+        c.consumed_tokens += gbs * self.cfg.model.seq_length
+        self.stats.add(loss, elapsed, skipped=not applied)
+        self.last = {"lr": lr, "global_batch_size": gbs, "grad_norm": self.engine.grad_norm if applied else None,
+                     "step_applied": applied}
+
+    # -- the log line --------------------------------------------------------------------------
+    def log_interval(self) -> None:
+        interval = self.stats.pop()
+        num_zeros = self.zeros.total(self.last["step_applied"]) if self.zeros is not None else None
+        if not self.is_log_rank:
+            return
+        record = self.record(interval, num_zeros)
+        self.log(format_log_line(**record))
+        self.metrics.write(record)
+        self.tensorboard.add_metrics(record)
+        self.wandb.add_metrics(record)
+
+    def record(self, interval: dict, num_zeros: Optional[float]) -> dict:
+        """Every field of the log line (and of a metrics-file object)."""
+        c, gbs, elapsed = self.counters, self.last["global_batch_size"], interval["elapsed_s"]
+        return {"iteration": c.iteration, "train_iters": self.train_iters, "consumed_samples": c.consumed_samples,
+                "consumed_tokens": c.consumed_tokens, "elapsed_s": elapsed, "lr": self.last["lr"],
+                "global_batch_size": gbs, "lm_loss": interval["lm_loss"], "loss_scale": self.engine.loss_scale,
+                "grad_norm": self.last["grad_norm"], "num_zeros": num_zeros,
+                "skipped_iterations": interval["skipped_iterations"],
+                "nan_iterations": interval["nan_iterations"], "samples_per_second": gbs / elapsed,
+                "tflops": self.tflops(gbs, elapsed)}
+
+    def tflops(self, global_batch_size: int, sec_per_iter: float) -> float:
+        m, p = self.cfg.model, self.pstate
+        return tflops_per_gpu(num_layers=m.num_layers, hidden_size=m.hidden_size,
+                              vocab_size=m.padded_vocab_size(p.tp_size), seq_length=m.seq_length,
+                              global_batch_size=global_batch_size, sec_per_iter=sec_per_iter,
+                              num_gpus=p.world_size, recompute=self.cfg.training.activation_checkpointing,
+                              formula=self.cfg.logging.tflops_formula, tp_size=p.tp_size,
+                              ffn_hidden_size=m.ffn_hidden_size)
+
+    # -- evaluation ----------------------------------------------------------------------------
+    def evaluate(self) -> Optional[float]:
+        """Mean lm loss over the first eval_iters global batches of the validation split."""
+        t = self.cfg.training
+        self.evaluated_at = self.counters.iteration
+        if self.valid_source is None or t.eval_iters == 0:
+            return None
+        gbs = t.global_batch_size
+        losses = [self.engine.eval_step(self.valid_source.micro_batches(k * gbs, gbs)) for k in range(t.eval_iters)]
+        loss = sum(losses) / len(losses)
+        if self.is_log_rank:
+            it = self.counters.iteration
+            self.log(format_eval_block(it, loss))
+            self.metrics.write_eval(it, self.counters.consumed_samples, loss)
+            self.tensorboard.add_eval(it, loss)
+            self.wandb.add_eval(it, loss)
+        return loss
+
+    # -- exits and checkpoints -----------------------------------------------------------------
+    def stop_reason(self) -> Optional[str]:
+        """Why to stop after this iteration, agreed by all ranks (one all-reduce MAX), or None."""
+        t = self.cfg.training
+        minutes = (time.time() - self.start_time) / 60.0
+        flags = torch.tensor([self.signals.received or 0, t.exit_duration_in_mins is not None
+                              and minutes > t.exit_duration_in_mins], dtype=torch.float64, device=self.pstate.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0] > 0:
+            return f"received {signal.Signals(int(flags[0])).name}"
+        if flags[1] > 0:
+            return f"exit_duration_in_mins ({t.exit_duration_in_mins}) reached"
+        if t.exit_interval and self.counters.iteration % t.exit_interval == 0:
+            return f"exit_interval ({t.exit_interval}) reached"
+        return None
+
+    def _save_due(self) -> bool:
+        ck = self.cfg.checkpoint
+        return bool(ck.save and ck.save_interval and self.counters.iteration % ck.save_interval == 0)
+
+    def save(self) -> None:
+        if self.checkpointer is None or not self.cfg.checkpoint.save or self.saved_at == self.counters.iteration:
+            return
+        start = time.time()
+        path = self.checkpointer.save(self.engine.ds, self.counters.iteration, self.client_state(), self.tracker)
+        self.saved_at = self.counters.iteration
+        self._say(f"saved checkpoint {path} in {time.time() - start:.2f} s")
+
+    def client_state(self) -> dict:
+        c = self.counters
+        return dict(asdict(c), global_batch_size=self.rampup.global_batch_size(c.consumed_samples),
+                    lr=self.schedule.lr_at(c.iteration, c.consumed_samples), train_iters=self.train_iters,
+                    config=self.cfg.to_dict())
+
+    def resume(self) -> None:
+        """Load the checkpoint `checkpoint.load` points at (if any) and continue its counters."""
+        if self.checkpointer is None:
+            return
+        state = self.checkpointer.load(self.engine.ds, self.tracker)
+        if state is not None:
+            self.counters = Counters(state["iteration"], state["consumed_samples"], state["consumed_tokens"])
+            self.saved_at = self.counters.iteration
+
+    def _say(self, message: str) -> None:
+        if self.is_log_rank:
+            self.log(message)
+
+    # -- writers -------------------------------------------------------------------------------
+    def _open_writers(self) -> None:
+        lg = self.cfg.logging
+        on = self.is_log_rank
+        self.metrics = MetricsWriter(lg.metrics_file if on else None)
+        self.tensorboard = TensorBoardWriter(lg.tensorboard_dir if on else None)
+        self.wandb = WandbWriter(lg.wandb_project if on else None, self.cfg.to_dict() if on else None)
+
+    def _close_writers(self) -> None:
+        for writer in (self.tensorboard, self.wandb):
+            if writer is not None:
+                writer.close()
+
+
+__all__ = ["Trainer", "Counters", "StopSignals", "ZeroCounter", "STOP_SIGNALS"]
