@@ -1,0 +1,105 @@
+"""Checkpoint conversion: a DeepSpeed checkpoint written at tp x pp, exported to Hugging Face GPT-2, gives the
+loss the distributed model computed; the universal file loads into a tp = 1 model with the same loss."""
+import dataclasses
+import json
+import os
+import sys
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from gptpar.model.config import GPTConfig
+from gptpar.testing import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+transformers = pytest.importorskip("transformers")
+
+CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=60,
+           make_vocab_size_divisible_by=16)
+
+
+def _tokens(seed):
+    return torch.randint(0, CFG["vocab_size"], (4, CFG["seq_length"] + 1), generator=torch.Generator().manual_seed(seed))
+
+
+def _micro_batches(seed):
+    t = _tokens(seed)
+    return [{"input_ids": x[:, :-1], "labels": x[:, 1:]} for x in t.split(2)]
+
+
+def _train_and_save(tp, pp, save_dir):
+    from gptpar.model.gpt import GPTModel
+    from gptpar.model.pipeline import build_pipeline_model
+    from gptpar.parallel import init_parallel
+    from gptpar.training.engine import build_engine
+
+    st = init_parallel(tp=tp, pp=pp)
+    config = GPTConfig(**CFG)
+    model = build_pipeline_model(config, st, seed=3)[0] if pp > 1 else GPTModel(config, tp_group=st.tp_group, seed=3)
+    ds_config = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                 "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9}
+    engine = build_engine(model, st, ds_config, lr=1e-2)
+    engine.train_step(_micro_batches(0))  # move the weights away from their init
+    loss = engine.eval_step(_micro_batches(1))
+    tag = "iter_0000001"
+    engine.ds.save_checkpoint(save_dir, tag=tag, save_latest=False)
+    torch.distributed.barrier()
+    if st.rank == 0:
+        with open(os.path.join(save_dir, tag, "config.json"), "w") as f:
+            json.dump({"model": dataclasses.asdict(config),
+                       "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                                    "partition_method": "auto"}}, f)
+        with open(os.path.join(save_dir, "latest"), "w") as f:
+            f.write(tag)
+    return loss
+
+
+def _hf_loss(model_dir):
+    model = transformers.GPT2LMHeadModel.from_pretrained(model_dir).eval()
+    losses = []
+    with torch.no_grad():
+        for x in _tokens(1).split(2):
+            logits = model(x[:, :-1]).logits  # HF's own `labels=` shifts inside: do the shift as gptpar does
+            losses.append(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1)))
+    return torch.stack(losses).mean().item()
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 2), (2, 1)])
+def test_export_to_hf_and_universal(tmp_path, tp, pp):
+    import convert_checkpoint
+
+    from gptpar.model.gpt import GPTModel
+    from gptpar.model.sharding import load_full_state_dict
+
+    save = str(tmp_path / "ckpt")
+    loss = run_distributed(_train_and_save, tp * pp, args=(tp, pp, save), timeout=400)[0]
+
+    hf_dir = str(tmp_path / "hf")
+    assert convert_checkpoint.main(["--load", save, "--to", "hf", "--output", hf_dir]) == 0
+    assert_close(_hf_loss(hf_dir), loss, rtol=1e-5, atol=0)
+
+    universal = str(tmp_path / "full.pt")
+    assert convert_checkpoint.main(["--load", save, "--to", "universal", "--output", universal]) == 0
+    saved = torch.load(universal, weights_only=False)
+    model = GPTModel(GPTConfig(**saved["config"])).eval()
+    load_full_state_dict(model, saved["model"])
+    with torch.no_grad():
+        serial = torch.stack([model(**mb) for mb in _micro_batches(1)]).mean().item()
+    assert_close(serial, loss, rtol=1e-5, atol=0)
+
+    # HF -> universal gives the same tensors back.
+    back = str(tmp_path / "back.pt")
+    assert convert_checkpoint.main(["--from-hf", hf_dir, "--to", "universal", "--output", back]) == 0
+    again = torch.load(back, weights_only=False)["model"]
+    for name, t in saved["model"].items():
+        assert torch.equal(again[name], t), name
+
+
+def test_bad_checkpoint_is_a_clear_error(tmp_path, capsys):
+    import convert_checkpoint
+
+    assert convert_checkpoint.main(["--load", str(tmp_path), "--to", "universal",
+                                    "--output", str(tmp_path / "x.pt")]) == 2
+    assert "no config.json" in capsys.readouterr().err
