@@ -23,8 +23,15 @@ _EXPORTS = {
     "VocabParallelEmbedding": "gptpar.tensor_parallel.layers",
     "vocab_parallel_cross_entropy": "gptpar.tensor_parallel.cross_entropy",
     "RNGStatesTracker": "gptpar.tensor_parallel.random",
+    "model_parallel_seed": "gptpar.tensor_parallel.random",
     # model
     "GPTConfig": "gptpar.model.config",
+    "GPTModel": "gptpar.model.gpt",
+    "build_pipeline_model": "gptpar.model.pipeline",
+    "partition_layers": "gptpar.model.partition",
+    # training
+    "load_config": "gptpar.training.config",
+    "build_engine": "gptpar.training.engine",
 }
 
 __all__ = sorted(_EXPORTS)
