@@ -92,7 +92,10 @@ class TrainEngine:
             loss = self.ds.train_batch(data_iter=iter([_pipe_batch(mb) for mb in micro_batches]))
             return float(loss)
         losses = []
-        for mb in micro_batches:
+        for i, mb in enumerate(micro_batches):
+            # Explicit boundary: DeepSpeed's micro-step counter misplaces it after a ramp-up changes the
+            # number of micro-batches (a step mid-batch, then a skipped one).
+            self.ds.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
             loss = self.ds(**mb)
             self.ds.backward(loss)
             self.ds.step()

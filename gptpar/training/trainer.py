@@ -16,6 +16,7 @@ steps on (only with logging.log_num_zeros, else omitted), TFLOPs from gptpar.flo
 """
 from __future__ import annotations
 
+import os
 import signal
 import time
 from dataclasses import asdict, dataclass
@@ -76,11 +77,16 @@ class ZeroCounter:
         self.local: Optional[int] = None
         self._handle = inner.register_step_pre_hook(self._count)
 
+    def reset(self) -> None:
+        """Before each iteration (ZeRO steps the inner optimizer once per parameter group)."""
+        self.local = None
+
     def _count(self, optimizer, args, kwargs) -> None:
-        zeros = sum(int((p.grad == 0).sum()) for g in optimizer.param_groups for p in g["params"]
-                    if p.grad is not None)
-        padding = getattr(self.ds_opt, "groups_padding", None) or getattr(self.ds_opt, "group_paddings", None)
-        self.local = zeros - (sum(padding) if self.partitioned and padding else 0)
+        if self.local is None:  # the partitions' alignment padding is zero but not part of the model
+            padding = getattr(self.ds_opt, "groups_padding", None) or getattr(self.ds_opt, "group_paddings", None)
+            self.local = -(sum(padding) if self.partitioned and padding else 0)
+        self.local += sum(int((p.grad == 0).sum()) for g in optimizer.param_groups for p in g["params"]
+                          if p.grad is not None)
 
     def total(self, step_applied: bool) -> Optional[float]:
         """Zeros over the whole model at the last step; None when it was skipped (an overflow is agreed by
@@ -163,6 +169,8 @@ class Trainer:
             self.engine_gbs = gbs
         lr = self.schedule.lr_at(c.iteration, c.consumed_samples)
         self.engine.set_lr(lr)
+        if self.zeros is not None:
+            self.zeros.reset()
         start = time.perf_counter()
         loss = self.engine.train_step(self.train_source.micro_batches(c.consumed_samples, gbs))
         elapsed = time.perf_counter() - start
@@ -228,6 +236,7 @@ class Trainer:
     def stop_reason(self) -> Optional[str]:
         """Why to stop after this iteration, agreed by all ranks (one all-reduce MAX), or None."""
         t = self.cfg.training
+        _test_stall(self.pstate.rank, self.counters.iteration)
         minutes = (time.time() - self.start_time) / 60.0
         flags = torch.tensor([self.signals.received or 0, t.exit_duration_in_mins is not None
                               and minutes > t.exit_duration_in_mins], dtype=torch.float64, device=self.pstate.device)
@@ -284,6 +293,14 @@ class Trainer:
         for writer in (self.tensorboard, self.wandb):
             if writer is not None:
                 writer.close()
+
+
+def _test_stall(rank: int, iteration: int) -> None:
+    """Test-only: `GPTPAR_TEST_STALL=RANK:ITERATION` makes that rank hang before the stop all-reduce, so
+    the others must end with the process-group timeout (parallel.distributed_timeout_minutes)."""
+    spec = os.environ.get("GPTPAR_TEST_STALL")
+    if spec and tuple(map(int, spec.split(":"))) == (rank, iteration):
+        time.sleep(3600)
 
 
 __all__ = ["Trainer", "Counters", "StopSignals", "ZeroCounter", "STOP_SIGNALS"]

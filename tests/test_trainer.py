@@ -1,0 +1,149 @@
+"""The trainer end to end on 2 gloo ranks: the log line and metrics file checked field by field against
+recomputation (through a batch-size ramp-up), interval averaging, and exact resume at dp=2 and pp=2.
+
+One spawn runs every training (pretrain_gpt.main called in the ranks, several times) to keep the suite fast.
+"""
+import math
+import os
+
+import pytest
+import torch
+
+from gptpar.testing import run_distributed
+from gptpar.training.logging import METRIC_KEYS, format_log_line
+from trainer_runs import (cosine_lr, improved_tflops, log_lines, megatron_rampup, read_jsonl, run_mains,
+                          synthetic_sample, write_config)
+
+RAMP = dict(start=4, increment=4, ramp_samples=24, final=12)
+TRAIN_SAMPLES, WARMUP_SAMPLES, SEQ, LAYERS, HIDDEN, VOCAB, PADDED_VOCAB = 96, 16, 16, 2, 32, 200, 256
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("trainer")
+    ramp_training = dict(global_batch_size=RAMP["final"], train_iters=None, train_samples=TRAIN_SAMPLES,
+                         rampup_batch_size=[RAMP["start"], RAMP["increment"], RAMP["ramp_samples"]],
+                         lr_warmup_iters=0, lr_warmup_samples=WARMUP_SAMPLES, activation_checkpointing=True,
+                         eval_interval=4, eval_iters=1)
+    ramp = write_config(d / "ramp.json", training=ramp_training,
+                        logging=dict(log_num_zeros=True, metrics_file=str(d / "ramp.jsonl"),
+                                     tensorboard_dir=str(d / "tb")))
+    ramp3 = write_config(d / "ramp3.json", training=ramp_training,
+                         logging=dict(log_interval=3, metrics_file=str(d / "ramp3.jsonl")))
+    dropout = dict(hidden_dropout=0.1, attention_dropout=0.1)  # resume must restore the RNG streams too
+    resume = {}
+    for name, parallel in (("dp", {}), ("pp", dict(pipeline_model_parallel_size=2, data_parallel_size=1))):
+        full = write_config(d / f"{name}_full.json", model=dropout, parallel=parallel,
+                            logging=dict(metrics_file=str(d / f"{name}_full.jsonl")))
+        ck = dict(save=str(d / f"{name}_ck"), load=str(d / f"{name}_ck"), keep_last=1)
+        split = write_config(d / f"{name}_split.json", model=dropout, parallel=parallel, checkpoint=ck,
+                             logging=dict(metrics_file=str(d / f"{name}_split.jsonl")))
+        resume[name] = [(f"{name}_full", ["--config", full]),
+                        (f"{name}_a", ["--config", split, "--set", "training.exit_interval=3"]),
+                        (f"{name}_b", ["--config", split])]
+    plan = [("ramp", ["--config", ramp]), ("ramp3", ["--config", ramp3])] + resume["dp"] + resume["pp"]
+    out = run_distributed(run_mains, 2, (plan,), timeout=400)
+    return d, out
+
+
+def expected_iterations():
+    """(global batch size, consumed samples before it) per iteration, by Megatron's rules written out."""
+    rows, consumed = [], 0
+    while consumed <= RAMP["ramp_samples"]:
+        gbs = megatron_rampup(consumed, **RAMP)
+        rows.append((gbs, consumed))
+        consumed += gbs
+    while consumed + RAMP["final"] <= TRAIN_SAMPLES:
+        rows.append((RAMP["final"], consumed))
+        consumed += RAMP["final"]
+    return rows
+
+
+def test_every_run_exits_zero(runs):
+    _, out = runs
+    for rank_out in out:
+        for name, (rc, _) in rank_out.items():
+            assert rc == 0, name
+
+
+def test_log_line_and_metrics_fields_recomputed(runs):
+    d, out = runs
+    records = [r for r in read_jsonl(d / "ramp.jsonl") if not r.get("eval")]
+    lines = log_lines(out[0]["ramp"][1])  # dp=2, pp=1: rank 0 is the last stage's first dp rank
+    assert log_lines(out[1]["ramp"][1]) == []
+    rows = expected_iterations()
+    assert len(records) == len(lines) == len(rows)
+    consumed = 0
+    for i, (rec, line, (gbs, before)) in enumerate(zip(records, lines, rows), start=1):
+        assert set(rec) == set(METRIC_KEYS)
+        assert line == format_log_line(**rec)
+        consumed += gbs
+        assert (rec["iteration"], rec["train_iters"], rec["global_batch_size"]) == (i, len(rows), gbs)
+        assert rec["consumed_samples"] == consumed and rec["consumed_tokens"] == consumed * SEQ
+        assert rec["lr"] == pytest.approx(cosine_lr(before, WARMUP_SAMPLES, TRAIN_SAMPLES, 1e-3, 1e-4), rel=1e-12)
+        assert rec["loss_scale"] == 1.0 and "loss scale: 1.0 |" in line
+        assert rec["skipped_iterations"] == 0 and rec["nan_iterations"] == 0
+        assert math.isfinite(rec["lm_loss"]) and rec["grad_norm"] > 0
+        # The padded vocab rows of the tied embedding never get a gradient; the only other gradient that is
+        # zero in exact arithmetic is the key bias' (softmax ignores a constant added to a row's scores).
+        padded_rows = (PADDED_VOCAB - VOCAB) * HIDDEN
+        assert padded_rows <= rec["num_zeros"] <= padded_rows + LAYERS * HIDDEN
+        assert rec["samples_per_second"] == pytest.approx(gbs / rec["elapsed_s"], rel=1e-12)
+        assert rec["tflops"] == pytest.approx(improved_tflops(gbs, SEQ, LAYERS, HIDDEN, PADDED_VOCAB,
+                                                              rec["elapsed_s"], 2, recompute=True), rel=1e-9)
+        assert "TFLOPs: 0.00 |" in line  # a CPU at two decimals
+    assert [gbs for gbs, _ in rows][:6] == [4, 4, 4, 8, 8, 12]  # the ramp really ramps
+    assert os.listdir(d / "tb"), "TensorBoard events written"
+
+
+def test_first_loss_is_the_global_batch_mean(runs):
+    """Iteration 1's loss = the tp=pp=dp=1 model's mean loss over the first global batch of synthetic samples."""
+    from gptpar.model.config import GPTConfig
+    from gptpar.model.gpt import GPTModel
+
+    d, _ = runs
+    first = read_jsonl(d / "ramp.jsonl")[0]
+    model = GPTModel(GPTConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4, seq_length=SEQ,
+                               vocab_size=VOCAB, make_vocab_size_divisible_by=128), seed=1234)
+    text = torch.stack([synthetic_sample(1234, i, VOCAB, SEQ) for i in range(RAMP["start"])])
+    with torch.no_grad():
+        loss = model(text[:, :-1], labels=text[:, 1:]).item()
+    assert first["lm_loss"] == pytest.approx(loss, rel=1e-5)
+
+
+def test_eval_records(runs):
+    d, out = runs
+    evals = [r for r in read_jsonl(d / "ramp.jsonl") if r.get("eval")]
+    n = len(expected_iterations())
+    assert [r["iteration"] for r in evals] == sorted({*range(4, n + 1, 4), n})
+    for r in evals:
+        assert r["ppl"] == pytest.approx(math.exp(r["lm_loss"]), rel=1e-12)
+        assert f"validation loss at iteration {r['iteration']} |" in out[0]["ramp"][1]
+
+
+def test_interval_averages_loss_and_time(runs):
+    d, _ = runs
+    every = [r for r in read_jsonl(d / "ramp.jsonl") if not r.get("eval")]
+    by3 = [r for r in read_jsonl(d / "ramp3.jsonl") if not r.get("eval")]
+    assert [r["iteration"] for r in by3] == list(range(3, len(every) + 1, 3))
+    for r in by3:
+        window = every[r["iteration"] - 3:r["iteration"]]
+        assert r["lm_loss"] == pytest.approx(sum(w["lm_loss"] for w in window) / 3, rel=1e-12)
+        assert r["consumed_samples"] == window[-1]["consumed_samples"]
+        assert r["global_batch_size"] == window[-1]["global_batch_size"]
+        assert r["num_zeros"] is None and "num zeros" not in format_log_line(**r)  # not counted: omitted
+
+
+@pytest.mark.parametrize("name", ["dp", "pp"])
+def test_exact_resume(runs, name):
+    """6 iterations straight == 3, stop (exit_interval, saving), resume, 3 more: bitwise in fp32."""
+    d, out = runs
+    full, split = read_jsonl(d / f"{name}_full.jsonl"), read_jsonl(d / f"{name}_split.jsonl")
+    assert [r["iteration"] for r in split] == [1, 2, 3, 4, 5, 6]
+    for key in ("lm_loss", "grad_norm", "lr", "consumed_samples"):
+        assert [r[key] for r in split] == [r[key] for r in full], key
+    stdout = "".join(rank_out[f"{name}_b"][1] for rank_out in out)
+    assert f"resumed from {d / f'{name}_ck' / 'iter_0000003'}" in stdout
+    ck = d / f"{name}_ck"
+    assert (ck / "latest").read_text().strip() == "iter_0000006"
+    assert sorted(p for p in os.listdir(ck) if p.startswith("iter_")) == ["iter_0000006"]  # keep_last=1

@@ -1,0 +1,110 @@
+"""Helpers shared by the trainer tests: a tiny config, running pretrain_gpt.main inside harness ranks.
+
+Every expected number in the tests is recomputed here or in the test from the contract's formulas,
+never copied from a previous run.
+"""
+import contextlib
+import copy
+import io
+import json
+import math
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+TINY = {
+    "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16,
+              "vocab_size": 200, "make_vocab_size_divisible_by": 128},
+    "parallel": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "data_parallel_size": 2},
+    "training": {"micro_batch_size": 2, "global_batch_size": 8, "train_iters": 6, "lr": 1e-3, "min_lr": 1e-4,
+                 "lr_warmup_iters": 2, "lr_decay_style": "cosine", "weight_decay": 0.01, "adam_beta2": 0.95,
+                 "clip_grad": 1.0, "seed": 1234, "precision": "fp32", "zero_stage": 1, "eval_interval": None},
+    "data": {"synthetic": True},
+    "checkpoint": {},
+    "logging": {"log_interval": 1},
+}
+
+
+def write_config(path, **sections):
+    """TINY with `sections` merged in key by key; returns the path."""
+    cfg = copy.deepcopy(TINY)
+    for name, values in sections.items():
+        cfg.setdefault(name, {}).update(values)
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    return str(path)
+
+
+def run_mains(runs, env=None):
+    """On one harness rank: pretrain_gpt.main(argv) for each (name, argv); {name: (exit code, stdout)}."""
+    os.environ.update(env or {})
+    import pretrain_gpt
+
+    out = {}
+    for name, argv in runs:
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            rc = pretrain_gpt.main(argv)
+        out[name] = (rc, buf.getvalue())
+    return out
+
+
+def allow_fp16_on_cpu():
+    """DEVELOPERS' override: make DeepSpeed's CPU accelerator accept fp16 (slow emulated math, tiny runs only)."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    cls = type(get_accelerator())
+    cls.is_fp16_supported = lambda self: True
+    cls.supported_dtypes = lambda self: [torch.float, torch.bfloat16, torch.float16]
+
+
+def run_mains_fp16(runs):
+    allow_fp16_on_cpu()
+    return run_mains(runs)
+
+
+def log_lines(stdout):
+    return [line for line in stdout.splitlines() if line.startswith(" iteration ")]
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def synthetic_sample(seed, index, vocab_size, seq_length):
+    """The contract's synthetic sample i, written out: randint(0, V, s + 1) seeded by (seed, i)."""
+    import torch
+
+    g = torch.Generator().manual_seed((seed * 0x9E3779B9 + index) % 2 ** 32)
+    return torch.randint(0, vocab_size, (seq_length + 1,), generator=g)
+
+
+def megatron_rampup(consumed, start, increment, ramp_samples, final):
+    """Megatron's RampupBatchsizeNumMicroBatches, written out."""
+    if consumed > ramp_samples:
+        return final
+    per_increment = ramp_samples / ((final - start) // increment)
+    return start + int(consumed / per_increment) * increment
+
+
+def improved_tflops(B, s, L, h, V, sec, n_gpus, recompute):
+    """Narayanan et al. eq. 3 (recompute: 96 = 24 x 4), vocab term V/(12Lh) without recompute (72 = 24 x 3)."""
+    if recompute:
+        flops = 96 * B * s * L * h ** 2 * (1 + s / (6 * h) + V / (16 * L * h))
+    else:
+        flops = 72 * B * s * L * h ** 2 * (1 + s / (6 * h) + V / (12 * L * h))
+    return flops / (sec * n_gpus * 1e12)
+
+
+def cosine_lr(step, warmup, decay, max_lr, min_lr):
+    if warmup and step <= warmup:
+        return max_lr * step / warmup
+    if step > decay:
+        return min_lr
+    ratio = (step - warmup) / (decay - warmup)
+    return min_lr + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (max_lr - min_lr)
