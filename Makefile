@@ -17,6 +17,10 @@ $(STAMP): setup.py
 	# torch first and pinned in the same command as deepspeed: an unpinned torch pulls a CUDA build.
 	$(VENV)/bin/pip install -q torch==2.13.0 deepspeed==0.19.8
 	$(VENV)/bin/pip install -q -e ".[dev]"
+	# DeepSpeed JIT-compiles its CPU shared-memory comm op at the first init_distributed (~30 s): build it
+	# once now, into the venv's extensions folder, instead of inside the first test or the demo.
+	DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load()" \
+		> /dev/null 2>&1 || echo "note: DeepSpeed's shm op did not prebuild; it will build on first use"
 	touch $(STAMP)
 
 demo: $(STAMP)
