@@ -2,7 +2,8 @@
 
 One iteration:
     gbs = ramp-up(consumed_samples)             global batch = micro batch x micro-batches x dp
-    lr  = schedule(iteration, consumed_samples) the LR this iteration uses (set before the step)
+    lr  = schedule(iterations, samples)         the LR this iteration uses (set before the step), from the
+                                                counters of the steps applied so far (Megatron's scheduler)
     loss = engine.train_step(this rank's micro-batches)   mean over the global batch's tokens, every rank
     counters += (1, gbs, gbs x seq_length)
 then, in Megatron's order: the log line every `log_interval`, evaluation every `eval_interval`, a checkpoint
@@ -40,6 +41,10 @@ class Counters:
     iteration: int = 0
     consumed_samples: int = 0
     consumed_tokens: int = 0
+    # The LR schedule's inputs advance only when the optimizer stepped (Megatron: a skipped fp16 step
+    # does not move the scheduler), so they trail iteration / consumed_samples after overflows.
+    lr_iterations: int = 0
+    lr_samples: int = 0
 
 
 class StopSignals:
@@ -167,7 +172,7 @@ class Trainer:
         if gbs != self.engine_gbs:
             self.engine.set_micro_batches(gbs // (t.micro_batch_size * self.pstate.dp_size), t.micro_batch_size)
             self.engine_gbs = gbs
-        lr = self.schedule.lr_at(c.iteration, c.consumed_samples)
+        lr = self.schedule.lr_at(c.lr_iterations, c.lr_samples)
         self.engine.set_lr(lr)
         if self.zeros is not None:
             self.zeros.reset()
@@ -178,6 +183,9 @@ class Trainer:
         c.iteration += 1
         c.consumed_samples += gbs
         c.consumed_tokens += gbs * self.cfg.model.seq_length
+        if applied:
+            c.lr_iterations += 1
+            c.lr_samples += gbs
         self.stats.add(loss, elapsed, skipped=not applied)
         self.last = {"lr": lr, "global_batch_size": gbs, "grad_norm": self.engine.grad_norm if applied else None,
                      "step_applied": applied}
@@ -265,7 +273,7 @@ class Trainer:
     def client_state(self) -> dict:
         c = self.counters
         return dict(asdict(c), global_batch_size=self.rampup.global_batch_size(c.consumed_samples),
-                    lr=self.schedule.lr_at(c.iteration, c.consumed_samples), train_iters=self.train_iters,
+                    lr=self.schedule.lr_at(c.lr_iterations, c.lr_samples), train_iters=self.train_iters,
                     config=self.cfg.to_dict())
 
     def resume(self) -> None:
@@ -274,7 +282,7 @@ class Trainer:
             return
         state = self.checkpointer.load(self.engine.ds, self.tracker)
         if state is not None:
-            self.counters = Counters(state["iteration"], state["consumed_samples"], state["consumed_tokens"])
+            self.counters = Counters(**{k: state[k] for k in asdict(Counters())})
             self.saved_at = self.counters.iteration
 
     def _say(self, message: str) -> None:
