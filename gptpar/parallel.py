@@ -184,7 +184,7 @@ def init_parallel(tp: int = 1, pp: int = 1, dp: Optional[int] = None, *, backend
         if axis == "embedding" and pp == 1:
             continue
         for ranks in lists:  # every rank creates every group, in the same order
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=datetime.timedelta(minutes=timeout_minutes))  # else 30 min
             if rank in ranks:
                 mine[axis] = group
     return ParallelState(

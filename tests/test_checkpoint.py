@@ -1,0 +1,145 @@
+"""Checkpoint safety and exits, with real processes: SIGTERM -> save + exit 0 (all ranks agree), a save killed
+with SIGKILL half-way leaves `latest` on the previous checkpoint, a stalled rank ends the run with a timeout
+error, and the DeepSpeed CLI launch path. Exact resume is in test_trainer.py.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gptpar.testing import free_port
+from gptpar.training.checkpoint import read_latest, tag_of, write_latest
+from gptpar.training.logging import parse_log_line
+from gptpar.training.trainer import StopSignals
+from trainer_runs import ROOT, log_lines, write_config
+
+SCRIPT = os.path.join(ROOT, "pretrain_gpt.py")
+
+
+def _env(**extra):
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".venv", "torch_extensions"))
+    env.update(extra)
+    return env
+
+
+def _launch(world_size, argv, **extra_env):
+    """Start `world_size` ranks of pretrain_gpt.py by hand (the launcher's environment variables)."""
+    port = str(free_port())
+    procs = []
+    for rank in range(world_size):
+        env = _env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra_env)
+        procs.append(subprocess.Popen([sys.executable, SCRIPT] + argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def _finish(procs, timeout=120):
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    return [p.returncode for p in procs], outs
+
+
+def test_latest_pointer_is_replaced_atomically(tmp_path):
+    write_latest(str(tmp_path), tag_of(3))
+    write_latest(str(tmp_path), tag_of(6))
+    assert read_latest(str(tmp_path)) == "iter_0000006"
+    assert os.listdir(tmp_path) == ["latest"]  # no temporary left behind
+    assert read_latest(str(tmp_path / "missing")) is None
+
+
+def test_sigusr1_sets_the_stop_flag():
+    stop = StopSignals()
+    previous = signal.getsignal(signal.SIGUSR1)
+    stop.install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        assert stop.received == signal.SIGUSR1
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGUSR1) is previous
+
+
+def test_sigterm_to_one_rank_saves_and_every_rank_exits_zero(tmp_path):
+    ck = str(tmp_path / "ck")
+    cfg = write_config(tmp_path / "c.json", training=dict(train_iters=100000), checkpoint=dict(save=ck, load=ck))
+    procs = _launch(2, ["--config", cfg])
+    seen = []
+    deadline = time.monotonic() + 120
+    for line in procs[0].stdout:  # rank 0 prints the log line (dp=2)
+        seen.append(line)
+        if line.startswith(" iteration        2/"):
+            break
+        assert time.monotonic() < deadline, "".join(seen)
+    procs[1].send_signal(signal.SIGTERM)  # only rank 1: the all-reduce of the flag must stop rank 0 too
+    codes, outs = _finish(procs)
+    out0 = "".join(seen) + outs[0]
+    assert codes == [0, 0], out0 + outs[1]
+    assert "received SIGTERM" in out0
+    tag = read_latest(ck)
+    stopped = int(tag.split("_")[1])
+    assert stopped >= 2 and os.path.isfile(os.path.join(ck, tag, "gptpar_rank_00001.pt"))
+
+    # Loadable: the next run resumes from it and trains one more iteration.
+    codes, outs = _finish(_launch(2, ["--config", cfg, "--set", f"training.train_iters={stopped + 1}"]))
+    assert codes == [0, 0], outs[0] + outs[1]
+    assert f"resumed from {os.path.join(ck, tag)}" in outs[0]
+    assert [parse_log_line(line)["iteration"] for line in log_lines(outs[0])] == [stopped + 1]
+
+
+def test_save_killed_half_way_leaves_latest_on_the_previous_checkpoint(tmp_path):
+    ck = str(tmp_path / "ck")
+    cfg = write_config(tmp_path / "c.json", parallel=dict(data_parallel_size=1),
+                       checkpoint=dict(save=ck, load=ck, save_interval=2))
+    codes, outs = _finish(_launch(1, ["--config", cfg], GPTPAR_TEST_KILL_IN_SAVE="4"))
+    assert codes == [-signal.SIGKILL], outs[0]
+    assert read_latest(ck) == "iter_0000002"
+    partial = os.listdir(os.path.join(ck, "iter_0000004"))  # DeepSpeed's files, not gptpar's
+    assert partial and "gptpar_rank_00000.pt" not in partial
+
+    codes, outs = _finish(_launch(1, ["--config", cfg]))
+    assert codes == [0], outs[0]
+    assert f"resumed from {os.path.join(ck, 'iter_0000002')}" in outs[0]
+    assert read_latest(ck) == "iter_0000006"
+
+
+def test_stalled_rank_ends_the_run_with_a_timeout_error(tmp_path):
+    cfg = write_config(tmp_path / "c.json", parallel=dict(distributed_timeout_minutes=0.2))  # 12 s
+    procs = _launch(2, ["--config", cfg], GPTPAR_TEST_STALL="1:2")  # rank 1 hangs after iteration 2
+    try:
+        out0, _ = procs[0].communicate(timeout=150)
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    assert procs[0].returncode not in (0, None)
+    assert "timed out" in out0.lower() or "timeout" in out0.lower(), out0[-3000:]
+
+
+def test_deepspeed_launcher_cli(tmp_path):
+    """The README's path: `deepspeed --num_gpus 2 pretrain_gpt.py --config configs/cpu_dp2.json` on CPU."""
+    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2",
+           "--master_port", str(free_port()), "pretrain_gpt.py", "--config", "configs/cpu_dp2.json",
+           "--set", "training.train_iters=3", "--set", "training.eval_interval=null"]
+    if not os.path.exists(cmd[0]):
+        pytest.skip("deepspeed CLI not installed next to this python")
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=180)
+    assert p.returncode == 0, p.stdout[-3000:]
+    lines = log_lines(p.stdout)
+    assert [(parse_log_line(line)["iteration"], parse_log_line(line)["train_iters"]) for line in lines] == \
+        [(1, 3), (2, 3), (3, 3)]
+    with open(os.path.join(ROOT, "configs", "cpu_dp2.json")) as f:
+        gbs = json.load(f)["training"]["global_batch_size"]
+    assert f"consumed samples: {3 * gbs:12d} |" in lines[-1]
