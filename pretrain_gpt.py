@@ -171,6 +171,8 @@ def main(argv=None) -> int:
     owns_process_group = not dist.is_initialized()
     tp, pp, dp = sizes
     pstate = init_parallel(tp, pp, dp, timeout_minutes=cfg.parallel.distributed_timeout_minutes)
+    from gptpar.training.checkpoint import CheckpointError
+
     try:
         log = print if pstate.rank == 0 else _quiet
         log(f"gptpar: {pstate.world_size} rank(s) = tp {tp} x pp {pp} x dp {dp} on {pstate.backend}; "
@@ -181,6 +183,9 @@ def main(argv=None) -> int:
         log(f"training finished at iteration {trainer.counters.iteration}: {reason}", flush=True)
         if dist.is_initialized():
             dist.barrier()
+    except CheckpointError as e:  # every rank checks its own files and stops with the same message
+        print(f"pretrain_gpt.py: checkpoint error: {e}", file=sys.stderr, flush=True)
+        return 2
     finally:
         if owns_process_group:
             destroy_parallel()

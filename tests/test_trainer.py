@@ -41,6 +41,8 @@ def runs(tmp_path_factory):
         resume[name] = [(f"{name}_full", ["--config", full]),
                         (f"{name}_a", ["--config", split, "--set", "training.exit_interval=3"]),
                         (f"{name}_b", ["--config", split])]
+    # Last: resuming dp's checkpoint with another model shape must be refused with a clear message.
+    resume["dp"].append(("dp_wrong_shape", resume["dp"][-1][1] + ["--set", "model.hidden_size=64"]))
     plan = [("ramp", ["--config", ramp]), ("ramp3", ["--config", ramp3])] + resume["dp"] + resume["pp"]
     out = run_distributed(run_mains, 2, (plan,), timeout=400)
     return d, out
@@ -63,7 +65,16 @@ def test_every_run_exits_zero(runs):
     _, out = runs
     for rank_out in out:
         for name, (rc, _) in rank_out.items():
-            assert rc == 0, name
+            assert rc == (2 if name == "dp_wrong_shape" else 0), name
+
+
+def test_resume_with_another_model_shape_is_a_clear_error(runs):
+    d, out = runs
+    for rank_out in out:
+        message = rank_out["dp_wrong_shape"][1]
+        assert "pretrain_gpt.py: checkpoint error: " in message
+        assert "model.hidden_size: checkpoint 32, config 64" in message
+    assert (d / "dp_ck" / "latest").read_text().strip() == "iter_0000006"  # untouched by the refused run
 
 
 def test_log_line_and_metrics_fields_recomputed(runs):

@@ -39,14 +39,15 @@ def write_config(path, **sections):
 
 
 def run_mains(runs, env=None):
-    """On one harness rank: pretrain_gpt.main(argv) for each (name, argv); {name: (exit code, stdout)}."""
+    """On one harness rank: pretrain_gpt.main(argv) for each (name, argv); {name: (exit code, output)}, the
+    output being what the run printed to stdout and stderr."""
     os.environ.update(env or {})
     import pretrain_gpt
 
     out = {}
     for name, argv in runs:
         buf = io.StringIO()
-        with contextlib.redirect_stdout(buf):
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
             rc = pretrain_gpt.main(argv)
         out[name] = (rc, buf.getvalue())
     return out

@@ -183,16 +183,29 @@ def build_engine(model: torch.nn.Module, pstate, ds_config: dict, *, lr: float =
     if pipelined and has_attention_mask:
         engine.set_has_attention_mask(True)  # the mask travels as the last tensor between stages
     if not (engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization()):
-        # Plain fp32 without ZeRO: DeepSpeed clips with clip_grad_norm_ but drops the norm it returns.
-        engine.clip_fp32_gradients = functools.partial(_clip_and_keep_norm, engine)
+        # Plain fp32 without ZeRO: DeepSpeed's clip_grad_norm_ drops the norm, and under the pipeline grid
+        # counts the tied embedding copy and skips later stages' replicated (LayerNorm, bias) parameters.
+        engine.clip_fp32_gradients = functools.partial(_clip_and_keep_norm, engine, pstate)
     return TrainEngine(engine, pstate, pipelined)
 
 
-def _clip_and_keep_norm(engine) -> None:
-    from deepspeed.runtime.utils import clip_grad_norm_
-
-    engine._global_grad_norm = clip_grad_norm_(parameters=engine.module.parameters(),
-                                               max_norm=engine.gradient_clipping(), mpu=engine.mpu)
+def _clip_and_keep_norm(engine, pstate) -> None:
+    """Clip to the global L2 norm over unique parameters (each tp shard once, replicas and the pipeline's
+    tied embedding copy once), summed over the tp and pp ranks; keep the norm for the log line."""
+    params = [p for p in engine.module.parameters() if p.grad is not None]
+    counted = [p for p in params if not getattr(p, "ds_pipe_replicated", False)
+               and (pstate.tp_rank == 0 or getattr(p, "tensor_model_parallel", False))]
+    squares = torch.zeros(1, dtype=torch.float32, device=pstate.device)
+    for p in counted:
+        squares += p.grad.detach().float().norm() ** 2
+    for group in (pstate.tp_group, pstate.pp_group):
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(squares, group=group)
+    norm = squares.sqrt()
+    coef = torch.clamp(engine.gradient_clipping() / (norm + 1e-6), max=1.0)
+    for p in params:
+        p.grad.detach().mul_(coef)
+    engine._global_grad_norm = float(norm)
 
 
 def is_finite(value: Optional[float]) -> bool:

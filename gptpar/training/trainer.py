@@ -70,10 +70,11 @@ class StopSignals:
 class ZeroCounter:
     """Counts zero entries in the gradients the optimizer is about to step on (after clipping).
 
-    A step-pre-hook on the client optimizer: under ZeRO-1 / the bf16 optimizer it sees this dp rank's
-    flat fp32 partition (alignment padding subtracted), otherwise the full gradients. `total()` sums over
-    the ranks that hold different parameters (a collective). Tensor-parallel replicas (LayerNorms,
-    row-parallel biases) are counted once per tp rank.
+    A step-pre-hook on the client optimizer: under ZeRO-1 it sees this dp rank's flat fp32 partition
+    (alignment padding subtracted), otherwise the full gradients. `total()` sums over the ranks that hold
+    different parameters (a collective). Under ZeRO the flat partitions no longer say which parameter is a
+    replica, so tensor-parallel replicas (LayerNorms, row-parallel biases) count once per tp rank and the
+    pipeline's tied embedding once per stage holding it.
     """
 
     def __init__(self, ds_engine, pstate, partitioned: bool):
@@ -128,7 +129,7 @@ class Trainer:
         self.last = {}
         self.saved_at = self.evaluated_at = None
         self.is_log_rank = pstate.is_last_stage and pstate.dp_rank == 0 and pstate.tp_rank == 0
-        partitioned = t.zero_stage >= 1 or t.precision == "bf16"
+        partitioned = t.zero_stage >= 1  # bf16 without ZeRO keeps full gradients on every dp rank
         self.zeros = ZeroCounter(engine.ds, pstate, partitioned) if cfg.logging.log_num_zeros else None
         self.metrics = self.tensorboard = self.wandb = None
 
