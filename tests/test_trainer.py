@@ -43,7 +43,12 @@ def runs(tmp_path_factory):
                         (f"{name}_b", ["--config", split])]
     # Last: resuming dp's checkpoint with another model shape must be refused with a clear message.
     resume["dp"].append(("dp_wrong_shape", resume["dp"][-1][1] + ["--set", "model.hidden_size=64"]))
-    plan = [("ramp", ["--config", ramp]), ("ramp3", ["--config", ramp3])] + resume["dp"] + resume["pp"]
+    # The same training at pp=2 without ZeRO and at dp=2 with ZeRO-1 (clipping must use one global norm).
+    zero0 = write_config(d / "pp_zero0.json", parallel=dict(pipeline_model_parallel_size=2, data_parallel_size=1),
+                         training=dict(zero_stage=0), logging=dict(metrics_file=str(d / "pp_zero0.jsonl")))
+    zero1 = write_config(d / "dp_zero1.json", logging=dict(metrics_file=str(d / "dp_zero1.jsonl")))
+    plan = [("ramp", ["--config", ramp]), ("ramp3", ["--config", ramp3])] + resume["dp"] + resume["pp"] + \
+        [("pp_zero0", ["--config", zero0]), ("dp_zero1", ["--config", zero1])]
     out = run_distributed(run_mains, 2, (plan,), timeout=400)
     return d, out
 
@@ -158,3 +163,12 @@ def test_exact_resume(runs, name):
     ck = d / f"{name}_ck"
     assert (ck / "latest").read_text().strip() == "iter_0000006"
     assert sorted(p for p in os.listdir(ck) if p.startswith("iter_")) == ["iter_0000006"]  # keep_last=1
+
+
+def test_pipeline_without_zero_clips_by_the_same_norm(runs):
+    """pp=2 / ZeRO-0 and dp=2 / ZeRO-1 train the same model on the same batches: same norms and losses."""
+    d, _ = runs
+    a, b = read_jsonl(d / "pp_zero0.jsonl"), read_jsonl(d / "dp_zero1.jsonl")
+    assert len(a) == len(b) == 6
+    for key in ("grad_norm", "lm_loss"):
+        assert [r[key] for r in a] == pytest.approx([r[key] for r in b], rel=1e-5), key
