@@ -3,18 +3,21 @@ recomputation (through a batch-size ramp-up), interval averaging, and exact resu
 
 One spawn runs every training (pretrain_gpt.main called in the ranks, several times) to keep the suite fast.
 """
+import json
 import math
 import os
+import sys
 
 import pytest
 import torch
 
 from gptpar.testing import run_distributed
 from gptpar.training.logging import METRIC_KEYS, format_log_line
-from trainer_runs import (cosine_lr, improved_tflops, log_lines, megatron_rampup, read_jsonl, run_mains,
+from trainer_runs import (ROOT, cosine_lr, improved_tflops, log_lines, megatron_rampup, read_jsonl, run_mains,
                           synthetic_sample, write_config)
 
 RAMP = dict(start=4, increment=4, ramp_samples=24, final=12)
+REAL_VOCAB = 300
 TRAIN_SAMPLES, WARMUP_SAMPLES, SEQ, LAYERS, HIDDEN, VOCAB, PADDED_VOCAB = 96, 16, 16, 2, 32, 200, 256
 
 
@@ -47,10 +50,39 @@ def runs(tmp_path_factory):
     zero0 = write_config(d / "pp_zero0.json", parallel=dict(pipeline_model_parallel_size=2, data_parallel_size=1),
                          training=dict(zero_stage=0), logging=dict(metrics_file=str(d / "pp_zero0.jsonl")))
     zero1 = write_config(d / "dp_zero1.json", logging=dict(metrics_file=str(d / "dp_zero1.jsonl")))
+    real = write_config(d / "real.json", **real_data_sections(d))
     plan = [("ramp", ["--config", ramp]), ("ramp3", ["--config", ramp3])] + resume["dp"] + resume["pp"] + \
-        [("pp_zero0", ["--config", zero0]), ("dp_zero1", ["--config", zero1])]
+        [("pp_zero0", ["--config", zero0]), ("dp_zero1", ["--config", zero1]), ("real", ["--config", real])]
     out = run_distributed(run_mains, 2, (plan,), timeout=400)
     return d, out
+
+
+def real_data_sections(d):
+    """A tokenizer and an MMIDIDX dataset made of this repository's sources (EOD after each file), and the
+    config sections that train on them at pp=2 with Megatron's document masks."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import train_tokenizer
+    from gptpar.data.indexed import IndexedDatasetBuilder
+    from gptpar.data.tokenizer import load_tokenizer
+
+    sources = sorted(os.path.join(ROOT, "gptpar", f) for f in os.listdir(os.path.join(ROOT, "gptpar"))
+                     if f.endswith(".py"))
+    with open(d / "corpus.jsonl", "w") as f:
+        for path in sources:
+            f.write(json.dumps({"text": open(path).read()}) + "\n")
+    train_tokenizer.train([str(d / "corpus.jsonl")], REAL_VOCAB, "bpe", str(d / "tok"), byte_fallback=False)
+    tok = load_tokenizer(str(d / "tok.model"))
+    builder = IndexedDatasetBuilder(str(d / "real_text_document"), "uint16", tok.vocab_size)
+    for path in sources:
+        builder.add_document(tok.encode(open(path).read()) + [tok.eod])
+    builder.finalize()
+    return dict(model=dict(vocab_size=tok.vocab_size),
+                parallel=dict(pipeline_model_parallel_size=2, data_parallel_size=1),
+                training=dict(train_iters=3, lr_warmup_iters=1, eval_interval=3, eval_iters=1),
+                data=dict(synthetic=False, data_path=str(d / "real_text_document"), split="80,20,0",
+                          tokenizer_model=str(d / "tok.model"), reset_position_ids=True, reset_attention_mask=True,
+                          eod_mask_loss=True),
+                logging=dict(metrics_file=str(d / "real.jsonl")))
 
 
 def expected_iterations():
@@ -172,3 +204,31 @@ def test_pipeline_without_zero_clips_by_the_same_norm(runs):
     assert len(a) == len(b) == 6
     for key in ("grad_norm", "lm_loss"):
         assert [r[key] for r in a] == pytest.approx([r[key] for r in b], rel=1e-5), key
+
+
+def test_real_data_with_document_masks_through_the_pipeline(runs):
+    """Iteration 1 on a preprocessed dataset with Megatron's document masks at pp=2 = the serial model's loss
+    on the same samples (the trainer averages the micro-batches' masked means, as Megatron does)."""
+    from gptpar.data.gpt_dataset import build_train_valid_test_datasets
+    from gptpar.data.masks import build_masks
+    from gptpar.data.tokenizer import load_tokenizer
+    from gptpar.model.config import GPTConfig
+    from gptpar.model.gpt import GPTModel
+
+    d, _ = runs
+    records = read_jsonl(d / "real.jsonl")
+    assert [r["iteration"] for r in records if not r.get("eval")] == [1, 2, 3]
+    assert [r["iteration"] for r in records if r.get("eval")] == [3]
+    tok = load_tokenizer(str(d / "tok.model"))
+    train, _, _ = build_train_valid_test_datasets(str(d / "real_text_document"), "80,20,0", SEQ, 1234, (24, 8, 0))
+    model = GPTModel(GPTConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4, seq_length=SEQ,
+                               vocab_size=tok.vocab_size, make_vocab_size_divisible_by=128), seed=1234)
+    losses = []
+    with torch.no_grad():
+        for j in range(4):  # global batch 8 = 4 micro-batches of 2 (dp = 1)
+            text = torch.stack([torch.from_numpy(train[i]["text"]) for i in range(2 * j, 2 * j + 2)])
+            tokens, labels = text[:, :-1], text[:, 1:]
+            mask, loss_mask, positions = build_masks(tokens, tok.eod, reset_position_ids=True,
+                                                     reset_attention_mask=True, eod_mask_loss=True)
+            losses.append(model(tokens, positions, mask, labels=labels, loss_mask=loss_mask).item())
+    assert records[0]["lm_loss"] == pytest.approx(sum(losses) / 4, rel=1e-5)
