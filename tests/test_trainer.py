@@ -51,8 +51,12 @@ def runs(tmp_path_factory):
                          training=dict(zero_stage=0), logging=dict(metrics_file=str(d / "pp_zero0.jsonl")))
     zero1 = write_config(d / "dp_zero1.json", logging=dict(metrics_file=str(d / "dp_zero1.jsonl")))
     real = write_config(d / "real.json", **real_data_sections(d))
+    minutes = write_config(d / "minutes.json", training=dict(exit_duration_in_mins=1e-6),
+                           checkpoint=dict(save=str(d / "minutes_ck")),
+                           logging=dict(metrics_file=str(d / "minutes.jsonl")))
     plan = [("ramp", ["--config", ramp]), ("ramp3", ["--config", ramp3])] + resume["dp"] + resume["pp"] + \
-        [("pp_zero0", ["--config", zero0]), ("dp_zero1", ["--config", zero1]), ("real", ["--config", real])]
+        [("pp_zero0", ["--config", zero0]), ("dp_zero1", ["--config", zero1]), ("real", ["--config", real]),
+         ("minutes", ["--config", minutes])]
     out = run_distributed(run_mains, 2, (plan,), timeout=400)
     return d, out
 
@@ -232,3 +236,10 @@ def test_real_data_with_document_masks_through_the_pipeline(runs):
                                                      reset_attention_mask=True, eod_mask_loss=True)
             losses.append(model(tokens, positions, mask, labels=labels, loss_mask=loss_mask).item())
     assert records[0]["lm_loss"] == pytest.approx(sum(losses) / 4, rel=1e-5)
+
+
+def test_exit_duration_stops_every_rank_and_saves(runs):
+    d, out = runs
+    assert [r["iteration"] for r in read_jsonl(d / "minutes.jsonl")] == [1]
+    assert "stopping at iteration 1: exit_duration_in_mins (1e-06) reached" in out[0]["minutes"][1]
+    assert (d / "minutes_ck" / "latest").read_text().strip() == "iter_0000001"
