@@ -21,6 +21,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from gptpar.model.kernels import describe_kernels
+from gptpar.parallel import destroy_parallel, init_parallel
+from gptpar.training.checkpoint import CheckpointError
 from gptpar.training.config import USAGE, ConfigError, load_config, parse_args
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -151,6 +154,7 @@ def build_trainer(cfg, pstate, log):
 # ---------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
+    # parse: every config error ends here, before any process group exists
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         cfg, flags, sizes = parse(argv)
@@ -164,29 +168,27 @@ def main(argv=None) -> int:
         print(dry_run(cfg, *sizes), flush=True)
         return 0
 
+    # init
     setup_environment()
-    from gptpar.model.kernels import describe_kernels
-    from gptpar.parallel import destroy_parallel, init_parallel
-
-    owns_process_group = not dist.is_initialized()
+    owns_process_group = not dist.is_initialized()  # a test harness may have made it
     tp, pp, dp = sizes
     pstate = init_parallel(tp, pp, dp, timeout_minutes=cfg.parallel.distributed_timeout_minutes)
-    from gptpar.training.checkpoint import CheckpointError
-
+    log = print if pstate.rank == 0 else _quiet
+    log(f"gptpar: {pstate.world_size} rank(s) = tp {tp} x pp {pp} x dp {dp} on {pstate.backend}; "
+        f"{describe_kernels(pstate.device)}\nresolved config:\n{cfg.to_json()}", flush=True)
     try:
-        log = print if pstate.rank == 0 else _quiet
-        log(f"gptpar: {pstate.world_size} rank(s) = tp {tp} x pp {pp} x dp {dp} on {pstate.backend}; "
-            f"{describe_kernels(pstate.device)}\nresolved config:\n{cfg.to_json()}", flush=True)
+        # build
         trainer = build_trainer(cfg, pstate, log)
         trainer.resume()
+        # train
         reason = trainer.train()
         log(f"training finished at iteration {trainer.counters.iteration}: {reason}", flush=True)
-        if dist.is_initialized():
-            dist.barrier()
+        dist.barrier()
     except CheckpointError as e:  # every rank checks its own files and stops with the same message
         print(f"pretrain_gpt.py: checkpoint error: {e}", file=sys.stderr, flush=True)
         return 2
     finally:
+        # clean up
         if owns_process_group:
             destroy_parallel()
     return 0

@@ -84,8 +84,8 @@ def build_sources(cfg, pstate, train_samples: int, eval_samples: int, log=print)
         valid = SyntheticDataset(m.vocab_size, m.seq_length, t.seed + 1)
     else:
         train, valid = _real_datasets(cfg, pstate, train_samples, eval_samples, log)
-        if not masks.plain:
-            masks.eod = _eod(d.tokenizer_model)
+    if not masks.plain:
+        masks.eod = _eod(d.tokenizer_model)
 
     def source(dataset):
         return BatchSource(dataset, t.micro_batch_size, pstate.dp_rank, pstate.dp_size, masks, t.seed)
