@@ -10,6 +10,8 @@ then, in Megatron's order: the log line every `log_interval`, evaluation every `
 every `save_interval`, and the exit checks (signal, exit_duration_in_mins, exit_interval), on which all
 ranks agree through one all-reduce per iteration.
 
+Elapsed time per iteration is the mean over the interval of the time from fetching the batch to the end of
+the optimizer step (evaluation and checkpoint saves are not in it); samples/s and TFLOPs derive from it.
 The log line is printed by the last pipeline stage's first data-parallel rank (tp rank 0); the same record
 goes to the metrics JSONL, TensorBoard and wandb (gptpar.training.logging). Skipped iterations are counted
 from the engine's `step_applied`, NaN iterations from the loss, num zeros from the gradients the optimizer
