@@ -169,7 +169,10 @@ class TransformerLayer(nn.Module):
         qkv = self.query_key_value(x)  # (s, b, 3h/tp), heads of this rank
         s, b = qkv.shape[0], qkv.shape[1]
         qkv = qkv.view(s, b, self.num_heads, 3, self.head_dim)
-        q, k, v = (qkv[:, :, :, i].permute(1, 2, 0, 3) for i in range(3))  # each (b, nh/tp, s, d)
+        # Strided views, no copies (SDPA takes any strides with a contiguous last dim). unbind, not three
+        # selects: its backward stacks the three gradients into one (s, b, nh, 3, d) buffer, where each
+        # select's backward would zero-fill a full-size buffer and the three would then be summed.
+        q, k, v = (t.permute(1, 2, 0, 3) for t in qkv.unbind(dim=3))  # each (b, nh/tp, s, d)
         dropout_p = self.attention_dropout if self.training else 0.0
         # The attention probabilities belong to this rank's heads: their dropout draws per tp rank.
         fork = self.rng_tracker.fork() if (dropout_p > 0 and self.rng_tracker) else contextlib.nullcontext()
