@@ -205,15 +205,19 @@ class FinalLayerNorm(nn.Module):
         return self.norm(x)
 
 
-def lm_logits(embedding: GPTEmbedding, hidden: torch.Tensor) -> torch.Tensor:
+def lm_logits(embedding: GPTEmbedding, hidden: torch.Tensor, vocab_size: Optional[int] = None) -> torch.Tensor:
     """The output layer, tied to the word embedding: (s, b, h) -> (s, b, V/tp) logits of this rank's vocab.
 
+    With `vocab_size` at tp = 1, only the real (unpadded) rows: (s, b, vocab_size) logits, for the loss.
     Also the `forward_fn` of the last pipeline stage's tied embedding (a plain function, no lambda)."""
     if embedding.sequence_parallel:
         hidden = gather_from_sequence_parallel_region(hidden, embedding.tp_group)  # bwd: reduce-scatter
     else:
         hidden = copy_to_tensor_parallel_region(hidden, embedding.tp_group)  # f
-    return F.linear(hidden, embedding.word_embeddings.weight)
+    weight = embedding.word_embeddings.weight
+    if vocab_size is not None and group_size(embedding.tp_group) == 1:
+        weight = weight[:vocab_size]  # leading rows: a view, no copy
+    return F.linear(hidden, weight)
 
 
 class GPTLoss:
@@ -264,7 +268,10 @@ class GPTModel(nn.Module):
                 x = checkpoint(layer, x, tracker=self.rng_tracker)
             else:
                 x = layer(x)
-        logits = lm_logits(self.embedding, self.final_layernorm(x))  # (s, b, V/tp)
+        hidden = self.final_layernorm(x)
         if labels is None:
-            return logits.transpose(0, 1)
+            return lm_logits(self.embedding, hidden).transpose(0, 1)  # (b, s, V/tp)
+        # At tp = 1 the padding rows' logits would only be sliced off by the loss, which copies the whole
+        # (s, b, V) tensor forward and zero-fills + copies it backward: skip computing them instead.
+        logits = lm_logits(self.embedding, hidden, vocab_size=self.config.vocab_size)  # (s, b, V/tp)
         return self.loss_fn(logits, (labels, loss_mask) if loss_mask is not None else labels)
