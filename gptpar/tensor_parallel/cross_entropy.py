@@ -74,6 +74,32 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None, None, None, None, None
 
 
+class _CrossEntropy(torch.autograd.Function):
+    """tp = 1 without label smoothing: F.cross_entropy(reduction='none'), with a backward that allocates nothing.
+
+    Forward saves the log-probabilities, as F.cross_entropy does. Its backward would allocate a zero-filled
+    (N, V) one-hot gradient and then a fresh (N, V) gradient; here the saved buffer becomes the gradient in
+    place: exp(log p) * g, minus g at the target (two passes, no new (N, V) memory to fault in)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index):
+        logp = F.log_softmax(logits, dim=-1)  # (N, V)
+        ignored = target == ignore_index
+        safe = target.masked_fill(ignored, 0)
+        loss = logp.gather(-1, safe.unsqueeze(-1)).squeeze(-1).neg().masked_fill(ignored, 0.0)
+        ctx.save_for_backward(logp, safe, ignored)
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        logp, safe, ignored = ctx.saved_tensors
+        g = grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1)  # (N, 1)
+        grad = logp.exp_().mul_(g)  # softmax * g, reusing the saved buffer: backward runs once
+        grad.scatter_add_(-1, safe.unsqueeze(-1), g.neg())
+        return grad, None, None
+
+
 def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, *, group: Group = None,
                                  ignore_index: int = -100, label_smoothing: float = 0.0,
                                  vocab_size: Optional[int] = None) -> torch.Tensor:
@@ -90,8 +116,11 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
         if vocab_size is not None:
             logits_shard = logits_shard[..., :vocab_size]
         flat = logits_shard.reshape(-1, logits_shard.shape[-1]).float()
-        loss = F.cross_entropy(flat, target.reshape(-1), reduction="none", ignore_index=ignore_index,
-                               label_smoothing=label_smoothing)
+        if label_smoothing > 0:
+            loss = F.cross_entropy(flat, target.reshape(-1), reduction="none", ignore_index=ignore_index,
+                                   label_smoothing=label_smoothing)
+        else:
+            loss = _CrossEntropy.apply(flat, target.reshape(-1), ignore_index)
         return loss.view(target.shape)
     return _VocabParallelCrossEntropy.apply(logits_shard, target, group, ignore_index, label_smoothing,
                                             vocab_size)
