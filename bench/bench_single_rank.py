@@ -124,9 +124,9 @@ def make_step(model, forward, optimizer, autocast_dtype, device):
     return step
 
 
-def build_gptpar(shape, vocab_size, tokens, device, autocast_dtype):
+def build_gptpar(shape, vocab_size, tokens, device, autocast_dtype, activation_checkpointing=False):
     config = gptpar_config(shape, vocab_size)
-    model = GPTModel(config, device=device).train()
+    model = GPTModel(config, device=device, activation_checkpointing=activation_checkpointing).train()
     opt = make_adamw(model.parameters(), lr=1e-4, weight_decay=0.01, device=device)
     x, y = tokens[:, :-1], tokens[:, 1:]
     return make_step(model, lambda: model(x, labels=y), opt, autocast_dtype, device), config
@@ -158,14 +158,15 @@ def timed(step, device) -> float:
 
 
 def bench_shape(shape: Shape, *, vocab_size, dtype, device, with_hf, rounds, warmup, peak_n, peak_repeats,
-                mfu_target, profile=False) -> dict:
+                mfu_target, profile=False, activation_checkpointing=False) -> dict:
     """Alternating rounds of gptpar / HF steps and a peak matmul; medians of each and of per-round ratios."""
     autocast_dtype = None if dtype == torch.float32 else dtype
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab_size, (shape.batch, shape.seq + 1), generator=gen).to(device)
     runners = {}
     torch.manual_seed(0)
-    runners["gptpar"], config = build_gptpar(shape, vocab_size, tokens, device, autocast_dtype)
+    runners["gptpar"], config = build_gptpar(shape, vocab_size, tokens, device, autocast_dtype,
+                                             activation_checkpointing)
     if with_hf:
         runners["hf"] = build_hf(shape, vocab_size, tokens, device, autocast_dtype)
     peak = MatmulPeak(peak_n, dtype, device, peak_repeats)
@@ -276,6 +277,8 @@ def main(argv=None):
     p.add_argument("--no-hf", action="store_true", help="gptpar alone (default on GPU: two models do not fit)")
     p.add_argument("--hf", action="store_true", help="compare against Hugging Face on a GPU too")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute gptpar's layers in backward if memory is short (MFU still counts no recompute)")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler table of one step per model")
     p.add_argument("--tiny", action="store_true", help="seconds-long smoke run")
     args = p.parse_args(argv)
@@ -324,7 +327,8 @@ def main(argv=None):
     for shape in shapes:
         results.append(bench_shape(shape, vocab_size=vocab_size, dtype=dtype, device=device, with_hf=with_hf,
                                    rounds=rounds, warmup=warmup, peak_n=peak_n(dtype), peak_repeats=3,
-                                   mfu_target=mfu_target, profile=args.profile))
+                                   mfu_target=mfu_target, profile=args.profile,
+                                   activation_checkpointing=args.activation_checkpointing))
         print_table(results[-1:])
     for shape in bf16_shapes:
         results.append(bench_shape(shape, vocab_size=vocab_size, dtype=torch.bfloat16, device=device,
