@@ -24,7 +24,8 @@ import torch.distributed as dist
 from gptpar.model.kernels import describe_kernels
 from gptpar.parallel import destroy_parallel, init_parallel
 from gptpar.training.checkpoint import CheckpointError
-from gptpar.training.config import USAGE, ConfigError, load_config, parse_args
+from gptpar.training.cli import USAGE, parse_args
+from gptpar.training.config import ConfigError, load_config
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 

@@ -5,8 +5,9 @@ import os
 
 import pytest
 
-from gptpar.training.config import (ConfigError, Config, cli_aliases, config_from_dict, deepspeed_config,
-                                    load_config, parse_args, parse_data_path, parse_override, parse_split)
+from gptpar.training.cli import cli_aliases, parse_args
+from gptpar.training.config import (ConfigError, Config, config_from_dict, deepspeed_config, load_config,
+                                    parse_data_path, parse_override, parse_split)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -17,7 +17,8 @@ from dataclasses import MISSING, fields
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from gptpar.training.config import MODEL_DOCS, SECTIONS, _type_name, cli_aliases  # noqa: E402
+from gptpar.training.cli import cli_aliases  # noqa: E402
+from gptpar.training.config import MODEL_DOCS, SECTIONS, _type_name  # noqa: E402
 
 OUTPUT = os.path.join(ROOT, "docs", "config.md")
 

@@ -1,0 +1,124 @@
+"""pretrain_gpt.py's command line: `--config FILE`, `--set section.key=value`, and Megatron-style aliases.
+
+Every config key also has a flag `--key-with-dashes VALUE` (e.g. `--micro-batch-size 4`) when its name is
+unique across sections; a few Megatron flags (`--fp16`, `--checkpoint-activations`, ...) map to values.
+All of them become `section.key=value` overrides applied by `gptpar.training.config.load_config`.
+"""
+from __future__ import annotations
+
+import json
+import typing
+from dataclasses import fields
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from gptpar.training.config import SECTIONS, ConfigError, _suggest
+
+
+# Flags that are not `--<key-with-dashes>` of a unique key.
+SPECIAL_ALIASES = {
+    "--fp16": "training.precision=fp16",
+    "--bf16": "training.precision=bf16",
+    "--fp32": "training.precision=fp32",
+    "--checkpoint-activations": "training.activation_checkpointing=true",
+    "--log-num-zeros-in-grad": "logging.log_num_zeros=true",
+}
+LIST_ALIASES = {"--data-path": None, "--rampup-batch-size": 3}  # nargs: None = one or more
+
+USAGE = """usage: pretrain_gpt.py --config CONFIG.json [--set section.key=value ...] [--dry-run]
+                       [Megatron-style aliases, e.g. --micro-batch-size 4 --train-iters 100 --bf16]
+Every config key has an alias --<key-with-dashes> (e.g. --tensor-model-parallel-size 2). --local_rank is
+accepted and ignored (the DeepSpeed launcher passes it; ranks come from the environment)."""
+
+
+def cli_aliases() -> Dict[str, str]:
+    """`--flag` -> `section.key` for every key (dashes for underscores), plus SPECIAL_ALIASES."""
+    aliases = {}
+    for section, cls in SECTIONS.items():
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            assert flag not in aliases, f"two sections have a key {f.name}: give one a special alias"
+            aliases[flag] = f"{section}.{f.name}"
+    aliases.update(SPECIAL_ALIASES)
+    return aliases
+
+
+def parse_args(argv: Sequence[str]) -> Tuple[Optional[str], List[str], Dict[str, Any]]:
+    """(config_path, overrides, flags) from a command line (without the program name).
+
+    Overrides come out as `section.key=value` strings in command-line order, aliases included. flags holds
+    `dry_run` (bool), `help` (bool) and `local_rank` (int or None, from the DeepSpeed launcher).
+    """
+    aliases = cli_aliases()
+    config_path, overrides = None, []
+    flags: Dict[str, Any] = {"dry_run": False, "help": False, "local_rank": None}
+    args, i = list(argv), 0
+
+    def value_of(flag: str, inline: Optional[str]) -> str:
+        nonlocal i
+        if inline is not None:
+            return inline
+        if i >= len(args) or args[i].startswith("--"):
+            raise ConfigError(f"{flag} needs a value")
+        i += 1
+        return args[i - 1]
+
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if not arg.startswith("-"):
+            raise ConfigError(f"unexpected argument {arg!r}: options look like --config X or --set section.key=v")
+        flag, eq, inline = arg.partition("=")
+        inline = inline if eq else None
+        if flag in ("--config", "-c"):
+            config_path = value_of(flag, inline)
+        elif flag == "--set":
+            overrides.append(value_of(flag, inline))
+        elif flag == "--dry-run":
+            flags["dry_run"] = True
+        elif flag in ("--help", "-h"):
+            flags["help"] = True
+        elif flag in ("--local_rank", "--local-rank"):
+            flags["local_rank"] = int(value_of(flag, inline))
+        elif flag in LIST_ALIASES:
+            values = [inline] if inline is not None else []
+            while i < len(args) and not args[i].startswith("--") and (inline is None):
+                values.append(args[i])
+                i += 1
+            nargs = LIST_ALIASES[flag]
+            if not values or (nargs is not None and len(values) != nargs):
+                raise ConfigError(f"{flag} takes {nargs or 'one or more'} value(s), got {values}")
+            target = aliases[flag]
+            if flag == "--data-path" and len(values) == 1:
+                overrides.append(f"{target}={values[0]}")
+            else:
+                parsed = [_json_or_str(v) for v in values]
+                if flag == "--data-path":
+                    parsed = [str(v) for v in values]
+                overrides.append(f"{target}={json.dumps(parsed)}")
+        elif flag in aliases:
+            target = aliases[flag]
+            if "=" in target:  # a switch like --bf16
+                if inline is not None:
+                    raise ConfigError(f"{flag} takes no value")
+                overrides.append(target)
+                continue
+            section, key = target.split(".")
+            tp = typing.get_type_hints(SECTIONS[section])[key]
+            no_value = inline is None and (i >= len(args) or args[i].startswith("--"))
+            if tp is bool and no_value:  # Megatron's store_true flags
+                overrides.append(f"{target}=true")
+            else:
+                overrides.append(f"{target}={value_of(flag, inline)}")
+        else:
+            raise ConfigError(f"unknown option {flag}{_suggest(flag, list(aliases) + ['--config', '--set', '--dry-run'])}")
+    return config_path, overrides, flags
+
+
+def _json_or_str(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+__all__ = ["parse_args", "cli_aliases", "USAGE"]
