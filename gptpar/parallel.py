@@ -128,7 +128,8 @@ def check_topology_agrees(topo, tp_size: int, pp_size: int, dp_size: int) -> Non
                                f"gptpar on {rank}: the rank grids disagree")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for a local rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -153,7 +154,7 @@ def init_distributed(backend: Optional[str] = None, timeout_minutes: float = 30.
         return
     if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"] = "0", "1", "0"
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import os
 import queue
-import socket
 import time
 import traceback
 from typing import Any, Callable, List, Optional, Sequence
@@ -20,11 +19,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from gptpar.parallel import free_port  # noqa: F401 (re-exported for tests)
 
 
 def _worker(rank: int, world_size: int, port: int, threads: int, fn: Callable, args: Sequence,

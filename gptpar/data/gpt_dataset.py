@@ -56,10 +56,10 @@ def parse_data_path(data_path):
 def parse_split(split):
     """'949,50,1' (or '949/50/1', or fewer fields) -> three fractions summing to 1."""
     try:
-        parts = [float(s) for s in str(split).replace("/", ",").split(",")]
+        parts = [float(s) for s in str(split).replace("/", ",").split(",") if s.strip()]
     except ValueError:
         raise DataError(f"split {split!r} must be up to three comma-separated numbers, e.g. '949,50,1'") from None
-    if len(parts) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+    if not 1 <= len(parts) <= 3 or any(not (0 <= p < float("inf")) for p in parts) or sum(parts) <= 0:
         raise DataError(f"split {split!r} must be up to three non-negative numbers with a positive sum")
     parts += [0.0] * (3 - len(parts))
     return [p / sum(parts) for p in parts]

@@ -280,47 +280,36 @@ class DataConfig:
             raise ConfigError("data.loss_on_targets_only needs data.prefix_lm=true (targets follow the prefix)")
 
 
-def parse_data_path(data_path: Union[str, Sequence]) -> List[Tuple[float, str]]:
-    """Megatron's data path as [(weight, prefix)], weights normalised to sum 1.
+def parse_data_path(data_path: Union[str, Sequence]) -> List[Tuple[Optional[float], str]]:
+    """Megatron's data path as [(weight, prefix)], weights normalised to sum 1 (None for an unweighted list of
+    several prefixes, which the datasets blend by their token counts).
 
-    A string or a one-element list is one dataset of weight 1; a longer list alternates weight, prefix.
+    Parsed with the data pipeline's own grammar (`gptpar.data.gpt_dataset.parse_data_path`), so a path the
+    config accepts is one the datasets read the same way; only the weights' range is checked here.
     """
-    if isinstance(data_path, str):
-        return [(1.0, data_path)]
-    items = list(data_path)
-    if len(items) == 1 and isinstance(items[0], str):
-        return [(1.0, items[0])]
-    if not items or len(items) % 2:
-        raise ConfigError(f"data.data_path list must alternate weight, prefix (an even length), got {items}")
-    pairs = []
-    for weight, prefix in zip(items[0::2], items[1::2]):
-        try:
-            w = float(weight)
-        except (TypeError, ValueError):
-            raise ConfigError(f"data.data_path weight {weight!r} is not a number: the list alternates "
-                              "weight, prefix, e.g. [\"0.3\", \"prefixA\", \"0.7\", \"prefixB\"]") from None
-        if not isinstance(prefix, str) or not math.isfinite(w) or w < 0:
-            raise ConfigError(f"data.data_path entry ({weight!r}, {prefix!r}) needs a weight >= 0 and a "
-                              "prefix string")
-        pairs.append((w, prefix))
-    total = sum(w for w, _ in pairs)
-    if total <= 0:
-        raise ConfigError("data.data_path weights sum to 0: give at least one positive weight")
-    return [(w / total, p) for w, p in pairs]
+    from gptpar.data.gpt_dataset import DataError, parse_data_path as parse
+
+    try:
+        prefixes, weights = parse(data_path)
+    except DataError as e:
+        raise ConfigError(f"data.data_path: {e}") from None
+    if weights is None:
+        return [(1.0 if len(prefixes) == 1 else None, p) for p in prefixes]
+    if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+        raise ConfigError(f"data.data_path weights {weights} must be finite, >= 0 and not all 0")
+    total = sum(weights)
+    return [(w / total, p) for w, p in zip(weights, prefixes)]
 
 
 def parse_split(split: str) -> List[float]:
-    """Megatron's `--split "949,50,1"` as three normalised fractions (train, valid, test)."""
-    parts = [p for p in split.replace("/", ",").split(",") if p.strip()]
+    """Megatron's `--split "949,50,1"` as three normalised fractions (train, valid, test), by the data
+    pipeline's own parser."""
+    from gptpar.data.gpt_dataset import DataError, parse_split as parse
+
     try:
-        values = [float(p) for p in parts]
-    except ValueError:
-        values = []
-    if not 1 <= len(values) <= 3 or any(v < 0 or not math.isfinite(v) for v in values) or sum(values) <= 0:
-        raise ConfigError(f"data.split must be up to three non-negative numbers like \"949,50,1\", got {split!r}")
-    values += [0.0] * (3 - len(values))
-    total = sum(values)
-    return [v / total for v in values]
+        return parse(split)
+    except DataError as e:
+        raise ConfigError(f"data.split: {e}") from None
 
 
 @dataclass
