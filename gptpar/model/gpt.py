@@ -32,6 +32,7 @@ from gptpar.model.config import GPTConfig
 from gptpar.model.kernels import make_layer_norm
 from gptpar.tensor_parallel.comm import (Group, copy_to_tensor_parallel_region, divide,
                                          gather_from_sequence_parallel_region, group_size,
+                                         mark_sequence_parallel,
                                          scatter_to_sequence_parallel_region)
 from gptpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from gptpar.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -60,22 +61,6 @@ def _split_mask(inputs):
 
 def _join_mask(hidden, mask):
     return hidden if mask is None else (hidden, mask)
-
-
-def _all_reduce_grad(grad: torch.Tensor, group: Group) -> torch.Tensor:
-    grad = grad.contiguous()
-    torch.distributed.all_reduce(grad, group=group)
-    return grad
-
-
-def mark_sequence_parallel(params, group: Group) -> None:
-    """Sum over tp the gradients of replicated parameters that only saw this rank's sequence block
-    (LayerNorms, row-parallel biases). A tensor hook sums each backward's contribution, so gradient
-    accumulation over micro-batches stays a plain sum."""
-    for param in params:
-        param.sequence_parallel = True
-        if group_size(group) > 1 and param.requires_grad:
-            param.register_hook(functools.partial(_all_reduce_grad, group=group))
 
 
 class _Dropout(nn.Module):
@@ -161,8 +146,9 @@ class TransformerLayer(nn.Module):
             self.dense_h_to_4h = ColumnParallelLinear(h, config.ffn_hidden_size, init_method=init, **tp_kw)
             self.dense_4h_to_h = RowParallelLinear(config.ffn_hidden_size, h, init_method=out_init, **tp_kw)
         if sequence_parallel:
-            mark_sequence_parallel([*self.input_layernorm.parameters(), *self.post_attention_layernorm.parameters(),
-                                    self.dense.bias, self.dense_4h_to_h.bias], tp_group)
+            # (the row-parallel biases mark themselves)
+            mark_sequence_parallel([*self.input_layernorm.parameters(), *self.post_attention_layernorm.parameters()],
+                                   tp_group)
         self.hidden_dropout = _Dropout(config.hidden_dropout, rng_tracker, per_rank=sequence_parallel)
 
     def attention(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:

@@ -16,6 +16,7 @@ on `ctx`; nothing here reads global state, so a tp=1 reference and a tp=N model 
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -188,17 +189,17 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) ->
     return x if group_size(group) == 1 else _ReduceScatterToRegion.apply(x, group, 0)
 
 
-def all_reduce_replicated_grads(params, group: Group) -> None:
-    """Sum the gradients of parameters that are replicated across `group` but saw different inputs
-    (under sequence parallelism: LayerNorms and the row-parallel bias see only their sequence block)."""
-    if group_size(group) == 1:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+def _all_reduce_grad(grad: torch.Tensor, group: Group) -> torch.Tensor:
+    grad = grad.contiguous()
+    dist.all_reduce(grad, group=group)
+    return grad
+
+
+def mark_sequence_parallel(params, group: Group) -> None:
+    """Sum over `group` the gradients of replicated parameters that only saw this rank's sequence block
+    (under sequence parallelism: LayerNorms and row-parallel biases). A tensor hook sums each backward's
+    contribution, so gradient accumulation over micro-batches stays a plain sum."""
+    for param in params:
+        param.sequence_parallel = True
+        if group_size(group) > 1 and param.requires_grad:
+            param.register_hook(functools.partial(_all_reduce_grad, group=group))

@@ -18,7 +18,7 @@ draw the full matrix on every rank. On the `meta` device nothing is initialised.
 Sharded parameters carry Megatron's attributes `tensor_model_parallel`, `partition_dim`, `partition_stride`
 (DeepSpeed's gradient norm and clipping read them; checkpoint conversion and parameter counting too).
 Replicated parameters whose gradient must be summed over tp under sequence parallelism carry
-`sequence_parallel = True`.
+`sequence_parallel = True` and a gradient hook that does the sum (`comm.mark_sequence_parallel`).
 """
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from gptpar.tensor_parallel.comm import (
     Group, copy_to_tensor_parallel_region, divide, gather_from_sequence_parallel_region,
-    gather_from_tensor_parallel_region, group_rank, group_size, reduce_from_tensor_parallel_region,
+    gather_from_tensor_parallel_region, group_rank, group_size, mark_sequence_parallel,
+    reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region)
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
@@ -138,6 +139,8 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
             self.bias.sequence_parallel = sequence_parallel
+            if sequence_parallel:  # the replicated bias only sees this rank's sequence block
+                mark_sequence_parallel([self.bias], group)
         else:
             self.register_parameter("bias", None)
 

@@ -11,7 +11,6 @@ A micro-batch is a dict: `input_ids` (b, s) and `labels` (b, s) long tensors, an
 from __future__ import annotations
 
 import functools
-import math
 from typing import List, Optional
 
 import torch
@@ -207,6 +206,3 @@ def _clip_and_keep_norm(engine, pstate) -> None:
         p.grad.detach().mul_(coef)
     engine._global_grad_norm = float(norm)
 
-
-def is_finite(value: Optional[float]) -> bool:
-    return value is not None and math.isfinite(value)
