@@ -113,9 +113,10 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     if group_size(group) == 1:
+        flat = logits_shard.reshape(-1, logits_shard.shape[-1])
         if vocab_size is not None:
-            logits_shard = logits_shard[..., :vocab_size]
-        flat = logits_shard.reshape(-1, logits_shard.shape[-1]).float()
+            flat = flat[:, :vocab_size]  # a view: .float() below makes the one copy (none if fp32)
+        flat = flat.float()
         if label_smoothing > 0:
             loss = F.cross_entropy(flat, target.reshape(-1), reduction="none", ignore_index=ignore_index,
                                    label_smoothing=label_smoothing)
