@@ -124,9 +124,15 @@ def make_step(model, forward, optimizer, autocast_dtype, device):
     return step
 
 
-def build_gptpar(shape, vocab_size, tokens, device, autocast_dtype, activation_checkpointing=False):
+def build_gptpar(shape, vocab_size, tokens, device, autocast_dtype, activation_checkpointing=False,
+                 compile=False):
     config = gptpar_config(shape, vocab_size)
     model = GPTModel(config, device=device, activation_checkpointing=activation_checkpointing).train()
+    if compile:
+        # Each transformer layer through torch.compile (inductor): it fuses the LayerNorms, GELU, residual
+        # adds and casts around the matmuls. The layers share one code object, so they share one graph.
+        for layer in model.layers:
+            layer.compile()
     opt = make_adamw(model.parameters(), lr=1e-4, weight_decay=0.01, device=device)
     x, y = tokens[:, :-1], tokens[:, 1:]
     return make_step(model, lambda: model(x, labels=y), opt, autocast_dtype, device), config
@@ -158,7 +164,7 @@ def timed(step, device) -> float:
 
 
 def bench_shape(shape: Shape, *, vocab_size, dtype, device, with_hf, rounds, warmup, peak_n, peak_repeats,
-                mfu_target, profile=False, activation_checkpointing=False) -> dict:
+                mfu_target, profile=False, activation_checkpointing=False, compile=False) -> dict:
     """Alternating rounds of gptpar / HF steps and a peak matmul; medians of each and of per-round ratios."""
     autocast_dtype = None if dtype == torch.float32 else dtype
     gen = torch.Generator().manual_seed(0)
@@ -166,13 +172,18 @@ def bench_shape(shape: Shape, *, vocab_size, dtype, device, with_hf, rounds, war
     runners = {}
     torch.manual_seed(0)
     runners["gptpar"], config = build_gptpar(shape, vocab_size, tokens, device, autocast_dtype,
-                                             activation_checkpointing)
+                                             activation_checkpointing, compile)
     if with_hf:
         runners["hf"] = build_hf(shape, vocab_size, tokens, device, autocast_dtype)
     peak = MatmulPeak(peak_n, dtype, device, peak_repeats)
-    for step in runners.values():
+    peak_mem = {}
+    for n, step in runners.items():
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         for _ in range(warmup):
             step()
+        if device.type == "cuda":  # includes the other model's resident states: compare the two, not absolutes
+            peak_mem[n] = torch.cuda.max_memory_allocated(device) / 2 ** 30
     names = list(runners)
     times = {n: [] for n in names}
     peaks = []
@@ -183,6 +194,7 @@ def bench_shape(shape: Shape, *, vocab_size, dtype, device, with_hf, rounds, war
     flops, flops_causal = model_flops(shape, config), model_flops(shape, config, causal=True)
     tokens_per_step = shape.batch * shape.seq
     out = {"shape": asdict(shape), "name": shape.name, "dtype": str(dtype).replace("torch.", ""),
+           "compiled": compile,
            "vocab_size": vocab_size, "padded_vocab_size": config.padded_vocab_size(1),
            "flops_per_step": flops, "flops_per_step_causal": flops_causal,
            "peak_flops_median": statistics.median(peaks), "peak_flops": peaks, "peak_matmul_n": peak_n,
@@ -198,6 +210,8 @@ def bench_shape(shape: Shape, *, vocab_size, dtype, device, with_hf, rounds, war
             # Contention only ever adds time: the best round is the least disturbed one.
             "mfu_best_round": max(flops / t / p for t, p in zip(times[n], peaks)),
         }
+        if n in peak_mem:
+            out[n]["peak_memory_gib"] = peak_mem[n]
     if with_hf:
         out["ratio"] = statistics.median(h / g for g, h in zip(times["gptpar"], times["hf"]))
         out["ratio_best"] = min(times["hf"]) / min(times["gptpar"])  # fastest step of each
@@ -205,22 +219,25 @@ def bench_shape(shape: Shape, *, vocab_size, dtype, device, with_hf, rounds, war
     if profile:
         for n in names:
             print(f"profile of one {n} step, {shape.name} {out['dtype']} (self time per op, top 15):")
-            print(profile_step(runners[n]))
+            print(profile_step(runners[n], device))
     del runners
     return out
 
 
-def profile_step(step, rows: int = 15) -> str:
-    """torch.profiler over one step: where the time goes, by operator."""
+def profile_step(step, device, rows: int = 15) -> str:
+    """torch.profiler over one step: where the time goes, by operator (by kernel time on a GPU)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
         step()
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=50)
+        sync(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=50)
 
 
 def print_table(results):
-    print(f"{'shape':<20} {'dtype':<9} {'model':<7} {'step s':>7} {'tokens/s':>9} {'TFLOP/s':>8} "
+    print(f"{'shape':<20} {'dtype':<9} {'model':<10} {'step s':>7} {'tokens/s':>9} {'TFLOP/s':>8} "
           f"{'peak':>7} {'MFU':>6} {'causal':>7} {'best':>6} {'vs HF':>7} {'best':>6}")
     for res in results:
         for n in ("gptpar", "hf"):
@@ -229,7 +246,8 @@ def print_table(results):
             m = res[n]
             ratio = f"{res['ratio']:.3f}x" if n == "gptpar" and "ratio" in res else ""
             best = f"{res['ratio_best']:.2f}x" if n == "gptpar" and "ratio" in res else ""
-            print(f"{res['name']:<20} {res['dtype']:<9} {n:<7} {m['step_s_median']:>7.3f} "
+            label = "gptpar+tc" if n == "gptpar" and res.get("compiled") else n  # tc: torch.compile
+            print(f"{res['name']:<20} {res['dtype']:<9} {label:<10} {m['step_s_median']:>7.3f} "
                   f"{m['tokens_per_s']:>9.0f} {m['tflops']:>8.3f} {res['peak_flops_median'] / 1e12:>7.3f} "
                   f"{m['mfu']:>6.1%} {m['mfu_causal']:>7.1%} {m['mfu_best_round']:>6.1%} {ratio:>7} {best:>6}")
 
@@ -279,6 +297,8 @@ def main(argv=None):
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute gptpar's layers in backward if memory is short (MFU still counts no recompute)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile gptpar's transformer layers (Hugging Face stays eager)")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler table of one step per model")
     p.add_argument("--tiny", action="store_true", help="seconds-long smoke run")
     args = p.parse_args(argv)
@@ -328,7 +348,8 @@ def main(argv=None):
         results.append(bench_shape(shape, vocab_size=vocab_size, dtype=dtype, device=device, with_hf=with_hf,
                                    rounds=rounds, warmup=warmup, peak_n=peak_n(dtype), peak_repeats=3,
                                    mfu_target=mfu_target, profile=args.profile,
-                                   activation_checkpointing=args.activation_checkpointing))
+                                   activation_checkpointing=args.activation_checkpointing,
+                                   compile=args.compile))
         print_table(results[-1:])
     for shape in bf16_shapes:
         results.append(bench_shape(shape, vocab_size=vocab_size, dtype=torch.bfloat16, device=device,

@@ -249,3 +249,38 @@ def test_attention_mask_through_the_pipeline_matches_serial():
 def test_kernel_choice_is_reported():
     line = describe_kernels(torch.device("cpu"))
     assert "layernorm=torch LayerNorm" in line and "AdamW" in line and "SDPA" in line
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a GPU machine)")
+def test_cuda_matches_hugging_face_and_cpu():
+    """On a GPU: logits equal HF's on the same GPU, gradients equal the CPU model's, bf16 autocast and
+    torch.compile'd layers give the fp32 loss. (The GPU benchmark's correctness, checked where it runs.)"""
+    dev = torch.device("cuda")
+    hf = _hf_model("gelu").to(dev)
+    config = config_from_hf(hf.config)
+    state = from_hf_state_dict({k: v.cpu() for k, v in hf.state_dict().items()}, config)
+    models = {}
+    for name in ("cpu", "cuda"):
+        models[name] = GPTModel(config, device=name)
+        load_full_state_dict(models[name], state)
+    x = _tokens()
+    with torch.no_grad():
+        out = hf(x.to(dev), labels=x.to(dev))
+        assert_close(models["cuda"].eval()(x.to(dev))[..., :config.vocab_size], out.logits, rtol=1e-4, atol=1e-4)
+    losses = {}
+    for name, model in models.items():
+        model.train()
+        xs = x.to(name)
+        losses[name] = model(xs[:, :-1], labels=xs[:, 1:])
+        losses[name].backward()
+    assert_close(losses["cuda"].cpu(), losses["cpu"], rtol=1e-5, atol=1e-6)
+    for (n, p_cpu), p_gpu in zip(models["cpu"].named_parameters(), models["cuda"].parameters()):
+        assert_close(p_gpu.grad.cpu(), p_cpu.grad, rtol=1e-4, atol=1e-6, msg=n)
+    xs = x.to(dev)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        bf16 = models["cuda"](xs[:, :-1], labels=xs[:, 1:])
+    assert abs(bf16.item() - losses["cpu"].item()) < 2e-2 * losses["cpu"].item()
+    for layer in models["cuda"].layers:
+        layer.compile()
+    compiled = models["cuda"](xs[:, :-1], labels=xs[:, 1:])
+    assert_close(compiled.cpu(), losses["cpu"], rtol=1e-4, atol=1e-5)
