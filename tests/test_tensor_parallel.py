@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from gptpar.parallel import init_parallel
+from gptpar.tensor_parallel.cross_entropy import LogitsWorkspace, linear_cross_entropy
 from gptpar.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                     model_parallel_seed, vocab_parallel_cross_entropy)
 from gptpar.testing import run_distributed
@@ -222,3 +223,49 @@ def test_init_is_independent_of_padding_rows():
 def test_meta_device_allocates_nothing():
     layer = ColumnParallelLinear(50_000, 200_000, device="meta")
     assert layer.weight.is_meta and layer.weight.shape == (200_000, 50_000)
+
+
+def _linear_ce_reference(hidden, weight, target, vocab):
+    return F.cross_entropy(F.linear(hidden, weight[:vocab]), target, reduction="none", ignore_index=-100)
+
+
+def test_linear_cross_entropy_matches_torch():
+    """The fused tp=1 output layer + loss against F.linear + F.cross_entropy: losses, both gradients (the
+    padded rows' gradient is zero), ignore_index, per-token upstream gradients, rows not a multiple of the
+    block size, and a workspace reused across steps."""
+    torch.manual_seed(0)
+    vocab, padded, h = 70, 80, 16
+    weight = torch.randn(padded, h, requires_grad=True)
+    workspace = LogitsWorkspace()
+    for step in range(3):
+        hidden = torch.randn(5, 9, h, requires_grad=True)  # 45 rows: one full block of 32 and a partial one
+        target = torch.randint(0, vocab, (5, 9))
+        target[1, 2] = -100
+        upstream = torch.rand(5, 9)
+        ref = _linear_ce_reference(hidden.reshape(-1, h), weight, target.reshape(-1), vocab).view(5, 9)
+        ref_grads = torch.autograd.grad((ref * upstream).sum(), (hidden, weight))
+        out = linear_cross_entropy(hidden, weight, target, vocab_size=vocab, workspace=workspace)
+        grads = torch.autograd.grad((out * upstream).sum(), (hidden, weight))
+        assert_close(out, ref)
+        assert out[1, 2] == 0 and grads[0][1, 2].abs().max() == 0
+        for got, want in zip(grads, ref_grads):
+            assert_close(got, want)
+        assert grads[1][vocab:].abs().max() == 0
+
+
+def test_linear_cross_entropy_workspace_never_aliases_live_graphs():
+    """Two forwards before their backwards (and a graph dropped unused) must not share a logits buffer."""
+    torch.manual_seed(1)
+    weight = torch.randn(40, 8, requires_grad=True)
+    workspace = LogitsWorkspace()
+    h1, h2 = torch.randn(6, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True)
+    t1, t2 = torch.randint(0, 40, (6,)), torch.randint(0, 40, (6,))
+    linear_cross_entropy(h1, weight, t1, workspace=workspace).sum().backward()  # the workspace holds a buffer
+    linear_cross_entropy(h1, weight, t1, workspace=workspace)  # dropped without backward
+    linear_cross_entropy(h1, weight, t1, workspace=workspace).sum().backward()
+    l1 = linear_cross_entropy(h1, weight, t1, workspace=workspace).sum()
+    l2 = linear_cross_entropy(h2, weight, t2, workspace=workspace).sum()
+    g2 = torch.autograd.grad(l2, h2)[0]  # backward in the other order
+    g1 = torch.autograd.grad(l1, h1)[0]
+    assert_close(g1, torch.autograd.grad(_linear_ce_reference(h1, weight, t1, 40).sum(), h1)[0])
+    assert_close(g2, torch.autograd.grad(_linear_ce_reference(h2, weight, t2, 40).sum(), h2)[0])

@@ -34,7 +34,8 @@ from gptpar.tensor_parallel.comm import (Group, copy_to_tensor_parallel_region, 
                                          gather_from_sequence_parallel_region, group_size,
                                          mark_sequence_parallel,
                                          scatter_to_sequence_parallel_region)
-from gptpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from gptpar.tensor_parallel.cross_entropy import (LogitsWorkspace, linear_cross_entropy,
+                                                  vocab_parallel_cross_entropy)
 from gptpar.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                            init_normal)
 from gptpar.tensor_parallel.random import RNGStatesTracker, checkpoint
@@ -191,19 +192,15 @@ class FinalLayerNorm(nn.Module):
         return self.norm(x)
 
 
-def lm_logits(embedding: GPTEmbedding, hidden: torch.Tensor, vocab_size: Optional[int] = None) -> torch.Tensor:
+def lm_logits(embedding: GPTEmbedding, hidden: torch.Tensor) -> torch.Tensor:
     """The output layer, tied to the word embedding: (s, b, h) -> (s, b, V/tp) logits of this rank's vocab.
 
-    With `vocab_size` at tp = 1, only the real (unpadded) rows: (s, b, vocab_size) logits, for the loss.
     Also the `forward_fn` of the last pipeline stage's tied embedding (a plain function, no lambda)."""
     if embedding.sequence_parallel:
         hidden = gather_from_sequence_parallel_region(hidden, embedding.tp_group)  # bwd: reduce-scatter
     else:
         hidden = copy_to_tensor_parallel_region(hidden, embedding.tp_group)  # f
-    weight = embedding.word_embeddings.weight
-    if vocab_size is not None and group_size(embedding.tp_group) == 1:
-        weight = weight[:vocab_size]  # leading rows: a view, no copy
-    return F.linear(hidden, weight)
+    return F.linear(hidden, embedding.word_embeddings.weight)
 
 
 class GPTLoss:
@@ -220,6 +217,11 @@ class GPTLoss:
         labels, loss_mask = labels if isinstance(labels, (tuple, list)) else (labels, None)
         losses = vocab_parallel_cross_entropy(logits, labels.t(), group=self.tp_group,
                                               vocab_size=self.vocab_size)  # (s, b)
+        return self.reduce(losses, loss_mask)
+
+    @staticmethod
+    def reduce(losses: torch.Tensor, loss_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """Per-token losses (s, b) -> their mean over the tokens whose loss mask (b, s) is 1."""
         if loss_mask is None:
             return losses.mean()
         loss_mask = loss_mask.t().to(losses.dtype)
@@ -246,6 +248,7 @@ class GPTModel(nn.Module):
                                     for i in range(config.num_layers))
         self.final_layernorm = FinalLayerNorm(config, **kw)
         self.loss_fn = GPTLoss(config.vocab_size, tp_group)
+        self._logits_workspace = LogitsWorkspace()  # the fused CPU loss's reusable logits buffer
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, labels=None, loss_mask=None):
         x = self.embedding((input_ids, position_ids, attention_mask))
@@ -257,11 +260,18 @@ class GPTModel(nn.Module):
         hidden = self.final_layernorm(x)
         if labels is None:
             return lm_logits(self.embedding, hidden).transpose(0, 1)  # (b, s, V/tp)
-        # At tp = 1 on a CPU the padding rows' logits would only be sliced off by the loss, which copies the
-        # whole (s, b, V) tensor forward and zero-fills + copies it backward: skip computing them there. On a
-        # GPU keep them: the padded vocab (a multiple of 128, which is what the padding is for) keeps the three
-        # output-layer GEMMs on tensor-core kernels; with 50257 columns cuBLAS fell back to a kernel ~6x slower
-        # (an H200: 39 ms of a 189 ms 1.3B step, docs/benchmarks.md).
-        real_rows = self.config.vocab_size if hidden.device.type == "cpu" else None
-        logits = lm_logits(self.embedding, hidden, vocab_size=real_rows)  # (s, b, V/tp)
+        if self._fused_loss_applies(hidden):
+            # tp = 1, fp32 on a CPU: output layer + loss in one function over the real vocab rows, in place in
+            # a reused buffer (~1.3x faster than logits then loss at 12x768; docs/benchmarks.md).
+            losses = linear_cross_entropy(hidden, self.embedding.word_embeddings.weight, labels.t(),
+                                          vocab_size=self.config.vocab_size, workspace=self._logits_workspace)
+            return self.loss_fn.reduce(losses, loss_mask)
+        # On a GPU all the padded vocab's rows: a vocab dim that is a multiple of 128 (what the padding is for)
+        # keeps the three output-layer GEMMs on tensor-core kernels; with 50257 columns cuBLAS fell back to a
+        # kernel ~6x slower (an H200: 39 ms of a 189 ms 1.3B step, docs/benchmarks.md). The loss masks them.
+        logits = lm_logits(self.embedding, hidden)  # (s, b, V/tp)
         return self.loss_fn(logits, (labels, loss_mask) if loss_mask is not None else labels)
+
+    def _fused_loss_applies(self, hidden: torch.Tensor) -> bool:
+        return (group_size(self.embedding.tp_group) == 1 and hidden.device.type == "cpu"
+                and hidden.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"))
