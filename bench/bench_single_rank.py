@@ -3,6 +3,7 @@
     python bench/bench_single_rank.py                 # 6x384 s256 b8 and 12x768 s512 b4, fp32, + bf16 (~5 min, 2 cores)
     python bench/bench_single_rank.py --tiny          # seconds; the smoke test runs this
     python bench/bench_single_rank.py --device cuda --dtype bf16 --config configs/1.3b.json   # a GPU, ~1.3B, seq 2048
+    bash bench/gpu_run.sh                             # the GPU checks of docs/benchmarks.md in one go (+ --hf, --compile)
 
 Both models live in one process with the same thread count, shapes (layers, hidden, heads, vocab, seq,
 micro-batch), dropout 0, the same activation (exact GELU) and the same optimizer (gptpar's `make_adamw`,
@@ -16,7 +17,8 @@ No DeepSpeed is involved, so this runs on a GPU machine without it; transformers
 
 MFU = model FLOPs per step (gptpar.flops.model_flops_per_iteration, no recompute, gptpar's padded vocab) /
 step time / the measured matmul peak. That count charges full (s x s) attention; the kernels compute the
-causal half only, so the "causal" column subtracts the half they skip.
+causal half only, so the "causal" column subtracts the half they skip. `--breakdown` also times the model's
+GEMMs and its attention alone: their sum is a floor on the step time, hence a ceiling on MFU.
 
 bf16 means the usual mixed precision: fp32 parameters and AdamW, `torch.autocast(dtype=bfloat16)`.
 """
@@ -236,6 +238,45 @@ def profile_step(step, device, rows: int = 15) -> str:
     return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=50)
 
 
+def breakdown(shape: Shape, vocab_size: int, dtype, device, peak_n: int, repeats: int = 3) -> dict:
+    """The step's two big parts timed alone: every GEMM of the model (forward and both backward products,
+    F.linear's (out, in) layout) and causal SDPA forward + backward, each the best of `repeats`, beside the
+    matmul peak. Their sum is a floor on the step time, so flops / sum / peak is a ceiling on MFU."""
+    t, h, v = shape.batch * shape.seq, shape.hidden, vocab_size
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*size):
+        return torch.randn(*size, generator=gen, device=device).to(dtype)
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            times.append(timed(fn, device))
+        return min(times)
+
+    gemm_s, gemm_flops = 0.0, 0.0
+    for k, n, per_step in ((h, 3 * h, shape.layers), (h, h, shape.layers), (h, 4 * h, shape.layers),
+                           (4 * h, h, shape.layers), (h, v, 1)):
+        x, w, gy = rand(t, k), rand(n, k), rand(t, n)
+        one = best(lambda: torch.nn.functional.linear(x, w)) + best(lambda: gy @ w) + best(lambda: gy.t() @ x)
+        gemm_s += per_step * one
+        gemm_flops += per_step * 3 * 2 * t * k * n
+    nh, d = shape.heads, shape.hidden // shape.heads
+    q, k_, v_ = (rand(shape.batch, nh, shape.seq, d).requires_grad_() for _ in range(3))
+    grad = rand(shape.batch, nh, shape.seq, d)
+
+    def attention():
+        out = torch.nn.functional.scaled_dot_product_attention(q, k_, v_, is_causal=True)
+        torch.autograd.grad(out, (q, k_, v_), grad)
+    attention_s = shape.layers * best(attention)
+    peak = MatmulPeak(peak_n, dtype, device, repeats).measure()
+    return {"gemm_s": gemm_s, "gemm_tflops": gemm_flops / gemm_s / 1e12,
+            "gemm_fraction_of_peak": gemm_flops / gemm_s / peak, "attention_s": attention_s,
+            "peak_tflops": peak / 1e12, "floor_s": gemm_s + attention_s,
+            "attention_flops_causal": shape.layers * 3 * 2 * shape.batch * shape.seq ** 2 * h}
+
+
 def print_table(results):
     print(f"{'shape':<20} {'dtype':<9} {'model':<10} {'step s':>7} {'tokens/s':>9} {'TFLOP/s':>8} "
           f"{'peak':>7} {'MFU':>6} {'causal':>7} {'best':>6} {'vs HF':>7} {'best':>6}")
@@ -292,11 +333,14 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--peak-n", type=int, default=None, help="matmul size for the peak (default 4096 CPU fp32, "
                                                             "2048 CPU bf16, 8192 GPU)")
-    p.add_argument("--no-hf", action="store_true", help="gptpar alone (default on GPU: two models do not fit)")
-    p.add_argument("--hf", action="store_true", help="compare against Hugging Face on a GPU too")
+    p.add_argument("--no-hf", action="store_true", help="gptpar alone (the default on a GPU)")
+    p.add_argument("--hf", action="store_true", help="compare against Hugging Face on a GPU too (two 1.3B models "
+                                                       "with AdamW peaked at 50.5 GiB on an H200)")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute gptpar's layers in backward if memory is short (MFU still counts no recompute)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time the model's GEMMs and attention alone: a floor on the step time, a ceiling on MFU")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile gptpar's transformer layers (Hugging Face stays eager)")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler table of one step per model")
@@ -351,6 +395,16 @@ def main(argv=None):
                                    activation_checkpointing=args.activation_checkpointing,
                                    compile=args.compile))
         print_table(results[-1:])
+        if args.breakdown:
+            b = breakdown(shape, results[-1]["padded_vocab_size"], dtype, device, peak_n(dtype))
+            res = results[-1]
+            b["mfu_ceiling"] = res["flops_per_step"] / b["floor_s"] / (b["peak_tflops"] * 1e12)
+            res["breakdown"] = b
+            print(f"breakdown {shape.name}: GEMMs alone {b['gemm_s']:.3f} s ({b['gemm_tflops']:.3f} TFLOP/s, "
+                  f"{b['gemm_fraction_of_peak']:.0%} of the {b['peak_tflops']:.3f} peak) + causal attention alone "
+                  f"{b['attention_s']:.3f} s ({b['attention_flops_causal'] / b['attention_s'] / 1e12:.3f} TFLOP/s) "
+                  f"= {b['floor_s']:.3f} s vs the step's {res['gptpar']['step_s_median']:.3f} s; MFU ceiling "
+                  f"{b['mfu_ceiling']:.1%}")
     for shape in bf16_shapes:
         results.append(bench_shape(shape, vocab_size=vocab_size, dtype=torch.bfloat16, device=device,
                                    with_hf=False, rounds=max(2, rounds - 2), warmup=1,

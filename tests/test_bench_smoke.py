@@ -31,8 +31,11 @@ def test_bench_single_rank_tiny(tmp_path):
 
 
 def test_bench_single_rank_without_hf(tmp_path):
-    stdout, res = _run(["bench/bench_single_rank.py", "--no-hf", "--bf16-shapes", ""], tmp_path, timeout=120)
+    stdout, res = _run(["bench/bench_single_rank.py", "--no-hf", "--bf16-shapes", "", "--breakdown"], tmp_path,
+                       timeout=120)
     assert all("hf" not in r for r in res["results"])
+    b = res["results"][0]["breakdown"]
+    assert b["floor_s"] == b["gemm_s"] + b["attention_s"] > 0 and 0 < b["mfu_ceiling"]
 
 
 def test_bench_scaling_tiny(tmp_path):
