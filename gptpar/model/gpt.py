@@ -30,14 +30,12 @@ import torch.nn.functional as F
 
 from gptpar.model.config import GPTConfig
 from gptpar.model.kernels import make_layer_norm
-from gptpar.tensor_parallel.comm import (Group, copy_to_tensor_parallel_region, divide,
-                                         gather_from_sequence_parallel_region, group_size,
-                                         mark_sequence_parallel,
-                                         scatter_to_sequence_parallel_region)
+from gptpar.tensor_parallel.comm import (Group, divide, gather_from_sequence_parallel_region, group_size,
+                                         mark_sequence_parallel, scatter_to_sequence_parallel_region)
 from gptpar.tensor_parallel.cross_entropy import (LogitsWorkspace, linear_cross_entropy,
                                                   vocab_parallel_cross_entropy)
 from gptpar.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                           init_normal)
+                                           init_normal, linear_with_grad_all_reduce)
 from gptpar.tensor_parallel.random import RNGStatesTracker, checkpoint
 
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
@@ -196,11 +194,11 @@ def lm_logits(embedding: GPTEmbedding, hidden: torch.Tensor) -> torch.Tensor:
     """The output layer, tied to the word embedding: (s, b, h) -> (s, b, V/tp) logits of this rank's vocab.
 
     Also the `forward_fn` of the last pipeline stage's tied embedding (a plain function, no lambda)."""
+    weight = embedding.word_embeddings.weight
     if embedding.sequence_parallel:
         hidden = gather_from_sequence_parallel_region(hidden, embedding.tp_group)  # bwd: reduce-scatter
-    else:
-        hidden = copy_to_tensor_parallel_region(hidden, embedding.tp_group)  # f
-    return F.linear(hidden, embedding.word_embeddings.weight)
+        return F.linear(hidden, weight)
+    return linear_with_grad_all_reduce(hidden, weight, None, embedding.tp_group)  # f + linear
 
 
 class GPTLoss:

@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gptpar.tensor_parallel.comm import (
-    Group, copy_to_tensor_parallel_region, divide, gather_from_sequence_parallel_region,
+    Group, divide, gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region, group_rank, group_size, mark_sequence_parallel,
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region)
@@ -74,6 +74,44 @@ def init_sharded_(shard: torch.Tensor, full_shape, partition_dim: int, rank: int
         shard.copy_(out)
 
 
+class _LinearGradAllReduce(torch.autograd.Function):
+    """F.linear(x, weight, bias) whose input gradient is all-reduced over `group` (Megatron's f + linear), with
+    the all-reduce overlapped with the weight-gradient GEMM (Megatron's async tensor-parallel all-reduce).
+
+    Backward: grad_x = g W, start all-reduce(grad_x), then grad_W = g^T x and grad_b = sum g, then wait."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_w = grad_b = handle = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad.matmul(weight)  # (..., in): this rank's partial sum
+            handle = torch.distributed.all_reduce(grad_x, group=ctx.group, async_op=True)
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        if ctx.needs_input_grad[1]:
+            grad_w = flat_grad.t().mm(x.reshape(-1, x.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = flat_grad.sum(0)
+        if handle is not None:
+            handle.wait()
+        return grad_x, grad_w, grad_b, None
+
+
+def linear_with_grad_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                                group: Group) -> torch.Tensor:
+    """`F.linear(copy_to_tensor_parallel_region(x, group), weight, bias)`, overlapping the backward all-reduce."""
+    if group_size(group) == 1:
+        return F.linear(x, weight, bias)
+    return _LinearGradAllReduce.apply(x, weight, bias, group)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split along its output dim: rank r computes Y[..., r*out/tp:(r+1)*out/tp].
 
@@ -104,9 +142,9 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.group)  # (s/tp, b, in) -> (s, b, in)
+            y = F.linear(x, self.weight, self.bias)  # (..., out/tp)
         else:
-            x = copy_to_tensor_parallel_region(x, self.group)  # f
-        y = F.linear(x, self.weight, self.bias)  # (..., out/tp)
+            y = linear_with_grad_all_reduce(x, self.weight, self.bias, self.group)  # f + linear
         return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
