@@ -35,5 +35,11 @@ test-slow: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest -q tests
 
+bench: $(STAMP)
+	# docs/benchmarks.md's CPU figures (~15 min on 2 cores); the GPU ones: bench/gpu_run.sh on a GPU machine.
+	$(PY) bench/bench_single_rank.py
+	$(PY) bench/bench_scaling.py
+	$(PY) bench/bench_preprocess.py
+
 clean:
 	rm -rf $(VENV) build *.egg-info
