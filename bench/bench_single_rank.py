@@ -3,7 +3,7 @@
     python bench/bench_single_rank.py                 # 6x384 s256 b8 and 12x768 s512 b4, fp32, + bf16 (~5 min, 2 cores)
     python bench/bench_single_rank.py --tiny          # seconds; the smoke test runs this
     python bench/bench_single_rank.py --device cuda --dtype bf16 --config configs/1.3b.json   # a GPU, ~1.3B, seq 2048
-    bash bench/gpu_run.sh                             # the GPU checks of docs/benchmarks.md in one go (+ --hf, --compile)
+    bash bench/gpu_run.sh                             # the GPU checks of docs/benchmarks.md (+ --hf, --compile)
 
 Both models live in one process with the same thread count, shapes (layers, hidden, heads, vocab, seq,
 micro-batch), dropout 0, the same activation (exact GELU) and the same optimizer (gptpar's `make_adamw`,
@@ -127,10 +127,10 @@ def make_step(model, forward, optimizer, autocast_dtype, device):
 
 
 def build_gptpar(shape, vocab_size, tokens, device, autocast_dtype, activation_checkpointing=False,
-                 compile=False):
+                 compile_layers=False):
     config = gptpar_config(shape, vocab_size)
     model = GPTModel(config, device=device, activation_checkpointing=activation_checkpointing).train()
-    if compile:
+    if compile_layers:
         # Each transformer layer through torch.compile (inductor): it fuses the LayerNorms, GELU, residual
         # adds and casts around the matmuls. The layers share one code object, so they share one graph.
         for layer in model.layers:
@@ -166,7 +166,7 @@ def timed(step, device) -> float:
 
 
 def bench_shape(shape: Shape, *, vocab_size, dtype, device, with_hf, rounds, warmup, peak_n, peak_repeats,
-                mfu_target, profile=False, activation_checkpointing=False, compile=False) -> dict:
+                mfu_target, profile=False, activation_checkpointing=False, compile_layers=False) -> dict:
     """Alternating rounds of gptpar / HF steps and a peak matmul; medians of each and of per-round ratios."""
     autocast_dtype = None if dtype == torch.float32 else dtype
     gen = torch.Generator().manual_seed(0)
@@ -174,7 +174,7 @@ def bench_shape(shape: Shape, *, vocab_size, dtype, device, with_hf, rounds, war
     runners = {}
     torch.manual_seed(0)
     runners["gptpar"], config = build_gptpar(shape, vocab_size, tokens, device, autocast_dtype,
-                                             activation_checkpointing, compile)
+                                             activation_checkpointing, compile_layers)
     if with_hf:
         runners["hf"] = build_hf(shape, vocab_size, tokens, device, autocast_dtype)
     peak = MatmulPeak(peak_n, dtype, device, peak_repeats)
@@ -196,7 +196,7 @@ def bench_shape(shape: Shape, *, vocab_size, dtype, device, with_hf, rounds, war
     flops, flops_causal = model_flops(shape, config), model_flops(shape, config, causal=True)
     tokens_per_step = shape.batch * shape.seq
     out = {"shape": asdict(shape), "name": shape.name, "dtype": str(dtype).replace("torch.", ""),
-           "compiled": compile,
+           "compiled": compile_layers,
            "vocab_size": vocab_size, "padded_vocab_size": config.padded_vocab_size(1),
            "flops_per_step": flops, "flops_per_step_causal": flops_causal,
            "peak_flops_median": statistics.median(peaks), "peak_flops": peaks, "peak_matmul_n": peak_n,
@@ -393,7 +393,7 @@ def main(argv=None):
                                    rounds=rounds, warmup=warmup, peak_n=peak_n(dtype), peak_repeats=3,
                                    mfu_target=mfu_target, profile=args.profile,
                                    activation_checkpointing=args.activation_checkpointing,
-                                   compile=args.compile))
+                                   compile_layers=args.compile))
         print_table(results[-1:])
         if args.breakdown:
             b = breakdown(shape, results[-1]["padded_vocab_size"], dtype, device, peak_n(dtype))
