@@ -95,6 +95,8 @@ ERROR_CASES = [
                                parallel={"tensor_model_parallel_size": 4, "sequence_parallel": True}),
      (), 4, "sequence_parallel", "seq_length"),
     ("bad_override_syntax", base(), ("training.lr",), 1, "section.key=value", "training.lr"),
+    ("timers_need_pp1", base(parallel={"pipeline_model_parallel_size": 2}, logging={"timers": True}), (), 2,
+     "logging.timers", "pp = 2"),
 ]
 
 

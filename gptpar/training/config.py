@@ -384,6 +384,11 @@ class LoggingConfig:
                                     "field.")
     wandb_project: Optional[str] = _f(None, "Also log to this Weights & Biases project (needs wandb "
                                             "installed); null = off.")
+    timers: bool = _f(False, "After each log line, print where an iteration's time went (Megatron's `time (ms)` "
+                             "line: batch placement, forward, backward, optimizer step incl. gradient reduction "
+                             "and clipping, the rest), averaged over the interval; also in the metrics file. "
+                             "pp = 1 only. Synchronises the device around each phase, which costs a little "
+                             "overlap.")
 
     def __post_init__(self):
         _check_fields("logging", self)
@@ -461,6 +466,9 @@ class Config:
                 partition_layers(m.num_layers, pp, p.partition_method, p.embedding_weight or 1)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+        if self.logging.timers and pp > 1:
+            raise ConfigError("logging.timers times the phases at pp = 1 only (DeepSpeed's pipeline engine "
+                              f"interleaves them across micro-batches), got pp = {pp}: set logging.timers=false")
         if p.sequence_parallel and m.seq_length % tp:
             raise ConfigError(f"parallel.sequence_parallel needs model.seq_length ({m.seq_length}) to divide by "
                               f"tensor_model_parallel_size ({tp})")

@@ -18,8 +18,11 @@ Precision (DeepSpeed 0.19.8, chosen by the generated config, reported by `precis
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import List, Optional
+import time
+from collections import defaultdict
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -107,7 +110,8 @@ class TrainEngine:
 
     def __init__(self, ds_engine, pstate, pipelined: bool):
         self.ds, self.pstate, self.pipelined = ds_engine, pstate, pipelined
-        self.device = ds_engine.device
+        self.device = torch.device(ds_engine.device)
+        self.phase_seconds: Optional[Dict[str, float]] = None  # `time_phases()` turns the timers on
 
     # -- the step ------------------------------------------------------------------------------
     def train_step(self, micro_batches: List[dict]) -> float:
@@ -115,7 +119,8 @@ class TrainEngine:
 
         Returns the loss averaged over the micro-batches and the data-parallel ranks (on every rank)."""
         self.ds.train()
-        micro_batches = [to_device(mb, self.device) for mb in micro_batches]
+        with self._phase("batch"):
+            micro_batches = [to_device(mb, self.device) for mb in micro_batches]
         if self.pipelined:
             loss = self.ds.train_batch(data_iter=iter([_pipe_batch(mb) for mb in micro_batches]))
             return float(loss)
@@ -123,12 +128,34 @@ class TrainEngine:
         for i, mb in enumerate(micro_batches):
             # Explicit boundary: DeepSpeed's micro-step counter misplaces it after a ramp-up changes the
             # number of micro-batches (a step mid-batch, then a skipped one).
-            self.ds.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
-            loss = self.ds(**mb)
-            self.ds.backward(loss)
-            self.ds.step()
+            last = i == len(micro_batches) - 1
+            self.ds.set_gradient_accumulation_boundary(last)
+            with self._phase("forward"):
+                loss = self.ds(**mb)
+            with self._phase("backward"):
+                self.ds.backward(loss)
+            with self._phase("optimizer" if last else "micro-step"):  # reduce, clip, step / bookkeeping
+                self.ds.step()
             losses.append(loss.detach().float())
         return _dp_mean(torch.stack(losses).mean(), self.pstate)
+
+    def time_phases(self) -> None:
+        """Time each phase of `train_step` from now on (pp = 1): seconds summed in `phase_seconds`."""
+        if self.pipelined:
+            raise ValueError("logging.timers: the phases are timed at pp = 1 only (DeepSpeed's pipeline engine "
+                             "interleaves them across micro-batches); set it false for pp > 1")
+        self.phase_seconds = defaultdict(float)
+
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        if self.phase_seconds is None:
+            yield
+            return
+        _synchronize(self.device)
+        start = time.perf_counter()
+        yield
+        _synchronize(self.device)
+        self.phase_seconds[name] += time.perf_counter() - start
 
     @torch.no_grad()
     def eval_step(self, micro_batches: List[dict]) -> float:
@@ -230,6 +257,11 @@ class TrainEngine:
     @property
     def skipped_steps(self) -> int:
         return int(self.ds.skipped_steps)
+
+
+def _synchronize(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def fp16_loss_scale(optimizer) -> float:
