@@ -44,3 +44,16 @@ def test_bench_scaling_tiny(tmp_path):
     assert res["tp"]["ratio"] > 0 and res["pp"]["efficiency"] > 0
     # ZeRO-1 halves the optimizer state at dp=2: this is arithmetic, not timing.
     assert 0.45 < res["zero"]["opt_bytes_ratio"] < 0.55
+
+
+@pytest.mark.slow
+def test_gpu_trainer_flow_on_cpu(tmp_path):
+    """bench/gpu_trainer.py's whole flow (bf16 train/save/resume, recompute, fp16 loss scaling, the bench) at a
+    tiny shape on CPU: every run exits 0 and every check of its summary holds (~3 min on 2 cores)."""
+    out = subprocess.run([sys.executable, "bench/gpu_trainer.py", "--out", str(tmp_path), "--cpu-smoke"],
+                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert out.returncode == 0 and all(v is True for v in summary["checks"].values()), summary["checks"]
+    assert set(summary["exit_codes"]) == set("abcde")
+    assert summary["figures"]["d_fp16"]["skipped_iterations"] > 0
+    assert not os.path.exists(tmp_path / "checkpoints" / "ck_bf16")  # cleaned up

@@ -2,7 +2,7 @@
 holds (against gptpar.memory), bf16's fp32 gradient accumulation and what it buys over bf16 accumulation.
 
 fp16 needs an accelerator with fp16 support: the ranks patch DeepSpeed's CPU accelerator to say yes
-(trainer_runs.allow_fp16_on_cpu), so these tests do not depend on the CPU they run on.
+(gptpar.testing.allow_fp16_on_cpu), so these tests do not depend on the CPU they run on.
 """
 import logging
 
@@ -56,9 +56,8 @@ CASES = [("fp32", 0), ("fp32", 1), ("bf16", 1), ("fp16", 1)]  # mixed precision 
 def _held_at_step(dp):
     """Per case: (precision plan, bytes per parameter held at the optimizer step, optimizer-state bytes per
     parameter after it)."""
-    from trainer_runs import allow_fp16_on_cpu
-
     from gptpar.parallel import init_parallel
+    from gptpar.testing import allow_fp16_on_cpu
 
     allow_fp16_on_cpu()
     pstate = init_parallel(1, 1, dp)
@@ -139,9 +138,8 @@ def test_precision_plans_name_the_real_optimizers(held):
 def _fp16_stage0_gradient_over_plain_gradient():
     """engine.backward's gradient / the module's own unscaled gradient, at DeepSpeed's fp16 ZeRO-0, with a
     loss scale of 1024 in force (one micro-batch: no accumulation division)."""
-    from trainer_runs import allow_fp16_on_cpu
-
     from gptpar.parallel import init_parallel
+    from gptpar.testing import allow_fp16_on_cpu
 
     allow_fp16_on_cpu()
     pstate = init_parallel(1, 1, 1)

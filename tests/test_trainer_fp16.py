@@ -1,7 +1,7 @@
 """fp16 dynamic loss scaling and honest skipped-iteration counting, on CPU.
 
 DeepSpeed's CPU accelerator refuses fp16; the rank processes override its `is_fp16_supported` /
-`supported_dtypes` (trainer_runs.allow_fp16_on_cpu), after which fp16 works, slowly: the model is tiny.
+`supported_dtypes` (gptpar.testing.allow_fp16_on_cpu), after which fp16 works, slowly: the model is tiny.
 A huge initial loss scale overflows on purpose: each overflow must skip the step, halve the scale
 (hysteresis 1), leave the LR schedule where it was (Megatron) and be counted in the log line, at dp = 2 and
 through the pipeline engine (pp = 2, zero_stage 0 asked: fp16 runs at ZeRO-1), and the logged scale is the one
@@ -67,19 +67,11 @@ def test_overflow_skips_halve_the_scale_and_hold_the_lr(runs, name):
 
 
 def saved_loss_scale(save_dir):
-    """The dynamic scale DeepSpeed's fp16 optimizer wrote into the last checkpoint (ZeRO-0: the model states'
-    optimizer dict; ZeRO-1: each optimizer shard's loss scaler)."""
-    import torch
+    """The dynamic scale DeepSpeed's fp16 optimizer wrote into the last checkpoint."""
+    from gptpar.training.engine import checkpoint_loss_scale
 
     (last,) = sorted(glob.glob(os.path.join(save_dir, "iter_*")))[-1:]
-    shards = sorted(glob.glob(os.path.join(last, "*optim_states.pt")))
-    if shards:
-        scales = {torch.load(f, weights_only=False)["optimizer_state_dict"]["loss_scaler"].cur_scale for f in shards}
-    else:
-        scales = {torch.load(os.path.join(last, "mp_rank_00_model_states.pt"), weights_only=False)["optimizer"]
-                  ["cur_scale"]}
-    assert len(scales) == 1, scales
-    return float(scales.pop())
+    return checkpoint_loss_scale(last)
 
 
 def test_interval_counts_skips(runs):

@@ -15,6 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from gptpar.testing import allow_fp16_on_cpu  # noqa: E402
+
 TINY = {
     "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16,
               "vocab_size": 200, "make_vocab_size_divisible_by": 128},
@@ -51,16 +53,6 @@ def run_mains(runs, env=None):
             rc = pretrain_gpt.main(argv)
         out[name] = (rc, buf.getvalue())
     return out
-
-
-def allow_fp16_on_cpu():
-    """DEVELOPERS' override: make DeepSpeed's CPU accelerator accept fp16 (slow emulated math, tiny runs only)."""
-    import torch
-    from deepspeed.accelerator import get_accelerator
-
-    cls = type(get_accelerator())
-    cls.is_fp16_supported = lambda self: True
-    cls.supported_dtypes = lambda self: [torch.float, torch.bfloat16, torch.float16]
 
 
 def run_mains_fp16(runs):

@@ -278,6 +278,22 @@ def fp16_loss_scale(optimizer) -> float:
                        "fp16 optimizers; pin deepspeed==0.19.8 or teach gptpar.training.engine.fp16_loss_scale")
 
 
+def checkpoint_loss_scale(iteration_dir: str) -> float:
+    """The dynamic loss scale DeepSpeed 0.19.8's fp16 ZeRO-1 optimizer wrote into a checkpoint folder (each
+    optimizer shard holds its loss scaler; they must agree): what `loss_scale` logged at that iteration."""
+    import glob
+    import os
+
+    shards = sorted(glob.glob(os.path.join(iteration_dir, "*optim_states.pt")))
+    if not shards:
+        raise FileNotFoundError(f"{iteration_dir}: no DeepSpeed optimizer shards (*optim_states.pt)")
+    scales = {float(torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]["loss_scaler"]
+                    .cur_scale) for f in shards}
+    if len(scales) != 1:
+        raise ValueError(f"{iteration_dir}: the optimizer shards disagree on the loss scale: {sorted(scales)}")
+    return scales.pop()
+
+
 def _pipe_batch(mb: dict):
     """(inputs, labels) as DeepSpeed's pipeline wants them: tensors or tuples of tensors only."""
     if mb.get("attention_mask") is not None or mb.get("position_ids") is not None:
