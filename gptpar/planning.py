@@ -14,7 +14,7 @@ from typing import List, Optional
 
 from gptpar.flops import model_flops_per_iteration, params_per_stage, stage_layer_ranges
 from gptpar.memory import GIB, memory_per_gpu
-from gptpar.model.config import pad_vocab_size
+from gptpar.model.config import pad_vocab_size, recompute_mode
 
 
 # ---------------------------------------------------------------------------------------------
@@ -51,7 +51,7 @@ def settings_from_config(cfg: dict) -> dict:
         "embedding_weight": p.get("embedding_weight") or 1,
         "micro_batch_size": t.get("micro_batch_size", 1), "global_batch_size": t.get("global_batch_size"),
         "precision": t.get("precision", "bf16"), "zero_stage": t.get("zero_stage", 1),
-        "activation_checkpointing": t.get("activation_checkpointing", True),
+        "activation_checkpointing": recompute_mode(t.get("activation_checkpointing", True)),
         "rampup_batch_size": t.get("rampup_batch_size"),
     }
     if s["vocab_size"]:
@@ -198,7 +198,7 @@ def predict(s: dict, tp: int, pp: int, dp: int, mbs: int, gbs: int, hw: Hardware
                                       ffn_hidden_size=s["ffn_hidden_size"])
     slot_compute = flops / (m * dp * pp * tp) / rate
     layers_per_stage = L / pp
-    n_ar = 6 if s["activation_checkpointing"] else 4
+    n_ar = 6 if s["activation_checkpointing"] == "full" else 4   # selective redoes no linear, no all-reduce
     ar_bytes = mbs * seq * h * 2
     slot_tp = 0.0 if tp == 1 else layers_per_stage * n_ar * ar_bytes * 2 * (tp - 1) / tp / (hw.intra_node_gbps * 1e9)
     per_gpu_inter = hw.inter_node_gbps * 1e9 / hw.gpus_per_node

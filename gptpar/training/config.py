@@ -18,7 +18,7 @@ import typing
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
-from gptpar.model.config import GPTConfig
+from gptpar.model.config import RECOMPUTE_MODES, GPTConfig, recompute_mode
 from gptpar.model.partition import partition_layers, resolve_partition_method
 from gptpar.parallel import resolve_sizes
 from gptpar.training.schedules import BatchSizeRampup
@@ -179,8 +179,12 @@ class TrainingConfig:
     min_loss_scale: float = _f(1.0, "fp16 only: the dynamic scale never drops below this.")
     zero_stage: int = _f(0, "ZeRO stage: 0 (plain data parallel) or 1 (optimizer state sharded over dp). "
                             "The pipeline engine refuses 2 and 3.", choices=(0, 1))
-    activation_checkpointing: bool = _f(False, "Recompute each transformer layer's activations in backward "
-                                               "(also sets the TFLOPs recompute factor 4 instead of 3).")
+    activation_checkpointing: Union[bool, str] = _f(
+        "none", "Activation recompute in backward (Megatron's --recompute-granularity): `none`; `selective` "
+                "recomputes only each layer's attention core (QK^T, softmax, dropout, x V), dropping its s x s "
+                "activations for ~4sh extra forward FLOPs per token and layer (the TFLOPs count adds them); "
+                "`full` recomputes each whole transformer layer from its input (TFLOPs recompute factor 4 "
+                "instead of 3). true/false are read as full/none.", choices=RECOMPUTE_MODES)
     rampup_batch_size: Optional[List[int]] = _f(None, "Megatron's batch-size ramp-up `[start, increment, "
                                                       "samples]`: start at `start`, grow by `increment` "
                                                       "evenly over `samples` samples up to "
@@ -196,6 +200,8 @@ class TrainingConfig:
 
     def __post_init__(self):
         s = "training"
+        if isinstance(self.activation_checkpointing, bool):  # the older switch: true = full, false = none
+            self.activation_checkpointing = recompute_mode(self.activation_checkpointing)
         _check_fields(s, self)
         _positive(s, self, "micro_batch_size", "global_batch_size", "adam_eps", "initial_loss_scale",
                   "loss_scale_window", "hysteresis", "min_loss_scale")
