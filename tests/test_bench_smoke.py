@@ -44,3 +44,65 @@ def test_bench_scaling_tiny(tmp_path):
     assert res["tp"]["ratio"] > 0 and res["pp"]["efficiency"] > 0
     # ZeRO-1 halves the optimizer state at dp=2: this is arithmetic, not timing.
     assert 0.45 < res["zero"]["opt_bytes_ratio"] < 0.55
+
+
+def _load_bench(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "bench", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_peer_loop_tiny(tmp_path):
+    """The peer loop trains (finite losses) and reports TFLOPs by gptpar's formula for its own time."""
+    from gptpar.flops import tflops_per_gpu
+
+    out_json = tmp_path / "peer.json"
+    out = subprocess.run([sys.executable, "bench/bench_peer_loop.py", "--tiny", "--device", "cpu", "--json",
+                          str(out_json)], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out_json.read_text())
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == res
+    c = res["config"]
+    assert res["micro_batches"] == res["global_batch_size"] // res["micro_batch_size"]
+    assert len(res["sec_per_iter"]) == res["iters"] and len(res["losses"]) == res["iters"] + res["warmup_iters"]
+    assert all(l == l and 0 < l < 20 for l in res["losses"])
+    assert res["tflops"] == pytest.approx(tflops_per_gpu(
+        num_layers=c["n_layer"], hidden_size=c["n_embd"], vocab_size=res["padded_vocab_size"],
+        seq_length=c["block_size"], global_batch_size=res["global_batch_size"],
+        sec_per_iter=res["sec_per_iter_median"], num_gpus=1, recompute=False))
+    assert res["tokens_per_s"] == pytest.approx(res["global_batch_size"] * c["block_size"] / res["sec_per_iter_median"])
+
+
+def test_peer_model_computes_gptpar_model():
+    """The peer is the same function as gptpar's GPT (tanh GELU), so one FLOP count fits both loops: with the
+    peer's weights moved into GPTModel (through the Hugging Face layout: nanoGPT's names, Conv1D transposed)
+    the logits over the real vocabulary agree."""
+    import torch
+
+    from gptpar.model.config import GPTConfig
+    from gptpar.model.gpt import GPTModel
+    from gptpar.model.hf import from_hf_state_dict
+    from gptpar.model.sharding import load_full_state_dict
+
+    peer = _load_bench("bench_peer_loop")
+    cfg = peer.PeerConfig(n_layer=2, n_embd=32, n_head=4, block_size=16, vocab_size=100)
+    torch.manual_seed(0)
+    model = peer.GPT(cfg).eval()
+    with torch.no_grad():  # zero biases and unit LayerNorms would hide a swapped tensor
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    hf = {}
+    for name, t in model.state_dict().items():
+        transposed = name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))
+        hf[name] = t.t() if transposed else t
+    gcfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
+                     make_vocab_size_divisible_by=64, activation="gelu_tanh")
+    assert gcfg.padded_vocab_size(1) == cfg.padded_vocab
+    ours = GPTModel(gcfg).eval()
+    load_full_state_dict(ours, from_hf_state_dict(hf, gcfg), None)
+    x = torch.randint(0, 100, (3, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x)[..., :100], model(x)[..., :100], rtol=1e-5, atol=1e-5)
