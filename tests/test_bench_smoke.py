@@ -106,3 +106,36 @@ def test_peer_model_computes_gptpar_model():
     x = torch.randint(0, 100, (3, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(ours(x)[..., :100], model(x)[..., :100], rtol=1e-5, atol=1e-5)
+
+
+def test_bench_layer_tiny_calibrates_the_planner(tmp_path):
+    """bench_layer at a tiny shape on the CPU writes a calibration file; its TFLOPs are gptpar's count over its
+    own times, and the planner turns it into a rate that reproduces the measured seconds per layer."""
+    from gptpar.flops import model_flops_per_iteration
+    from gptpar.planning import calibrated_hardware, load_calibration, predict
+
+    cal_path = tmp_path / "cal.json"
+    out = subprocess.run([sys.executable, "bench/bench_layer.py", "--tiny", "--device", "cpu", "--json", str(cal_path)],
+                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    cal = load_calibration(str(cal_path))
+    sh = cal["shape"]
+    assert (sh["heads_per_rank"], sh["ffn_per_rank"]) == (sh["num_attention_heads"] // sh["tp_size"],
+                                                          sh["ffn_hidden_size"] // sh["tp_size"])
+    assert set(cal["modes"]) == {"none", "selective", "full"} and "excluded" in cal["tp_communication"]
+    for mode, r in cal["modes"].items():
+        flops = model_flops_per_iteration(num_layers=1, hidden_size=sh["hidden_size"], vocab_size=0,
+                                          seq_length=sh["seq_length"], global_batch_size=sh["micro_batch_size"],
+                                          recompute=mode, ffn_hidden_size=sh["ffn_hidden_size"]) / sh["tp_size"]
+        assert r["flops_per_layer_per_gpu"] == pytest.approx(flops)
+        assert r["tflops"] == pytest.approx(flops / r["sec_per_layer"] / 1e12)
+        assert len(r["sec_per_layer_all"]) == cal["iters"]
+    # A model of this shape: one more layer per stage costs (m + pp - 1) x the measured seconds per layer.
+    s = {"num_layers": 4, "hidden_size": sh["hidden_size"], "num_attention_heads": sh["num_attention_heads"],
+         "ffn_hidden_size": sh["ffn_hidden_size"], "seq_length": sh["seq_length"], "vocab_size": 128,
+         "make_vocab_size_divisible_by": 128, "partition_method": "transformer", "activation_checkpointing": "selective"}
+    hw = calibrated_hardware(cal, "selective")
+    tp, pp, dp, mbs, gbs = sh["tp_size"], 2, 1, sh["micro_batch_size"], 8 * sh["micro_batch_size"]
+    t4, t6 = predict(s, tp, pp, dp, mbs, gbs, hw), predict({**s, "num_layers": 6}, tp, pp, dp, mbs, gbs, hw)
+    grown = (t6["compute_s"] + t6["bubble_s"]) - (t4["compute_s"] + t4["bubble_s"])
+    assert grown == pytest.approx((8 + pp - 1) * cal["modes"]["selective"]["sec_per_layer"], rel=1e-9)
