@@ -139,3 +139,22 @@ def test_bench_layer_tiny_calibrates_the_planner(tmp_path):
     t4, t6 = predict(s, tp, pp, dp, mbs, gbs, hw), predict({**s, "num_layers": 6}, tp, pp, dp, mbs, gbs, hw)
     grown = (t6["compute_s"] + t6["bubble_s"]) - (t4["compute_s"] + t4["bubble_s"])
     assert grown == pytest.approx((8 + pp - 1) * cal["modes"]["selective"]["sec_per_layer"], rel=1e-9)
+
+
+@pytest.mark.slow
+def test_gpu_speed_script_flow_on_cpu(tmp_path):
+    """bench/gpu_speed.sh with GPU_SPEED_CPU_SMOKE=1: every step at a tiny shape on the CPU (~1-2 min), so the
+    one GPU call runs a script whose flow, flags and summary have run end to end."""
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "out"
+    run = subprocess.run(["bash", "bench/gpu_speed.sh"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env={**ENV, "GPU_SPEED_CPU_SMOKE": "1", "OUT": str(out), "PYTHON": sys.executable})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert not (out / "failed.txt").exists(), (out / "failed.txt").read_text() + run.stdout[-3000:]
+    assert not (out / "skipped.txt").exists(), (out / "skipped.txt").read_text()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ratio_trainer_vs_compiled_peer"] > 0
+    assert set(summary["single_rank"]) == {"none", "selective", "full"}
+    assert len(summary["layer"]) == 2 and all(set(c["modes"]) == {"none", "selective", "full"}
+                                              for c in summary["layer"].values())
+    assert "A100 (seed 003 fit)" in (out / "plan_200b_calibrated.log").read_text()
