@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gptpar.model.config import GPTConfig, recompute_mode
-from gptpar.model.gpt import GPTModel
+from gptpar.model.gpt import GPTModel, TransformerLayer
 from gptpar.tensor_parallel.random import model_parallel_seed
 from gptpar.testing import run_distributed
 from gptpar.training.config import ConfigError, TrainingConfig, config_from_dict
@@ -24,10 +24,10 @@ def _batch(step):
     return torch.randint(0, CFG["vocab_size"], (2, CFG["seq_length"] + 1), generator=g)
 
 
-def _count_core_calls(model):
+def _count_core_calls(layers):
     """Wrap each layer's attention core to count its calls (an instance attribute shadows the method)."""
     calls = [0]
-    for layer in model.layers:
+    for layer in layers:
         def counted(*args, _inner=layer.core_attention):
             calls[0] += 1
             return _inner(*args)
@@ -40,7 +40,7 @@ def _train(mode, tp_group=None, tp_rank=0):
     tracker = model_parallel_seed(7, tp_rank=tp_rank)
     model = GPTModel(GPTConfig(**CFG), tp_group=tp_group, rng_tracker=tracker, activation_checkpointing=mode,
                      seed=3).train()
-    calls = _count_core_calls(model)
+    calls = _count_core_calls(model.layers)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, grads = [], []
     for step in range(STEPS):
@@ -97,9 +97,42 @@ def test_recompute_modes_bit_for_bit_at_tp2():
         assert rank_out["selective"][2] == 2 * rank_out["none"][2]
 
 
+def _pipeline_runs():
+    """pp = 2 through DeepSpeed's pipeline engine, dropout on: per mode the losses and grad norms of 3 steps."""
+    from gptpar.model.pipeline import build_pipeline_model
+    from gptpar.parallel import init_parallel
+    from gptpar.training.engine import build_engine
+
+    st = init_parallel(pp=2)
+    ds = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+          "gradient_clipping": 1.0, "steps_per_print": 10 ** 9}
+    out = {}
+    for mode in ("none", "selective", "full"):
+        tracker = model_parallel_seed(7, pp_rank=st.pp_rank)
+        model, _ = build_pipeline_model(GPTConfig(**CFG), st, partition_method="transformer", seed=3,
+                                        rng_tracker=tracker, activation_checkpointing=mode)
+        engine = build_engine(model, st, ds, lr=1e-2)
+        calls = _count_core_calls([m for m in model.modules() if isinstance(m, TransformerLayer)])
+        losses, norms = [], []
+        for step in range(STEPS):
+            tokens = torch.cat([_batch(step), _batch(step + 50)])
+            losses.append(engine.train_step([{"input_ids": t[:, :-1], "labels": t[:, 1:]} for t in tokens.split(2)]))
+            norms.append(engine.grad_norm)
+        out[mode] = (losses, norms, calls[0])
+    return out
+
+
+def test_recompute_modes_bit_for_bit_through_the_pipeline_engine():
+    pytest.importorskip("deepspeed")
+    for rank_out in run_distributed(_pipeline_runs, 2, timeout=300):
+        none, selective, full = (rank_out[m] for m in ("none", "selective", "full"))
+        assert selective[:2] == none[:2] and full[:2] == none[:2]
+        # one layer per stage, 2 micro-batches per step: the core runs twice as often under recompute
+        assert none[2] == 2 * STEPS and selective[2] == full[2] == 2 * none[2]
+
+
 def test_pipeline_specs_carry_selective_recompute():
     pytest.importorskip("deepspeed")
-    from gptpar.model.gpt import TransformerLayer
     from gptpar.model.pipeline import layer_specs
 
     for flag in (False, True):
