@@ -133,7 +133,8 @@ def test_bench_layer_tiny_calibrates_the_planner(tmp_path):
     # A model of this shape: one more layer per stage costs (m + pp - 1) x the measured seconds per layer.
     s = {"num_layers": 4, "hidden_size": sh["hidden_size"], "num_attention_heads": sh["num_attention_heads"],
          "ffn_hidden_size": sh["ffn_hidden_size"], "seq_length": sh["seq_length"], "vocab_size": 128,
-         "make_vocab_size_divisible_by": 128, "partition_method": "transformer", "activation_checkpointing": "selective"}
+         "make_vocab_size_divisible_by": 128, "partition_method": "transformer",
+         "activation_checkpointing": "selective"}
     hw = calibrated_hardware(cal, "selective")
     tp, pp, dp, mbs, gbs = sh["tp_size"], 2, 1, sh["micro_batch_size"], 8 * sh["micro_batch_size"]
     t4, t6 = predict(s, tp, pp, dp, mbs, gbs, hw), predict({**s, "num_layers": 6}, tp, pp, dp, mbs, gbs, hw)

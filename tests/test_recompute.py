@@ -170,7 +170,8 @@ def test_flops_count_the_recomputed_work(seed):
 
     rng = random.Random(seed)
     a = rng.choice([4, 8, 16])
-    h, s, b, L, v = a * rng.choice([32, 64, 128]), rng.choice([256, 2048]), rng.randint(1, 64), rng.randint(1, 48), 50304
+    h, s, b, L = a * rng.choice([32, 64, 128]), rng.choice([256, 2048]), rng.randint(1, 64), rng.randint(1, 48)
+    v = 50304
     kw = dict(num_layers=L, hidden_size=h, vocab_size=v, seq_length=s, global_batch_size=b)
     none, selective, full = (model_flops_per_iteration(recompute=m, **kw) for m in ("none", "selective", "full"))
     assert model_flops_per_iteration(recompute=False, **kw) == none
