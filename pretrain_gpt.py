@@ -40,15 +40,6 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def fp16_available() -> bool:
-    """CUDA, or an accelerator that says it supports fp16 (tests override DeepSpeed's CPU accelerator)."""
-    if torch.cuda.is_available():
-        return True
-    from deepspeed.accelerator import get_accelerator
-
-    return bool(get_accelerator().is_fp16_supported())
-
-
 def parse(argv):
     """(config, flags, (tp, pp, dp)); raises ConfigError before anything distributed happens."""
     config_path, overrides, flags = parse_args(argv)
@@ -61,8 +52,12 @@ def parse(argv):
     world = launched_world_size()
     if flags["dry_run"] and "WORLD_SIZE" not in os.environ and not dist.is_initialized():
         world = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * (p.data_parallel_size or 1)
-    cuda = True if flags["dry_run"] else (fp16_available() if cfg.training.precision == "fp16" else None)
-    return cfg, flags, cfg.check(world, cuda_available=cuda)
+    accelerator = None
+    if cfg.training.precision == "fp16" and not flags["dry_run"]:  # a dry run plans for GPUs
+        from gptpar.training.engine import detect_accelerator
+
+        accelerator = detect_accelerator()
+    return cfg, flags, cfg.check(world, accelerator)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,6 +175,9 @@ def main(argv=None) -> int:
     try:
         # build
         trainer = build_trainer(cfg, pstate, log)
+        if cfg.training.zero_stage_note:
+            log(cfg.training.zero_stage_note, flush=True)
+        log(trainer.engine.precision_plan(), flush=True)
         trainer.resume()
         # train
         reason = trainer.train()

@@ -107,13 +107,15 @@ def memory_estimates(config_path: str) -> str:
     bench reads torch's allocator) and for the trainer in bf16 (18 bytes per parameter), per recompute mode."""
     s = settings_from_config(load_config(config_path))
     out = []
-    for label, precision, gbs in (("bench_single_rank (fp32 params + AdamW, bf16 autocast)", "fp32",
-                                   s["micro_batch_size"]), ("trainer, DeepSpeed bf16, global batch 32", "bf16", 32)):
+    # bench_single_rank holds a plain torch AdamW (fp32 at ZeRO 0 in memory.py's table: 16 bytes per parameter)
+    for label, precision, zero, gbs in (("bench_single_rank (fp32 params + AdamW, bf16 autocast)", "fp32", 0,
+                                         s["micro_batch_size"]),
+                                        ("trainer, DeepSpeed bf16, global batch 32", "bf16", 1, 32)):
         for mode in ("none", "selective", "full"):
             m = memory_per_gpu(num_layers=s["num_layers"], hidden_size=s["hidden_size"],
                                num_attention_heads=s["num_attention_heads"], vocab_size=s["vocab_size"],
                                seq_length=s["seq_length"], micro_batch_size=s["micro_batch_size"],
-                               global_batch_size=gbs, precision=precision, zero_stage=1,
+                               global_batch_size=gbs, precision=precision, zero_stage=zero,
                                activation_checkpointing=mode, cuda_context_bytes=0)["max"]
             states = m["weights"] + m["gradients"] + m["optimizer"]
             out.append(f"{label}, recompute {mode}: states {states / GIB:.2f} + activations "

@@ -2,13 +2,21 @@
 
 Pure arithmetic, shared by tools/memory.py, the topology planner and the dry-run report.
 
-Model states (bytes per parameter held by the rank), Adam:
-    precision   replicated on every dp rank            sharded by ZeRO-1 over dp
-    bf16/fp16   2 (half weights) + 4 (fp32 grads)       12 (fp32 master weights, exp_avg, exp_avg_sq)
-    fp32        4 (weights) + 4 (grads)                  8 (exp_avg, exp_avg_sq)
-so mixed precision costs 18 bytes/param at dp=1 (seed 000). DeepSpeed's BF16 optimizer accumulates
-grads in fp32 (the 4 above); its fp16 path keeps 2-byte grads plus a 4-byte fp32 partition, which we
-fold into the same 18 (documented in docs/planning.md).
+Model states: bytes per parameter that DeepSpeed 0.19.8 holds on one rank at the optimizer step (their peak),
+with the client AdamW gptpar passes. Measured on CPU with the real optimizers (tests/test_precision.py reads
+every tensor the engine holds and compares with this table):
+
+    precision, ZeRO   weights  grads (until the step)        sharded over dp (ZeRO-1)                 dp = 1
+    fp32, 0           4        4                             - (Adam's 8 replicated)                  16
+    fp32, 1           4        4                             4 master copy + 8 Adam + 4 grad partition  24
+    bf16 (always 1)   2        4 fp32 accumulation           4 master + 8 Adam                        18
+    fp16 (always 1)   2        2                             4 master + 8 Adam + 4 fp32 grad partition  20
+
+bf16 is DeepSpeed's BF16_Optimizer (`data_types.grad_accum_dtype = fp32`, `bf16.immediate_grad_update`): each
+bf16 gradient is added into a full fp32 buffer as autograd produces it and freed, so the 4 gradient bytes are
+not sharded - seed 000's 18 bytes at dp = 1. Mixed precision always runs at ZeRO-1 (a zero_stage of 0 is
+promoted, see gptpar.training.config); fp16 keeps its 2-byte gradients until the step, 2 more than the seed's
+18. Between steps the gradients are freed (bf16 keeps its fp32 buffer): 4 (fp32) and 2 + 4/dp (fp16) less.
 
 Activations (Korthikanti et al. 2022, "Reducing activation recomputation", no sequence parallelism),
 per transformer layer and micro batch of b sequences, in bytes with 2-byte activations:
@@ -35,24 +43,34 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 CUDA_CONTEXT_BYTES = 1573 * 1024 ** 2
 
 
-def state_bytes_per_param(precision: str, zero_stage: int = 1, dp_size: int = 1) -> float:
-    """Bytes of weights + gradients + Adam state per parameter on one GPU (18 for mixed precision, dp=1)."""
+# (weights, gradients that every dp rank holds, bytes ZeRO-1 shards over dp) per parameter; see the table above.
+_STATES = {("fp32", 0): (4, 4, 0, 8), ("fp32", 1): (4, 4, 16, 0), ("bf16", 1): (2, 4, 12, 0),
+           ("fp16", 1): (2, 2, 16, 0)}  # + the optimizer bytes replicated without ZeRO
+
+
+def _states(precision: str, zero_stage: int, dp_size: int):
     if precision not in PRECISIONS:
         raise ValueError(f"training.precision must be one of {PRECISIONS}, got {precision!r}")
     if zero_stage not in (0, 1):
         raise ValueError(f"training.zero_stage {zero_stage} is not modelled: the pipeline engine allows 0 or 1")
     if dp_size < 1:
         raise ValueError(f"data_parallel_size must be >= 1, got {dp_size}")
-    replicated, sharded = (8, 8) if precision == "fp32" else (6, 12)
-    return replicated + sharded / (dp_size if zero_stage == 1 else 1)
+    if precision != "fp32":
+        zero_stage = 1  # as the trainer runs mixed precision (gptpar.training.config)
+    weights, grads, sharded, replicated = _STATES[precision, zero_stage]
+    return weights, grads, sharded / dp_size + replicated
+
+
+def state_bytes_per_param(precision: str, zero_stage: int = 1, dp_size: int = 1) -> float:
+    """Bytes of weights + gradients + optimizer state per parameter on one GPU at the step (18 for bf16, dp=1)."""
+    return sum(_states(precision, zero_stage, dp_size))
 
 
 def model_state_bytes(params: int, precision: str, zero_stage: int = 1, dp_size: int = 1) -> Dict[str, float]:
     """Weights, gradients and optimizer bytes of `params` parameters on one GPU."""
-    total = params * state_bytes_per_param(precision, zero_stage, dp_size)
-    weights = params * (4 if precision == "fp32" else 2)
-    grads = params * 4
-    return {"weights": weights, "gradients": grads, "optimizer": total - weights - grads, "total": total}
+    weights, grads, optimizer = _states(precision, zero_stage, dp_size)
+    return {"weights": params * weights, "gradients": params * grads, "optimizer": params * optimizer,
+            "total": params * (weights + grads + optimizer)}
 
 
 def activation_bytes(*, seq_length: int, micro_batch_size: int, hidden_size: int, num_attention_heads: int,

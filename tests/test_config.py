@@ -6,7 +6,7 @@ import os
 import pytest
 
 from gptpar.training.cli import cli_aliases, parse_args
-from gptpar.training.config import (ConfigError, Config, config_from_dict, deepspeed_config, load_config,
+from gptpar.training.config import (Accelerator, ConfigError, Config, config_from_dict, deepspeed_config, load_config,
                                     parse_data_path, parse_override, parse_split)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,9 +25,13 @@ def base(**sections):
     return d
 
 
-def error_of(d, overrides=(), world_size=1, cuda_available=False):
+NO_FP16 = Accelerator("a test accelerator without fp16", fp16=False)
+WITH_FP16 = Accelerator("a test accelerator with fp16", fp16=True)
+
+
+def error_of(d, overrides=(), world_size=1, accelerator=NO_FP16):
     with pytest.raises(ConfigError) as info:
-        config_from_dict(d, overrides).check(world_size, cuda_available=cuda_available)
+        config_from_dict(d, overrides).check(world_size, accelerator)
     return str(info.value)
 
 
@@ -91,6 +95,8 @@ ERROR_CASES = [
                                parallel={"tensor_model_parallel_size": 4, "sequence_parallel": True}),
      (), 4, "sequence_parallel", "seq_length"),
     ("bad_override_syntax", base(), ("training.lr",), 1, "section.key=value", "training.lr"),
+    ("timers_need_pp1", base(parallel={"pipeline_model_parallel_size": 2}, logging={"timers": True}), (), 2,
+     "logging.timers", "pp = 2"),
 ]
 
 
@@ -115,9 +121,32 @@ def test_valid_config_resolves_sizes():
     assert cfg.resolved_partition_method() == "transformer"  # (8 + 2) % 4 != 0, 8 % 4 == 0
 
 
-def test_fp16_allowed_with_cuda():
+def test_fp16_decided_by_the_accelerator():
     cfg = config_from_dict(base(training={"precision": "fp16"}))
-    assert cfg.check(1, cuda_available=True) == (1, 1, 1)
+    assert cfg.check(1, WITH_FP16) == (1, 1, 1)
+    assert cfg.check(1, None) == (1, 1, 1)  # no device named (dry run): not checked
+    message = error_of(base(training={"precision": "fp16"}))
+    assert "training.precision fp16" in message and NO_FP16.name in message and "bf16" in message
+    for precision in ("fp32", "bf16"):  # they run on any accelerator
+        assert config_from_dict(base(training={"precision": precision})).check(1, NO_FP16) == (1, 1, 1)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_runs_at_zero_stage_1(precision):
+    """bf16 accumulates in fp32 only through BF16_Optimizer (DeepSpeed's ZeRO-1), and DeepSpeed 0.19.8's fp16 at
+    stage 0 does not scale the loss: stage 0 is promoted, said in one line; bf16 asks for fp32 accumulation."""
+    for stage in (0, 1):
+        cfg = config_from_dict(base(training={"precision": precision, "zero_stage": stage}))
+        assert cfg.training.zero_stage == 1 and cfg.training.zero_stage_promoted == (stage == 0)
+        note = cfg.training.zero_stage_note
+        assert (note is not None and note.startswith(f"training.zero_stage 0 -> 1 ({precision}): ")) == (stage == 0)
+        ds = deepspeed_config(cfg, dp_size=1)
+        assert ds["zero_optimization"] == {"stage": 1}
+        assert ds.get("data_types") == ({"grad_accum_dtype": "fp32"} if precision == "bf16" else None)
+        assert config_from_dict(cfg.to_dict()).training.zero_stage == 1  # saved configs hold what ran
+    cfg = config_from_dict(base(training={"precision": "fp32", "zero_stage": 0}))
+    assert cfg.training.zero_stage == 0 and cfg.training.zero_stage_note is None
+    assert "data_types" not in deepspeed_config(cfg, dp_size=1)
 
 
 def test_round_trip_through_json(tmp_path):
@@ -242,11 +271,11 @@ def world_size_of(cfg):
 def test_every_shipped_config_loads_and_checks(path):
     cfg = load_config(path)
     world = world_size_of(cfg)
-    tp, pp, dp = cfg.check(world, cuda_available=True)
+    tp, pp, dp = cfg.check(world, WITH_FP16)
     assert tp * pp * dp == world
     # the wrong world size is a clear error
     with pytest.raises(ConfigError, match="data_parallel_size"):
-        cfg.check(world * 2, cuda_available=True)
+        cfg.check(world * 2, WITH_FP16)
     assert load_config(path).to_dict() == config_from_dict(cfg.to_dict()).to_dict()
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from trainer_runs import ROOT
@@ -141,13 +142,41 @@ CONFIG_ERRORS = [
      {"WORLD_SIZE": "3"}, "num_attention_heads (4) must divide"),
     (["--set", "parallel.pipeline_model_parallel_size=4", "--set", "parallel.data_parallel_size=1"],
      {"WORLD_SIZE": "4"}, "pipeline_model_parallel_size (4) exceeds model.num_layers"),
-    (["--set", "training.precision=fp16"], {}, "fp16 needs CUDA"),
     (["--set", "training.lr_warmup_iters=50"], {}, "warmup"),
     (["--set", "training.min_lr=1"], {}, "min_lr"),
     (["--set", "checkpoint.save_interval=5"], {}, "checkpoint.save is null"),
     (["--set", "model.hidden_size=66"], {}, "hidden_size (66) must divide by model.num_attention_heads"),
     (["--config", "configs/does_not_exist.json"], {}, "not found"),
 ]
+
+
+def _cpu_accelerator_fp16(monkeypatch, supported: bool):
+    """Decide DeepSpeed's CPU accelerator's answer instead of the CPU's (oneDNN reports fp16 on AVX512-FP16/AMX)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    from deepspeed.accelerator import get_accelerator
+
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: supported)
+
+
+def test_fp16_without_accelerator_support_exits_2(monkeypatch, capsys):
+    import pretrain_gpt
+
+    _cpu_accelerator_fp16(monkeypatch, False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert pretrain_gpt.main(["--config", "configs/cpu_dp2.json", "--set", "training.precision=fp16"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pretrain_gpt.py: config error: training.precision fp16 is not supported here: "
+                          "DeepSpeed's cpu accelerator (reports no fp16 support"), err
+    assert "training.precision=bf16" in err and not dist.is_initialized()
+
+
+def test_fp16_with_accelerator_support_passes_the_config_check(monkeypatch):
+    import pretrain_gpt
+
+    _cpu_accelerator_fp16(monkeypatch, True)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg, _, sizes = pretrain_gpt.parse(["--config", "configs/cpu_dp2.json", "--set", "training.precision=fp16"])
+    assert cfg.training.precision == "fp16" and sizes == (1, 1, 2) and not dist.is_initialized()
 
 
 @pytest.mark.parametrize("argv,env,message", CONFIG_ERRORS, ids=[m for _, _, m in CONFIG_ERRORS])

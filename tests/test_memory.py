@@ -9,11 +9,16 @@ from gptpar.memory import (CUDA_CONTEXT_BYTES, GIB, activation_bytes, memory_per
 
 
 def test_seed000_bytes_per_gpu():
-    # "gpu w/ emb: 2*403_717_700 + 145_745_300 = 953_180_700 params * 18 bytes = 17_157_252_600 bytes"
-    assert model_state_bytes(953_180_700, "fp16", zero_stage=1, dp_size=1)["total"] == 17_157_252_600
-    assert model_state_bytes(807_435_400, "bf16", zero_stage=0, dp_size=8)["total"] == 14_533_837_200
-    # 200B, TP=4: "4*531_671_296 = 2_126_685_184 params * 18 = 38_280_333_312 bytes"
+    # Seed 000: "953_180_700 params * 18 bytes = 17_157_252_600 bytes", 18 = 2 half weights + 4 fp32 grads + 12
+    # optimizer (fp32 master, exp_avg, exp_avg_sq). DeepSpeed 0.19.8 also keeps the 2-byte half-precision
+    # gradients until the step (measured in tests/test_precision.py): 2 bytes more per parameter.
+    assert model_state_bytes(953_180_700, "fp16", zero_stage=1, dp_size=1)["total"] == \
+        17_157_252_600 + 2 * 953_180_700
+    # 200B, TP=4: "4*531_671_296 = 2_126_685_184 params * 18 = 38_280_333_312 bytes": bf16's BF16_Optimizer
+    # frees each bf16 gradient once it is added into the fp32 buffer, so it holds exactly the seed's 18
     assert model_state_bytes(4 * 531_671_296, "bf16")["total"] == 38_280_333_312
+    # bf16 always runs BF16_Optimizer (ZeRO-1): at dp 8 only the 12 optimizer bytes are sharded
+    assert model_state_bytes(807_435_400, "bf16", zero_stage=0, dp_size=8)["total"] == 807_435_400 * (2 + 4 + 12 / 8)
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -21,10 +26,12 @@ def test_zero1_shards_only_the_optimizer_part(seed):
     rng = random.Random(seed)
     params, dp = rng.randint(1, 10 ** 10), rng.randint(1, 64)
     mixed = model_state_bytes(params, "bf16", 1, dp)
-    assert mixed["weights"] == 2 * params and mixed["gradients"] == 4 * params
+    assert mixed["weights"] == 2 * params and mixed["gradients"] == 4 * params  # the fp32 accumulation buffer
     assert mixed["optimizer"] == pytest.approx(12 * params / dp)           # fp32 master + exp_avg + exp_avg_sq
-    assert model_state_bytes(params, "fp32", 1, dp)["total"] == pytest.approx(8 * params + 8 * params / dp)
-    assert model_state_bytes(params, "fp16", 0, dp)["total"] == 18 * params   # ZeRO-0: nothing sharded
+    # fp32 ZeRO-1 also shards a 4-byte fp32 copy of the weights and a 4-byte gradient partition
+    assert model_state_bytes(params, "fp32", 1, dp)["total"] == pytest.approx(8 * params + 16 * params / dp)
+    assert model_state_bytes(params, "fp32", 0, dp)["total"] == 16 * params   # ZeRO-0: nothing sharded
+    assert model_state_bytes(params, "fp16", 0, dp) == model_state_bytes(params, "fp16", 1, dp)  # runs at 1
     assert state_bytes_per_param("bf16", 1, 1) == 18
 
 
@@ -115,8 +122,13 @@ def estimate_gib(L, h, a, tp, pp, dp, mbs, gbs, precision="bf16", zero_stage=1):
 
 
 def test_estimate_tracks_seed003_measured_memory():
-    """Per-row error is written up in docs/benchmarks.md; here: every row within 35%, mean within 15%."""
-    errors = [(estimate_gib(*row[:10]) - row[10]) / row[10] for row in MEASURED]
+    """Per-row error is written up in docs/benchmarks.md; here: every row within 35%, mean within 15%.
+
+    The one bf16 ZeRO-0 row (72 GB: the 2022 run kept the optimizer state unsharded) is a configuration gptpar
+    does not run: bf16 is promoted to ZeRO-1 (BF16_Optimizer), so its estimate is the ZeRO-1 one."""
+    zero0 = [row for row in MEASURED if row[9] == 0]
+    assert len(zero0) == 1 and estimate_gib(*zero0[0][:9], 0) == estimate_gib(*zero0[0][:9], 1)
+    errors = [(estimate_gib(*row[:10]) - row[10]) / row[10] for row in MEASURED if row[9] == 1]
     assert max(abs(e) for e in errors) < 0.35, errors
     assert sum(abs(e) for e in errors) / len(errors) < 0.15
     # and it moves the right way: more micro batch -> more memory, more dp -> less

@@ -137,8 +137,15 @@ def test_dry_run_reports_the_seed_tflops_for_200b():
     assert "given --sec-per-iter" in text
 
 
-def test_dry_run_report_is_cheap():
-    import time
-    t0 = time.perf_counter()
-    dry_run_report(json.loads(json.dumps(config("200b"))))
-    assert time.perf_counter() - t0 < 1.0
+def test_dry_run_report_is_cheap(monkeypatch):
+    """Formulas only: the report builds no module and allocates no tensor (checked directly, not by a clock
+    whose margin would depend on the machine)."""
+    import torch
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("dry_run_report built a module or a tensor")
+
+    monkeypatch.setattr(torch.nn.Module, "__init__", refuse)
+    for factory in ("empty", "zeros", "ones", "randn", "tensor"):
+        monkeypatch.setattr(torch, factory, refuse)
+    assert "TFLOPs" in dry_run_report(json.loads(json.dumps(config("200b"))))

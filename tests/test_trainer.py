@@ -35,11 +35,14 @@ def runs(tmp_path_factory):
                          logging=dict(log_interval=3, metrics_file=str(d / "ramp3.jsonl")))
     dropout = dict(hidden_dropout=0.1, attention_dropout=0.1)  # resume must restore the RNG streams too
     resume = {}
-    for name, parallel in (("dp", {}), ("pp", dict(pipeline_model_parallel_size=2, data_parallel_size=1))):
+    pp2 = dict(pipeline_model_parallel_size=2, data_parallel_size=1)
+    for name, parallel, precision in (("dp", {}, "fp32"), ("pp", pp2, "fp32"), ("bf16_dp", {}, "bf16"),
+                                      ("bf16_pp", pp2, "bf16")):
         full = write_config(d / f"{name}_full.json", model=dropout, parallel=parallel,
-                            logging=dict(metrics_file=str(d / f"{name}_full.jsonl")))
+                            training=dict(precision=precision), logging=dict(metrics_file=str(d / f"{name}_full.jsonl")))
         ck = dict(save=str(d / f"{name}_ck"), load=str(d / f"{name}_ck"), keep_last=1)
         split = write_config(d / f"{name}_split.json", model=dropout, parallel=parallel, checkpoint=ck,
+                             training=dict(precision=precision),
                              logging=dict(metrics_file=str(d / f"{name}_split.jsonl")))
         resume[name] = [(f"{name}_full", ["--config", full]),
                         (f"{name}_a", ["--config", split, "--set", "training.exit_interval=3"]),
@@ -54,7 +57,11 @@ def runs(tmp_path_factory):
     minutes = write_config(d / "minutes.json", training=dict(exit_duration_in_mins=1e-6),
                            checkpoint=dict(save=str(d / "minutes_ck")),
                            logging=dict(metrics_file=str(d / "minutes.jsonl")))
-    plan = [("ramp", ["--config", ramp]), ("ramp3", ["--config", ramp3])] + resume["dp"] + resume["pp"] + \
+    timers = write_config(d / "timers.json", training=dict(train_iters=4),
+                          logging=dict(log_interval=2, timers=True, metrics_file=str(d / "timers.jsonl")))
+    plan = [("ramp", ["--config", ramp]), ("ramp3", ["--config", ramp3]), ("timers", ["--config", timers])] + \
+        resume["dp"] + resume["pp"] + \
+        resume["bf16_dp"] + resume["bf16_pp"] + \
         [("pp_zero0", ["--config", zero0]), ("dp_zero1", ["--config", zero1]), ("real", ["--config", real]),
          ("minutes", ["--config", minutes])]
     out = run_distributed(run_mains, 2, (plan,), timeout=400)
@@ -186,9 +193,10 @@ def test_interval_averages_loss_and_time(runs):
         assert r["num_zeros"] is None and "num zeros" not in format_log_line(**r)  # not counted: omitted
 
 
-@pytest.mark.parametrize("name", ["dp", "pp"])
+@pytest.mark.parametrize("name", ["dp", "pp", "bf16_dp", "bf16_pp"])
 def test_exact_resume(runs, name):
-    """6 iterations straight == 3, stop (exit_interval, saving), resume, 3 more: bitwise in fp32."""
+    """6 iterations straight == 3, stop (exit_interval, saving), resume, 3 more: bitwise, in fp32 and in bf16
+    (BF16_Optimizer: its fp32 master weights and Adam state come back from the checkpoint)."""
     d, out = runs
     full, split = read_jsonl(d / f"{name}_full.jsonl"), read_jsonl(d / f"{name}_split.jsonl")
     assert [r["iteration"] for r in split] == [1, 2, 3, 4, 5, 6]
@@ -243,3 +251,23 @@ def test_exit_duration_stops_every_rank_and_saves(runs):
     assert [r["iteration"] for r in read_jsonl(d / "minutes.jsonl")] == [1]
     assert "stopping at iteration 1: exit_duration_in_mins (1e-06) reached" in out[0]["minutes"][1]
     assert (d / "minutes_ck" / "latest").read_text().strip() == "iter_0000001"
+
+
+def test_timers_split_each_iteration(runs):
+    """logging.timers: after each log line, ms per iteration of each phase, which add up to the elapsed time
+    (`other` is the rest: fetching the batch, the loss's dp all-reduce), also in the metrics file."""
+    d, out = runs
+    records = read_jsonl(d / "timers.jsonl")
+    logged = [r for r in records if not r.get("timers")]
+    timers = [r for r in records if r.get("timers")]
+    assert [r["iteration"] for r in logged] == [r["iteration"] for r in timers] == [2, 4]
+    printed = out[0]["timers"][1].splitlines()
+    for log, timer in zip(logged, timers):
+        phases = timer["ms_per_iteration"]
+        assert list(phases) == ["batch", "forward", "backward", "micro-step", "optimizer", "other"]
+        assert all(phases[k] > 0 for k in ("forward", "backward", "micro-step", "optimizer")), phases
+        assert phases["batch"] >= 0 and phases["other"] >= 0, phases
+        assert sum(phases.values()) == pytest.approx(1e3 * log["elapsed_s"], rel=1e-9)
+        line = printed[printed.index(next(p for p in printed if p.startswith(f" iteration {log['iteration']:8d}"))) + 1]
+        assert line == " time (ms) |" + "".join(f" {k}: {v:.2f} |" for k, v in phases.items())
+

@@ -28,6 +28,15 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message names `section.key` and how to fix it."""
 
 
+@dataclass(frozen=True)
+class Accelerator:
+    """What `Config.check` needs to know of the device a run will use (filled in from DeepSpeed's accelerator by
+    `gptpar.training.engine.detect_accelerator`; tests build one by hand)."""
+
+    name: str    # says what it is and why, e.g. "DeepSpeed's CPU accelerator (oneDNN: no fp16 kernels)"
+    fp16: bool   # whether fp16 training (loss-scaled) runs on it
+
+
 def _f(default: Any, doc: str, choices: Optional[Sequence] = None):
     """A dataclass field carrying its documentation (and allowed values) for checks and docs/config.md."""
     meta = {"doc": doc}
@@ -170,15 +179,21 @@ class TrainingConfig:
     adam_eps: float = _f(1.0e-8, "AdamW epsilon.")
     clip_grad: float = _f(1.0, "Clip the global gradient norm to this value; 0 disables clipping.")
     seed: int = _f(1234, "Seed of the model init and of the synthetic data.")
-    precision: str = _f("fp32", "Parameter/compute precision. fp16 (dynamic loss scaling) needs CUDA; on "
-                                "CPU use bf16 or fp32.", choices=("fp32", "bf16", "fp16"))
+    precision: str = _f("fp32", "Parameter/compute precision. bf16 runs DeepSpeed's BF16_Optimizer: bf16 "
+                                "weights, fp32 gradient accumulation, fp32 master weights and Adam state "
+                                "partitioned over dp. fp16 (dynamic loss scaling) needs an accelerator with fp16 "
+                                "support (CUDA, or a CPU whose DeepSpeed accelerator reports it). Both run at "
+                                "ZeRO-1 (a zero_stage of 0 is promoted, said in one line).",
+                        choices=("fp32", "bf16", "fp16"))
     loss_scale: float = _f(0.0, "fp16 only: a static loss scale; 0 = dynamic loss scaling.")
     initial_loss_scale: float = _f(4294967296.0, "fp16 only: the first dynamic loss scale (a power of 2).")
     loss_scale_window: int = _f(1000, "fp16 only: iterations without overflow before the scale doubles.")
     hysteresis: int = _f(2, "fp16 only: overflows tolerated before the scale halves.")
     min_loss_scale: float = _f(1.0, "fp16 only: the dynamic scale never drops below this.")
     zero_stage: int = _f(0, "ZeRO stage: 0 (plain data parallel) or 1 (optimizer state sharded over dp). "
-                            "The pipeline engine refuses 2 and 3.", choices=(0, 1))
+                            "The pipeline engine refuses 2 and 3. bf16 and fp16 always run at 1: DeepSpeed "
+                            "0.19.8 has no bf16 path with fp32 gradient accumulation at 0, and its fp16 path "
+                            "at 0 never scales the loss.", choices=(0, 1))
     activation_checkpointing: Union[bool, str] = _f(
         "none", "Activation recompute in backward (Megatron's --recompute-granularity): `none`; `selective` "
                 "recomputes only each layer's attention core (QK^T, softmax, dropout, x V), dropping its s x s "
@@ -203,6 +218,15 @@ class TrainingConfig:
         if isinstance(self.activation_checkpointing, bool):  # the older switch: true = full, false = none
             self.activation_checkpointing = recompute_mode(self.activation_checkpointing)
         _check_fields(s, self)
+        # Mixed precision runs at ZeRO-1 (not a field: the trainer prints `zero_stage_note` at start):
+        # - bf16 must accumulate gradients in fp32, and DeepSpeed 0.19.8's only such path is BF16_Optimizer, its
+        #   own ZeRO-1 ("unsupported mix of model_dtype=bfloat16 and grad_accum_dtype=float32" at stage 0);
+        # - fp16 at stage 0 (FP16_(Unfused)Optimizer) is broken in 0.19.8: engine.backward multiplies the loss
+        #   by the scale only for ZeRO optimizers, yet the step divides the gradients by it (tests/test_precision.py).
+        self.zero_stage_promoted = self.precision in ("bf16", "fp16") and self.zero_stage == 0
+        if self.zero_stage_promoted:
+            self.zero_stage = 1
+
         _positive(s, self, "micro_batch_size", "global_batch_size", "adam_eps", "initial_loss_scale",
                   "loss_scale_window", "hysteresis", "min_loss_scale")
         _positive(s, self, "train_iters", "train_samples", "lr_decay_iters", "lr_decay_samples",
@@ -252,6 +276,17 @@ class TrainingConfig:
             if (self.global_batch_size - start) % increment:
                 raise ConfigError(f"training.rampup_batch_size: global_batch_size - start ({self.global_batch_size} "
                                   f"- {start}) must divide by the increment ({increment})")
+
+    @property
+    def zero_stage_note(self) -> Optional[str]:
+        """The one line saying why zero_stage 0 became 1, or None."""
+        if not self.zero_stage_promoted:
+            return None
+        why = {"bf16": "bf16 accumulates gradients in fp32 only through BF16_Optimizer, which shards the fp32 "
+                       "master weights and Adam state over dp",
+               "fp16": "DeepSpeed 0.19.8's fp16 optimizer at stage 0 never scales the loss but unscales the "
+                       "gradients"}[self.precision]
+        return f"training.zero_stage 0 -> 1 ({self.precision}): {why}"
 
 
 @dataclass
@@ -355,6 +390,11 @@ class LoggingConfig:
                                     "field.")
     wandb_project: Optional[str] = _f(None, "Also log to this Weights & Biases project (needs wandb "
                                             "installed); null = off.")
+    timers: bool = _f(False, "After each log line, print where an iteration's time went (Megatron's `time (ms)` "
+                             "line: batch placement, forward, backward, optimizer step incl. gradient reduction "
+                             "and clipping, the rest), averaged over the interval; also in the metrics file. "
+                             "pp = 1 only. Synchronises the device around each phase, which costs a little "
+                             "overlap.")
 
     def __post_init__(self):
         _check_fields("logging", self)
@@ -411,11 +451,11 @@ class Config:
         return resolve_partition_method(self.parallel.partition_method, self.model.num_layers, pp,
                                         self.parallel.embedding_weight or 1)
 
-    def check(self, world_size: int, cuda_available: Optional[bool] = None) -> Tuple[int, int, int]:
+    def check(self, world_size: int, accelerator: Optional[Accelerator] = None) -> Tuple[int, int, int]:
         """Cross-section checks for a run on `world_size` ranks; returns (tp, pp, dp).
 
-        Pure: call it before creating any process group. `cuda_available` None asks torch (fp16 needs CUDA;
-        pass True where an accelerator override makes fp16 work on CPU).
+        Pure: call it before creating any process group. `accelerator` describes the device the run will use
+        (its fp16 support decides whether precision fp16 can run); None skips that check (dry runs, planning).
         """
         p, t, m = self.parallel, self.training, self.model
         try:
@@ -432,6 +472,9 @@ class Config:
                 partition_layers(m.num_layers, pp, p.partition_method, p.embedding_weight or 1)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+        if self.logging.timers and pp > 1:
+            raise ConfigError("logging.timers times the phases at pp = 1 only (DeepSpeed's pipeline engine "
+                              f"interleaves them across micro-batches), got pp = {pp}: set logging.timers=false")
         if p.sequence_parallel and m.seq_length % tp:
             raise ConfigError(f"parallel.sequence_parallel needs model.seq_length ({m.seq_length}) to divide by "
                               f"tensor_model_parallel_size ({tp})")
@@ -453,13 +496,9 @@ class Config:
         if self.data.data_path is None and not self.data.synthetic:
             raise ConfigError("data.data_path is not set: give a preprocessed dataset prefix, or set "
                               "data.synthetic=true explicitly to train on synthetic tokens")
-        if t.precision == "fp16":
-            if cuda_available is None:
-                import torch
-                cuda_available = torch.cuda.is_available()
-            if not cuda_available:
-                raise ConfigError("training.precision fp16 needs CUDA: DeepSpeed's CPU accelerator does not "
-                                  "support fp16 loss scaling. Use training.precision=bf16 (or fp32) on CPU")
+        if t.precision == "fp16" and accelerator is not None and not accelerator.fp16:
+            raise ConfigError(f"training.precision fp16 is not supported here: {accelerator.name} has no fp16 "
+                              "support. Use training.precision=bf16 (or fp32), or run on a GPU")
         return tp, pp, dp
 
 
@@ -571,6 +610,15 @@ def deepspeed_config(cfg: Config, dp_size: int, consumed_samples: int = 0) -> di
         "steps_per_print": 2 ** 31 - 1,  # gptpar prints its own log line
         "wall_clock_breakdown": False,
     }
+    if t.precision == "bf16":
+        # Without it DeepSpeed 0.19.8 sums bf16 gradients over the micro-batches (ZeRO-1 picks its bf16 ZeRO
+        # optimizer; the pipeline at stage 0 warns "not safe numerically"). fp32 selects BF16_Optimizer: bf16
+        # weights, an fp32 gradient buffer each micro-batch is added into, fp32 master weights and Adam state
+        # partitioned over dp - what BLOOM trained with. (zero_stage is 1 here: TrainingConfig promotes 0.)
+        ds["data_types"] = {"grad_accum_dtype": "fp32"}
+        # Add each bf16 gradient into the fp32 buffer as soon as autograd produces it and free it, instead of
+        # keeping every bf16 gradient alive until the end of backward: 2 bytes per parameter less at the peak.
+        ds["bf16"]["immediate_grad_update"] = True
     if t.precision == "fp16":
         ds["fp16"].update({
             "loss_scale": t.loss_scale,  # 0 = dynamic
@@ -582,6 +630,6 @@ def deepspeed_config(cfg: Config, dp_size: int, consumed_samples: int = 0) -> di
     return ds
 
 
-__all__ = ["ConfigError", "Config", "ParallelConfig", "TrainingConfig", "DataConfig", "CheckpointConfig",
+__all__ = ["ConfigError", "Accelerator", "Config", "ParallelConfig", "TrainingConfig", "DataConfig", "CheckpointConfig",
            "LoggingConfig", "GPTConfig", "SECTIONS", "MODEL_DOCS", "load_config", "config_from_dict",
            "parse_override", "parse_data_path", "parse_split", "deepspeed_config"]

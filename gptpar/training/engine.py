@@ -7,16 +7,46 @@ data-parallel rank, the same way for both kinds of model, and exposes what the l
 
 A micro-batch is a dict: `input_ids` (b, s) and `labels` (b, s) long tensors, and optionally
 `loss_mask` (b, s) float, `attention_mask` (b, 1, s, s) bool (True = may attend), `position_ids` (b, s).
+The data pipeline builds them on the host; `train_step` / `eval_step` move every tensor to the engine's
+device in one place (`to_device`) before anything else sees them, for pp = 1 and pp > 1 alike.
+
+Precision (DeepSpeed 0.19.8, chosen by the generated config, reported by `precision_plan`):
+    fp32        fp32 weights and gradients; ZeRO-1: DeepSpeedZeroOptimizer (fp32 partition copy)
+    bf16        BF16_Optimizer: bf16 weights, fp32 gradient accumulation buffer, fp32 master weights and Adam
+                state partitioned over dp (`data_types.grad_accum_dtype = fp32`, ZeRO stage 1)
+    fp16        dynamic loss scaling; ZeRO-0: FP16_(Unfused)Optimizer, ZeRO-1: DeepSpeedZeroOptimizer
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import List, Optional
+import time
+from collections import defaultdict
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from gptpar.model.kernels import make_adamw
+from gptpar.training.config import Accelerator
+
+
+def detect_accelerator() -> Accelerator:
+    """The device this process will train on, as DeepSpeed's accelerator sees it (CUDA, or its CPU
+    accelerator, whose fp16 support depends on the CPU: oneDNN has fp16 kernels with AVX512-FP16 / AMX-FP16)."""
+    if torch.cuda.is_available():
+        return Accelerator(f"CUDA ({torch.cuda.get_device_name()})", fp16=True)
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    fp16 = bool(acc.is_fp16_supported())
+    return Accelerator(f"DeepSpeed's {acc.device_name()} accelerator ({'reports' if fp16 else 'reports no'} fp16 "
+                       "support: oneDNN's fp16 kernels need AVX512-FP16 or AMX-FP16)", fp16=fp16)
+
+
+def to_device(micro_batch: dict, device) -> dict:
+    """Every tensor of a micro-batch on `device` (non-blocking from pinned host memory on a GPU)."""
+    return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in micro_batch.items()}
 
 
 class ParallelStateMPU:
@@ -80,6 +110,8 @@ class TrainEngine:
 
     def __init__(self, ds_engine, pstate, pipelined: bool):
         self.ds, self.pstate, self.pipelined = ds_engine, pstate, pipelined
+        self.device = torch.device(ds_engine.device)
+        self.phase_seconds: Optional[Dict[str, float]] = None  # `time_phases()` turns the timers on
 
     # -- the step ------------------------------------------------------------------------------
     def train_step(self, micro_batches: List[dict]) -> float:
@@ -87,6 +119,8 @@ class TrainEngine:
 
         Returns the loss averaged over the micro-batches and the data-parallel ranks (on every rank)."""
         self.ds.train()
+        with self._phase("batch"):
+            micro_batches = [to_device(mb, self.device) for mb in micro_batches]
         if self.pipelined:
             loss = self.ds.train_batch(data_iter=iter([_pipe_batch(mb) for mb in micro_batches]))
             return float(loss)
@@ -94,17 +128,40 @@ class TrainEngine:
         for i, mb in enumerate(micro_batches):
             # Explicit boundary: DeepSpeed's micro-step counter misplaces it after a ramp-up changes the
             # number of micro-batches (a step mid-batch, then a skipped one).
-            self.ds.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
-            loss = self.ds(**mb)
-            self.ds.backward(loss)
-            self.ds.step()
+            last = i == len(micro_batches) - 1
+            self.ds.set_gradient_accumulation_boundary(last)
+            with self._phase("forward"):
+                loss = self.ds(**mb)
+            with self._phase("backward"):
+                self.ds.backward(loss)
+            with self._phase("optimizer" if last else "micro-step"):  # reduce, clip, step / bookkeeping
+                self.ds.step()
             losses.append(loss.detach().float())
         return _dp_mean(torch.stack(losses).mean(), self.pstate)
+
+    def time_phases(self) -> None:
+        """Time each phase of `train_step` from now on (pp = 1): seconds summed in `phase_seconds`."""
+        if self.pipelined:
+            raise ValueError("logging.timers: the phases are timed at pp = 1 only (DeepSpeed's pipeline engine "
+                             "interleaves them across micro-batches); set it false for pp > 1")
+        self.phase_seconds = defaultdict(float)
+
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        if self.phase_seconds is None:
+            yield
+            return
+        _synchronize(self.device)
+        start = time.perf_counter()
+        yield
+        _synchronize(self.device)
+        self.phase_seconds[name] += time.perf_counter() - start
 
     @torch.no_grad()
     def eval_step(self, micro_batches: List[dict]) -> float:
         """Mean loss over the micro-batches and dp ranks, without updating anything."""
         self.ds.eval()
+        micro_batches = [to_device(mb, self.device) for mb in micro_batches]
         if self.pipelined:
             loss = self.ds.eval_batch(data_iter=iter([_pipe_batch(mb) for mb in micro_batches]),
                                       num_micro_batches=len(micro_batches))
@@ -123,9 +180,66 @@ class TrainEngine:
     # -- what the log line needs ---------------------------------------------------------------
     @property
     def loss_scale(self) -> float:
-        """The dynamic loss scale in fp16; 1.0 in fp32/bf16."""
-        scale = getattr(self.ds.optimizer, "cur_scale", None)
-        return float(scale) if scale is not None and self.ds.fp16_enabled() else 1.0
+        """The dynamic loss scale the fp16 optimizer holds now; 1.0 in fp32/bf16 (nothing is scaled)."""
+        if not self.ds.fp16_enabled():
+            return 1.0
+        return float(fp16_loss_scale(self.ds.optimizer))
+
+    def precision_plan(self) -> str:
+        """One line: parameter, gradient-accumulation and master-weight dtypes and the optimizer wrapper
+        DeepSpeed chose, read off the engine's real objects."""
+        names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+        params = [p for p in self.ds.module.parameters() if p.requires_grad]
+        wrapper = self.ds.optimizer
+        inner = getattr(wrapper, "optimizer", wrapper)
+        master = [p for g in inner.param_groups for p in g["params"]]
+        own = {id(p) for p in params}
+        if all(id(p) in own for p in master):
+            where = "the parameters themselves"
+        else:
+            share = sum(p.numel() for p in master) / sum(p.numel() for p in params)
+            where = f"a {names[master[0].dtype]} copy" + (
+                f" of {share:.3g} of the parameters (partitioned over dp {self.pstate.dp_size})" if share < 0.99
+                else " of every parameter")
+        chain = type(inner).__name__ if wrapper is inner else f"{type(wrapper).__name__} around {type(inner).__name__}"
+        return (f"precision plan: parameters {names[params[0].dtype]}, gradient accumulation "
+                f"{names[self.ds.get_data_types()[1]]}, master weights {where}; optimizer {chain}")
+
+    def held_state_bytes(self) -> dict:
+        """Bytes this rank holds for parameters, gradients and the optimizer wrapper's buffers and state (each
+        storage counted once, under the first of those it is found in): what gptpar.memory estimates."""
+        seen, out = set(), {"parameters": 0, "gradients": 0, "optimizer": 0}
+
+        def add(kind, t):
+            if torch.is_tensor(t) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in seen and storage.nbytes():
+                    seen.add(storage.data_ptr())
+                    out[kind] += storage.nbytes()
+
+        def walk(obj, depth=0):  # the optimizers' own tensors sit in lists / dicts of their attributes
+            if torch.is_tensor(obj):
+                add("optimizer", obj)
+            elif isinstance(obj, (list, tuple)) and depth < 4:
+                for item in obj:
+                    walk(item, depth + 1)
+            elif isinstance(obj, dict) and depth < 4:
+                for item in obj.values():
+                    walk(item, depth + 1)
+
+        params = list(self.ds.module.parameters())
+        for p in params:
+            add("parameters", p)
+        for p in params:
+            add("gradients", p.grad)
+        wrapper = self.ds.optimizer
+        inner = getattr(wrapper, "optimizer", wrapper)
+        for opt in {id(wrapper): wrapper, id(inner): inner}.values():
+            walk(list(vars(opt).values()))
+            walk([p.grad for g in opt.param_groups for p in g["params"]])
+        walk(list(inner.state.values()))
+        out["total"] = sum(out.values())
+        return out
 
     @property
     def grad_norm(self) -> Optional[float]:
@@ -143,6 +257,25 @@ class TrainEngine:
     @property
     def skipped_steps(self) -> int:
         return int(self.ds.skipped_steps)
+
+
+def _synchronize(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def fp16_loss_scale(optimizer) -> float:
+    """Where DeepSpeed 0.19.8 keeps the current scale: FP16_Optimizer / FP16_UnfusedOptimizer (ZeRO-0) in
+    `loss_scale_config.cur_scale`, DeepSpeedZeroOptimizer (ZeRO-1) behind its `cur_scale` property (its
+    `loss_scaler`). Anything else is an error: a constant in the log line would hide the real scale."""
+    config = getattr(optimizer, "loss_scale_config", None)
+    if config is not None:
+        return config.cur_scale
+    if isinstance(getattr(type(optimizer), "cur_scale", None), property):
+        return optimizer.cur_scale
+    raise RuntimeError(f"fp16: no loss scale found on DeepSpeed's {type(optimizer).__name__} (neither "
+                       "loss_scale_config.cur_scale nor a cur_scale property): gptpar supports DeepSpeed 0.19.8's "
+                       "fp16 optimizers; pin deepspeed==0.19.8 or teach gptpar.training.engine.fp16_loss_scale")
 
 
 def _pipe_batch(mb: dict):

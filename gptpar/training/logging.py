@@ -84,6 +84,11 @@ def parse_log_line(line: str) -> Dict[str, object]:
     return record
 
 
+def format_timers_line(phases_ms: Dict[str, float]) -> str:
+    """Megatron's timing line: milliseconds per iteration of each phase, in the order given."""
+    return " time (ms) |" + "".join(f" {name}: {ms:.2f} |" for name, ms in phases_ms.items())
+
+
 def format_eval_line(iteration: int, lm_loss: float) -> str:
     """Megatron's validation line (`evaluate_and_print_results`); PPL = exp(min(20, loss))."""
     return (f" validation loss at iteration {iteration} | lm loss value: {lm_loss:.6E} | "
@@ -154,6 +159,9 @@ class MetricsWriter:
             raise ValueError(f"metrics record keys differ from the contract: missing {sorted(missing)}, "
                              f"extra {sorted(extra)}")
         self._append({key: record[key] for key in METRIC_KEYS})
+
+    def write_timers(self, iteration: int, phases_ms: Dict[str, float]) -> None:
+        self._append({"timers": True, "iteration": iteration, "ms_per_iteration": phases_ms})
 
     def write_eval(self, iteration: int, consumed_samples: int, lm_loss: float) -> None:
         self._append({"eval": True, "iteration": iteration, "consumed_samples": consumed_samples,

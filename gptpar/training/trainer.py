@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from gptpar.flops import tflops_per_gpu
 from gptpar.training.logging import (IntervalStats, MetricsWriter, TensorBoardWriter, WandbWriter,
-                                     format_eval_block, format_log_line)
+                                     format_eval_block, format_log_line, format_timers_line)
 from gptpar.training.schedules import BatchSizeRampup, LearningRateSchedule, train_iters
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -134,6 +134,8 @@ class Trainer:
         partitioned = t.zero_stage >= 1  # bf16 without ZeRO keeps full gradients on every dp rank
         self.zeros = ZeroCounter(engine.ds, pstate, partitioned) if cfg.logging.log_num_zeros else None
         self.metrics = self.tensorboard = self.wandb = None
+        if cfg.logging.timers:
+            engine.time_phases()
 
     # -- the loop ------------------------------------------------------------------------------
     def train(self) -> str:
@@ -195,8 +197,10 @@ class Trainer:
 
     # -- the log line --------------------------------------------------------------------------
     def log_interval(self) -> None:
+        iterations = self.stats.iterations
         interval = self.stats.pop()
         num_zeros = self.zeros.total(self.last["step_applied"]) if self.zeros is not None else None
+        phases = self.phases_ms(iterations, interval["elapsed_s"])
         if not self.is_log_rank:
             return
         record = self.record(interval, num_zeros)
@@ -204,6 +208,21 @@ class Trainer:
         self.metrics.write(record)
         self.tensorboard.add_metrics(record)
         self.wandb.add_metrics(record)
+        if phases is not None:
+            self.log(format_timers_line(phases))
+            self.metrics.write_timers(self.counters.iteration, phases)
+
+    def phases_ms(self, iterations: int, elapsed_s: float) -> Optional[dict]:
+        """With logging.timers: ms per iteration of each timed phase over the interval, and the rest of the
+        elapsed time (the loss's dp all-reduce, Python) as `other`; then the timers restart."""
+        seconds = self.engine.phase_seconds
+        if seconds is None:
+            return None
+        phases = {name: 1e3 * seconds.get(name, 0.0) / max(1, iterations)
+                  for name in ("batch", "forward", "backward", "micro-step", "optimizer")}
+        phases["other"] = 1e3 * elapsed_s - sum(phases.values())
+        seconds.clear()
+        return phases
 
     def record(self, interval: dict, num_zeros: Optional[float]) -> dict:
         """Every field of the log line (and of a metrics-file object)."""
