@@ -126,7 +126,7 @@ def make_step(model, forward, optimizer, autocast_dtype, device):
     return step
 
 
-def build_gptpar(shape, vocab_size, tokens, device, autocast_dtype, activation_checkpointing=False,
+def build_gptpar(shape, vocab_size, tokens, device, autocast_dtype, activation_checkpointing="none",
                  compile_layers=False):
     config = gptpar_config(shape, vocab_size)
     model = GPTModel(config, device=device, activation_checkpointing=activation_checkpointing).train()
@@ -166,7 +166,7 @@ def timed(step, device) -> float:
 
 
 def bench_shape(shape: Shape, *, vocab_size, dtype, device, with_hf, rounds, warmup, peak_n, peak_repeats,
-                mfu_target, profile=False, activation_checkpointing=False, compile_layers=False) -> dict:
+                mfu_target, profile=False, activation_checkpointing="none", compile_layers=False) -> dict:
     """Alternating rounds of gptpar / HF steps and a peak matmul; medians of each and of per-round ratios."""
     autocast_dtype = None if dtype == torch.float32 else dtype
     gen = torch.Generator().manual_seed(0)
@@ -196,7 +196,7 @@ def bench_shape(shape: Shape, *, vocab_size, dtype, device, with_hf, rounds, war
     flops, flops_causal = model_flops(shape, config), model_flops(shape, config, causal=True)
     tokens_per_step = shape.batch * shape.seq
     out = {"shape": asdict(shape), "name": shape.name, "dtype": str(dtype).replace("torch.", ""),
-           "compiled": compile_layers,
+           "compiled": compile_layers, "recompute": activation_checkpointing,
            "vocab_size": vocab_size, "padded_vocab_size": config.padded_vocab_size(1),
            "flops_per_step": flops, "flops_per_step_causal": flops_causal,
            "peak_flops_median": statistics.median(peaks), "peak_flops": peaks, "peak_matmul_n": peak_n,
@@ -337,8 +337,11 @@ def main(argv=None):
     p.add_argument("--hf", action="store_true", help="compare against Hugging Face on a GPU too (two 1.3B models "
                                                        "with AdamW peaked at 50.5 GiB on an H200)")
     p.add_argument("--json", default=None, help="also write the results here")
-    p.add_argument("--activation-checkpointing", action="store_true",
-                   help="recompute gptpar's layers in backward if memory is short (MFU still counts no recompute)")
+    p.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
+                   help="gptpar's activation recompute: the attention core (selective) or whole layers (full); "
+                        "MFU still counts no recompute")
+    p.add_argument("--activation-checkpointing", action="store_const", const="full", dest="recompute",
+                   help="the same as --recompute full")
     p.add_argument("--breakdown", action="store_true",
                    help="also time the model's GEMMs and attention alone: a floor on the step time, a ceiling on MFU")
     p.add_argument("--compile", action="store_true",
@@ -392,7 +395,7 @@ def main(argv=None):
         results.append(bench_shape(shape, vocab_size=vocab_size, dtype=dtype, device=device, with_hf=with_hf,
                                    rounds=rounds, warmup=warmup, peak_n=peak_n(dtype), peak_repeats=3,
                                    mfu_target=mfu_target, profile=args.profile,
-                                   activation_checkpointing=args.activation_checkpointing,
+                                   activation_checkpointing=args.recompute,
                                    compile_layers=args.compile))
         print_table(results[-1:])
         if args.breakdown:

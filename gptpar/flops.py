@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
-from gptpar.model.config import pad_vocab_size
+from gptpar.model.config import pad_vocab_size, recompute_mode
 from gptpar.model.partition import PARTITION_METHODS, partition_layers, resolve_partition_method  # noqa: F401
 
 FORMULAS = ("improved", "legacy")
@@ -105,31 +105,38 @@ def legacy_param_count(num_layers: int, hidden_size: int, tp_size: int = 1) -> i
 # ---------------------------------------------------------------------------------------------
 
 def model_flops_per_iteration(*, num_layers: int, hidden_size: int, vocab_size: int, seq_length: int,
-                              global_batch_size: int, recompute: bool = True, formula: str = "improved",
+                              global_batch_size: int, recompute=True, formula: str = "improved",
                               glu: bool = False, tp_size: int = 1, ffn_hidden_size: Optional[int] = None) -> float:
     """FLOPs one training iteration performs (all GPUs together), counting recomputation when enabled.
 
+    recompute: "none", "selective", "full", or a bool (True = full, False = none).
     improved (Narayanan et al. 2021, eq. 3, generalised): forward FLOPs per layer and token are
     8h^2 (QKV, proj) + 4sh (QK^T, AV) + 4hf (MLP; 6hf for GLU), times ckpt (4 = fwd + bwd (2x) +
-    recomputed fwd, 3 without); logits 2hV per token times 3 (never recomputed). With f = 4h, no GLU and recompute this is exactly
-    96 B s L h^2 (1 + s/(6h) + V/(16Lh)); without recompute the vocab term becomes V/(12Lh) (the reference
-    kept V/(16Lh), which undercounts). vocab_size is used as given (pass the padded size).
-    legacy: legacy_param_count * ckpt * 2 * s * B (the early seed tables; tp changes the count).
+    recomputed fwd with full recompute, 3 without); logits 2hV per token times 3 (never recomputed). With f = 4h,
+    no GLU and full recompute this is exactly 96 B s L h^2 (1 + s/(6h) + V/(16Lh)); without recompute the vocab
+    term becomes V/(12Lh) (the reference kept V/(16Lh), which undercounts). Selective recompute redoes only
+    the attention core's forward: ckpt 3 plus the 4sh of QK^T and AV once more per layer and token (the
+    softmax and dropout are not counted, like everywhere else here). vocab_size is used as given (pass the
+    padded size).
+    legacy: legacy_param_count * ckpt * 2 * s * B (the early seed tables; tp changes the count; a parameter
+    count has no attention term, so selective counts as no recompute there).
     """
     if formula not in FORMULAS:
         raise ValueError(f"formula must be one of {FORMULAS}, got {formula!r}")
-    ckpt = 4 if recompute else 3
+    mode = recompute_mode(recompute)
+    ckpt = 4 if mode == "full" else 3
     b, s, L, h, v = global_batch_size, seq_length, num_layers, hidden_size, vocab_size
     if formula == "legacy":
         return float(legacy_param_count(L, h, tp_size)) * ckpt * 2 * s * b
     f = ffn_hidden_size or 4 * h
     mlp = (6 if glu else 4) * h * f
     per_token_layer = 8 * h * h + mlp + 4 * s * h     # forward multiply-adds x 2, one layer, one token
-    return float(b * s) * (ckpt * L * per_token_layer + 3 * 2 * h * v)
+    selective = L * 4 * s * h if mode == "selective" else 0   # QK^T and AV forward again, in backward
+    return float(b * s) * (ckpt * L * per_token_layer + selective + 3 * 2 * h * v)
 
 
 def tflops_per_gpu(*, num_layers: int, hidden_size: int, vocab_size: int, seq_length: int,
-                   global_batch_size: int, sec_per_iter: float, num_gpus: int, recompute: bool = True,
+                   global_batch_size: int, sec_per_iter: float, num_gpus: int, recompute=True,
                    formula: str = "improved", glu: bool = False, tp_size: int = 1,
                    ffn_hidden_size: Optional[int] = None) -> float:
     """Achieved model TFLOPs per GPU: model_flops_per_iteration / (sec_per_iter * num_gpus * 1e12)."""

@@ -20,18 +20,22 @@ promoted, see gptpar.training.config); fp16 keeps its 2-byte gradients until the
 
 Activations (Korthikanti et al. 2022, "Reducing activation recomputation", no sequence parallelism),
 per transformer layer and micro batch of b sequences, in bytes with 2-byte activations:
-    full layer              s*b*h * (10 + 24/tp + 5*a*s/(h*tp))
-    checkpointed layer      2*s*b*h            (only the layer input is kept; recomputed in backward)
+    full layer (none)       s*b*h * (10 + 24/tp + 5*a*s/(h*tp))
+    selective recompute     s*b*h * (10 + 24/tp)   (the attention core's s x s tensors, 5*a*s^2*b/tp bytes, are
+                                                    recomputed; the paper's 34/tp adds sequence parallelism)
+    full recompute          2*s*b*h            (only the layer input is kept; recomputed in backward)
 Stage 0 of a 1F1B pipeline keeps min(pp, m) micro batches in flight (m = micro batches per step);
-one layer is rematerialised at a time on top. The last stage also holds the fp32 logits and their
-gradient (2 * 4 * s*b*V/tp).
+one layer (full) or one attention core (selective) is rematerialised at a time on top. The last stage also
+holds the fp32 logits and their gradient (2 * 4 * s*b*V/tp).
+SDPA's flash and memory-efficient kernels never store the s x s tensors, so on them `none` holds what
+`selective` does; the 5as/h term describes an unfused attention (and the seed runs').
 """
 from __future__ import annotations
 
 from typing import Dict, Optional
 
 from gptpar.flops import params_per_stage, stage_layer_ranges
-from gptpar.model.config import pad_vocab_size
+from gptpar.model.config import pad_vocab_size, recompute_mode
 
 GIB = 1024 ** 3
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -71,18 +75,23 @@ def model_state_bytes(params: int, precision: str, zero_stage: int = 1, dp_size:
 
 def activation_bytes(*, seq_length: int, micro_batch_size: int, hidden_size: int, num_attention_heads: int,
                      layers_on_stage: int, tp_size: int = 1, pp_size: int = 1, num_micro_batches: int = 1,
-                     activation_checkpointing: bool = True, stage: int = 0,
+                     activation_checkpointing=True, stage: int = 0,
                      vocab_size: Optional[int] = None) -> float:
     """Peak activation bytes of one pipeline stage (stage 0 is the worst: most micro batches in flight).
 
+    activation_checkpointing: "none" | "selective" | "full" or a bool (True = full, False = none).
     vocab_size (padded) adds the fp32 logits + their gradient; pass it for the stage computing the loss.
     """
     s, b, h, a, t = seq_length, micro_batch_size, hidden_size, num_attention_heads, tp_size
-    full_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    attention_core = s * b * h * 5 * a * s / (h * t)     # softmax input/output, dropout mask and output
+    full_layer = s * b * h * (10 + 24 / t) + attention_core
     in_flight = max(1, min(pp_size - stage, num_micro_batches))
-    if activation_checkpointing:
+    mode = recompute_mode(activation_checkpointing)
+    if mode == "full":
         per_mb = layers_on_stage * 2 * s * b * h
         total = in_flight * per_mb + full_layer          # + the layer being recomputed
+    elif mode == "selective":
+        total = in_flight * layers_on_stage * (full_layer - attention_core) + attention_core   # + one core
     else:
         total = in_flight * layers_on_stage * full_layer
     if vocab_size:
@@ -93,7 +102,7 @@ def activation_bytes(*, seq_length: int, micro_batch_size: int, hidden_size: int
 def memory_per_gpu(*, num_layers: int, hidden_size: int, num_attention_heads: int, vocab_size: int,
                    seq_length: int, micro_batch_size: int, global_batch_size: int, tp_size: int = 1,
                    pp_size: int = 1, dp_size: int = 1, partition_method: str = "transformer",
-                   precision: str = "bf16", zero_stage: int = 1, activation_checkpointing: bool = True,
+                   precision: str = "bf16", zero_stage: int = 1, activation_checkpointing=True,
                    ffn_hidden_size: Optional[int] = None, make_vocab_size_divisible_by: int = 128,
                    max_position_embeddings: Optional[int] = None,
                    cuda_context_bytes: float = CUDA_CONTEXT_BYTES, embedding_weight: int = 1) -> Dict[str, dict]:

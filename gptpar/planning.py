@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import List, Optional
 
 from gptpar.flops import model_flops_per_iteration, params_per_stage, stage_layer_ranges
 from gptpar.memory import GIB, memory_per_gpu
-from gptpar.model.config import pad_vocab_size
+from gptpar.model.config import pad_vocab_size, recompute_mode
 
 
 # ---------------------------------------------------------------------------------------------
@@ -51,7 +51,7 @@ def settings_from_config(cfg: dict) -> dict:
         "embedding_weight": p.get("embedding_weight") or 1,
         "micro_batch_size": t.get("micro_batch_size", 1), "global_batch_size": t.get("global_batch_size"),
         "precision": t.get("precision", "bf16"), "zero_stage": t.get("zero_stage", 1),
-        "activation_checkpointing": t.get("activation_checkpointing", True),
+        "activation_checkpointing": recompute_mode(t.get("activation_checkpointing", True)),
         "rampup_batch_size": t.get("rampup_batch_size"),
     }
     if s["vocab_size"]:
@@ -176,6 +176,16 @@ def _ramp_ok(rampup, dp_mbs: int) -> bool:
     return start % dp_mbs == 0 and increment % dp_mbs == 0
 
 
+def compute_rate(hw: Hardware, hidden_size: int, num_attention_heads: int, tp: int, mbs: int) -> float:
+    """FLOP/s one GPU achieves on the model's compute at this shape: achieved_tflops x efficiency(mbs) x penalties."""
+    rate = hw.achieved_tflops * 1e12 * mbs / (mbs + hw.mbs_half_point)
+    if hidden_size % 128:
+        rate *= hw.tile_penalty
+    if (num_attention_heads // tp) * mbs % 4:
+        rate *= hw.softmax_penalty
+    return rate
+
+
 def predict(s: dict, tp: int, pp: int, dp: int, mbs: int, gbs: int, hw: Hardware) -> dict:
     """Predicted seconds per iteration, split into its parts (see docs/planning.md).
 
@@ -188,17 +198,13 @@ def predict(s: dict, tp: int, pp: int, dp: int, mbs: int, gbs: int, hw: Hardware
     L, h, seq = s["num_layers"], s["hidden_size"], s["seq_length"]
     heads, v = s["num_attention_heads"], pad_vocab_size(s["vocab_size"], tp, s["make_vocab_size_divisible_by"])
     m = gbs // (dp * mbs)
-    rate = hw.achieved_tflops * 1e12 * mbs / (mbs + hw.mbs_half_point)
-    if h % 128:
-        rate *= hw.tile_penalty
-    if (heads // tp) * mbs % 4:
-        rate *= hw.softmax_penalty
+    rate = compute_rate(hw, h, heads, tp, mbs)
     flops = model_flops_per_iteration(num_layers=L, hidden_size=h, vocab_size=v, seq_length=seq,
                                       global_batch_size=gbs, recompute=s["activation_checkpointing"],
                                       ffn_hidden_size=s["ffn_hidden_size"])
     slot_compute = flops / (m * dp * pp * tp) / rate
     layers_per_stage = L / pp
-    n_ar = 6 if s["activation_checkpointing"] else 4
+    n_ar = 6 if s["activation_checkpointing"] == "full" else 4   # selective redoes no linear, no all-reduce
     ar_bytes = mbs * seq * h * 2
     slot_tp = 0.0 if tp == 1 else layers_per_stage * n_ar * ar_bytes * 2 * (tp - 1) / tp / (hw.intra_node_gbps * 1e9)
     per_gpu_inter = hw.inter_node_gbps * 1e9 / hw.gpus_per_node
@@ -215,6 +221,92 @@ def predict(s: dict, tp: int, pp: int, dp: int, mbs: int, gbs: int, hw: Hardware
     return {"compute_s": m * slot_compute, "bubble_s": (pp - 1) * slot_compute,
             "tp_comm_s": slots * slot_tp, "pp_comm_s": slots * slot_pp, "dp_comm_s": dp_comm,
             "sec_per_iter": slots * (slot_compute + slot_tp + slot_pp) + dp_comm}
+
+
+def predict_layout(s: dict, hw: Hardware) -> dict:
+    """`predict` for the layout the settings (a config) name: their tp, pp, dp, micro and global batch, plus
+    the heaviest stage's memory in GiB (`mem_gib`) and whether it fits `hw.gpu_mem_gib` (`fits`)."""
+    require(s, "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "global_batch_size")
+    tp, pp, dp, mbs, gbs = s["tp_size"], s["pp_size"], s["dp_size"], s["micro_batch_size"], s["global_batch_size"]
+    out = predict(s, tp, pp, dp, mbs, gbs, hw)
+    mem = memory_per_gpu(num_layers=s["num_layers"], hidden_size=s["hidden_size"],
+                         num_attention_heads=s["num_attention_heads"], vocab_size=s["vocab_size"],
+                         seq_length=s["seq_length"], micro_batch_size=mbs, global_batch_size=gbs, tp_size=tp,
+                         pp_size=pp, dp_size=dp, partition_method=s["partition_method"], precision=s["precision"],
+                         embedding_weight=s.get("embedding_weight", 1), zero_stage=s["zero_stage"],
+                         activation_checkpointing=s["activation_checkpointing"], ffn_hidden_size=s["ffn_hidden_size"],
+                         make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"])["max"]["total"] / GIB
+    out.update(mem_gib=mem, fits=mem <= hw.gpu_mem_gib)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Calibration: measured seconds per layer on a GPU kind (bench/bench_layer.py) -> that kind's Hardware
+# ---------------------------------------------------------------------------------------------
+
+_CALIBRATION_SHAPE = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "micro_batch_size",
+                      "tp_size")
+
+
+def load_calibration(path: str) -> dict:
+    """Read a calibration file written by bench/bench_layer.py --json; ValueError naming the file and the fix."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--calibration {path!r}: no such file (write one with bench/bench_layer.py --json FILE)")
+    try:
+        with open(path) as f:
+            cal = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--calibration {path}: not valid JSON ({e})") from None
+    if not isinstance(cal, dict):
+        cal = {}
+    shape, modes = cal.get("shape"), cal.get("modes")
+    if not isinstance(shape, dict) or not isinstance(modes, dict) or not modes:
+        raise ValueError(f"--calibration {path}: needs 'shape' and 'modes' (the output of bench/bench_layer.py --json)")
+    missing = [k for k in _CALIBRATION_SHAPE if not isinstance(shape.get(k), int) or shape[k] < 1]
+    if missing:
+        raise ValueError(f"--calibration {path}: shape lacks positive integers for {missing}")
+    for mode, r in modes.items():
+        sec = r.get("sec_per_layer") if isinstance(r, dict) else None
+        if mode not in ("none", "selective", "full") or not isinstance(sec, (int, float)) or sec <= 0:
+            raise ValueError(f"--calibration {path}: mode {mode!r} needs sec_per_layer > 0 "
+                             f"(modes are none, selective, full)")
+    cal = dict(cal)
+    cal.setdefault("gpu", os.path.basename(path))
+    cal["path"] = path
+    return cal
+
+
+def calibrated_hardware(cal: dict, mode: str, base: Hardware = Hardware()) -> Hardware:
+    """The Hardware of the calibration's GPU kind: `base` (the seed cluster's network and time-model curves)
+    with `achieved_tflops` set so that the time model gives, at the calibrated shape, exactly the measured
+    seconds per layer of `mode` (the layer's FLOPs at that micro batch / tp, divided by the measured time,
+    with the model's micro-batch efficiency and shape penalties at that shape taken back out), and the
+    GPU's memory when the file has it. Optional `network` {intra_node_gbps, inter_node_gbps} in the file
+    replaces the seed cluster's bandwidths."""
+    mode = recompute_mode(mode)
+    if mode not in cal["modes"]:
+        raise ValueError(f"calibration {cal.get('path', '')} has no {mode!r} measurement (has "
+                         f"{sorted(cal['modes'])}): rerun bench/bench_layer.py --modes none,selective,full")
+    sh = cal["shape"]
+    flops = model_flops_per_iteration(num_layers=1, hidden_size=sh["hidden_size"], vocab_size=0,
+                                      seq_length=sh["seq_length"], global_batch_size=sh["micro_batch_size"],
+                                      recompute=mode, ffn_hidden_size=sh["ffn_hidden_size"]) / sh["tp_size"]
+    measured = flops / cal["modes"][mode]["sec_per_layer"]
+    unit = replace(base, achieved_tflops=1.0)   # the time model's shape factor alone
+    factor = compute_rate(unit, sh["hidden_size"], sh["num_attention_heads"], sh["tp_size"],
+                          sh["micro_batch_size"]) / 1e12
+    network = cal.get("network") or {}
+    return replace(base, achieved_tflops=measured / factor / 1e12,
+                   gpu_mem_gib=cal.get("gpu_mem_gib") or base.gpu_mem_gib,
+                   intra_node_gbps=network.get("intra_node_gbps", base.intra_node_gbps),
+                   inter_node_gbps=network.get("inter_node_gbps", base.inter_node_gbps))
+
+
+def calibration_notes(cal: dict, s: dict) -> List[str]:
+    """Where the calibrated shape differs from the settings' (the rate is then carried over by the model)."""
+    sh = cal["shape"]
+    return [f"{k} {sh[k]} calibrated vs {s[k]} here" for k in _CALIBRATION_SHAPE
+            if s.get(k) is not None and sh[k] != s[k]]
 
 
 def plan_topology(s: dict, nodes: int, hw: Hardware = Hardware(), mbs_choices=(1, 2, 4, 8, 16)) -> List[Candidate]:
@@ -287,4 +379,5 @@ def dry_run_report(config_dict: dict, sec_per_iter: Optional[float] = None,
 
 
 __all__ = ["load_config", "settings_from_config", "add_model_flags", "settings_from_args", "require", "check_tp", "Hardware",
-           "Candidate", "predict", "plan_topology", "dry_run_report"]
+           "Candidate", "compute_rate", "predict", "predict_layout", "load_calibration", "calibrated_hardware",
+           "calibration_notes", "plan_topology", "dry_run_report"]

@@ -93,7 +93,7 @@ def render_dry_run(cfg: dict, sec_per_iter: Optional[float] = None, meta_param_c
 
     worst = mem["max"]
     lines += ["", f"== memory per GPU ({s['precision']}, ZeRO-{s['zero_stage']} over dp={dp}, micro batch {mbs}, "
-                  f"checkpointing {'on' if s['activation_checkpointing'] else 'off'}) ==",
+                  f"recompute {s['activation_checkpointing']}) ==",
               f"heaviest stage {worst['stage']}: weights {worst['weights'] / GIB:.1f} + grads "
               f"{worst['gradients'] / GIB:.1f} + optimizer {worst['optimizer'] / GIB:.1f} + activations "
               f"{worst['activations'] / GIB:.1f} + CUDA context {worst['cuda_context'] / GIB:.1f} = "

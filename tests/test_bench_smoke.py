@@ -46,6 +46,121 @@ def test_bench_scaling_tiny(tmp_path):
     assert 0.45 < res["zero"]["opt_bytes_ratio"] < 0.55
 
 
+def _load_bench(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "bench", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_peer_loop_tiny(tmp_path):
+    """The peer loop trains (finite losses) and reports TFLOPs by gptpar's formula for its own time."""
+    from gptpar.flops import tflops_per_gpu
+
+    out_json = tmp_path / "peer.json"
+    out = subprocess.run([sys.executable, "bench/bench_peer_loop.py", "--tiny", "--device", "cpu", "--json",
+                          str(out_json)], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out_json.read_text())
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == res
+    c = res["config"]
+    assert res["micro_batches"] == res["global_batch_size"] // res["micro_batch_size"]
+    assert len(res["sec_per_iter"]) == res["iters"] and len(res["losses"]) == res["iters"] + res["warmup_iters"]
+    assert all(l == l and 0 < l < 20 for l in res["losses"])
+    assert res["tflops"] == pytest.approx(tflops_per_gpu(
+        num_layers=c["n_layer"], hidden_size=c["n_embd"], vocab_size=res["padded_vocab_size"],
+        seq_length=c["block_size"], global_batch_size=res["global_batch_size"],
+        sec_per_iter=res["sec_per_iter_median"], num_gpus=1, recompute=False))
+    assert res["tokens_per_s"] == pytest.approx(res["global_batch_size"] * c["block_size"] / res["sec_per_iter_median"])
+
+
+def test_peer_model_computes_gptpar_model():
+    """The peer is the same function as gptpar's GPT (tanh GELU), so one FLOP count fits both loops: with the
+    peer's weights moved into GPTModel (through the Hugging Face layout: nanoGPT's names, Conv1D transposed)
+    the logits over the real vocabulary agree."""
+    import torch
+
+    from gptpar.model.config import GPTConfig
+    from gptpar.model.gpt import GPTModel
+    from gptpar.model.hf import from_hf_state_dict
+    from gptpar.model.sharding import load_full_state_dict
+
+    peer = _load_bench("bench_peer_loop")
+    cfg = peer.PeerConfig(n_layer=2, n_embd=32, n_head=4, block_size=16, vocab_size=100)
+    torch.manual_seed(0)
+    model = peer.GPT(cfg).eval()
+    with torch.no_grad():  # zero biases and unit LayerNorms would hide a swapped tensor
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    hf = {}
+    for name, t in model.state_dict().items():
+        transposed = name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))
+        hf[name] = t.t() if transposed else t
+    gcfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
+                     make_vocab_size_divisible_by=64, activation="gelu_tanh")
+    assert gcfg.padded_vocab_size(1) == cfg.padded_vocab
+    ours = GPTModel(gcfg).eval()
+    load_full_state_dict(ours, from_hf_state_dict(hf, gcfg), None)
+    x = torch.randint(0, 100, (3, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x)[..., :100], model(x)[..., :100], rtol=1e-5, atol=1e-5)
+
+
+def test_bench_layer_tiny_calibrates_the_planner(tmp_path):
+    """bench_layer at a tiny shape on the CPU writes a calibration file; its TFLOPs are gptpar's count over its
+    own times, and the planner turns it into a rate that reproduces the measured seconds per layer."""
+    from gptpar.flops import model_flops_per_iteration
+    from gptpar.planning import calibrated_hardware, load_calibration, predict
+
+    cal_path = tmp_path / "cal.json"
+    out = subprocess.run([sys.executable, "bench/bench_layer.py", "--tiny", "--device", "cpu", "--json", str(cal_path)],
+                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    cal = load_calibration(str(cal_path))
+    sh = cal["shape"]
+    assert (sh["heads_per_rank"], sh["ffn_per_rank"]) == (sh["num_attention_heads"] // sh["tp_size"],
+                                                          sh["ffn_hidden_size"] // sh["tp_size"])
+    assert set(cal["modes"]) == {"none", "selective", "full"} and "excluded" in cal["tp_communication"]
+    for mode, r in cal["modes"].items():
+        flops = model_flops_per_iteration(num_layers=1, hidden_size=sh["hidden_size"], vocab_size=0,
+                                          seq_length=sh["seq_length"], global_batch_size=sh["micro_batch_size"],
+                                          recompute=mode, ffn_hidden_size=sh["ffn_hidden_size"]) / sh["tp_size"]
+        assert r["flops_per_layer_per_gpu"] == pytest.approx(flops)
+        assert r["tflops"] == pytest.approx(flops / r["sec_per_layer"] / 1e12)
+        assert len(r["sec_per_layer_all"]) == cal["iters"]
+    # A model of this shape: one more layer per stage costs (m + pp - 1) x the measured seconds per layer.
+    s = {"num_layers": 4, "hidden_size": sh["hidden_size"], "num_attention_heads": sh["num_attention_heads"],
+         "ffn_hidden_size": sh["ffn_hidden_size"], "seq_length": sh["seq_length"], "vocab_size": 128,
+         "make_vocab_size_divisible_by": 128, "partition_method": "transformer",
+         "activation_checkpointing": "selective"}
+    hw = calibrated_hardware(cal, "selective")
+    tp, pp, dp, mbs, gbs = sh["tp_size"], 2, 1, sh["micro_batch_size"], 8 * sh["micro_batch_size"]
+    t4, t6 = predict(s, tp, pp, dp, mbs, gbs, hw), predict({**s, "num_layers": 6}, tp, pp, dp, mbs, gbs, hw)
+    grown = (t6["compute_s"] + t6["bubble_s"]) - (t4["compute_s"] + t4["bubble_s"])
+    assert grown == pytest.approx((8 + pp - 1) * cal["modes"]["selective"]["sec_per_layer"], rel=1e-9)
+
+
+@pytest.mark.slow
+def test_gpu_speed_script_flow_on_cpu(tmp_path):
+    """bench/gpu_speed.sh with GPU_SPEED_CPU_SMOKE=1: every step at a tiny shape on the CPU (~1-2 min), so the
+    one GPU call runs a script whose flow, flags and summary have run end to end."""
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "out"
+    run = subprocess.run(["bash", "bench/gpu_speed.sh"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env={**ENV, "GPU_SPEED_CPU_SMOKE": "1", "OUT": str(out), "PYTHON": sys.executable})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert not (out / "failed.txt").exists(), (out / "failed.txt").read_text() + run.stdout[-3000:]
+    assert not (out / "skipped.txt").exists(), (out / "skipped.txt").read_text()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ratio_trainer_vs_compiled_peer"] > 0
+    assert set(summary["single_rank"]) == {"none", "selective", "full"}
+    assert len(summary["layer"]) == 2 and all(set(c["modes"]) == {"none", "selective", "full"}
+                                              for c in summary["layer"].values())
+    assert "A100 (seed 003 fit)" in (out / "plan_200b_calibrated.log").read_text()
+
+
 @pytest.mark.slow
 def test_gpu_trainer_flow_on_cpu(tmp_path):
     """bench/gpu_trainer.py's whole flow (bf16 train/save/resume, recompute, fp16 loss scaling, the bench) at a

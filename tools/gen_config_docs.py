@@ -74,7 +74,8 @@ def render() -> str:
             out.append(f"| `{f.name}` | {_type_name(hints[f.name]).replace(' | ', ' or ')} | {default_of(f)} | {doc.replace('|', '/')} "
                        f"| `{aliases[f'{name}.{f.name}']}` |")
     out.append("\nSwitch aliases: `--fp16`, `--bf16`, `--fp32` (training.precision), `--checkpoint-activations` "
-               "(training.activation_checkpointing=true), `--log-num-zeros-in-grad` (logging.log_num_zeros=true). "
+               "(training.activation_checkpointing=true, i.e. full), `--recompute-activations` (=selective, as in "
+               "Megatron-LM), `--log-num-zeros-in-grad` (logging.log_num_zeros=true). "
                "`--data-path` and `--rampup-batch-size` take several values, as in Megatron.")
     return "\n".join(out) + "\n"
 

@@ -5,7 +5,7 @@
     python tools/memory.py --config configs/181b_48nodes.json --pipeline-model-parallel-size 12 --gpus 384
 
 Micro batch, precision, ZeRO stage, checkpointing and partition come from --config (defaults: 1,
-bf16, ZeRO-1, on, transformer); dp = --gpus / (tp * pp) when --gpus is given.
+bf16, ZeRO-1, full recompute, transformer); dp = --gpus / (tp * pp) when --gpus is given.
 """
 import argparse
 import json
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
         print(json.dumps(out))
         return 0
     print(f"tp={s['tp_size']} pp={s['pp_size']} dp={dp} micro batch {s['micro_batch_size']} {s['precision']} "
-          f"ZeRO-{s['zero_stage']} checkpointing {'on' if s['activation_checkpointing'] else 'off'} (GiB)")
+          f"ZeRO-{s['zero_stage']} recompute {s['activation_checkpointing']} (GiB)")
     print(f"{'stage':>5} {'params/rank':>14} {'weights':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'ctx':>6} "
           f"{'total':>8}")
     for st in mem["stages"]:

@@ -2,10 +2,15 @@
 """Rank (tp, pp, dp, micro batch) layouts for a model on N nodes by predicted seconds per iteration.
 
     python tools/plan_topology.py --config configs/200b.json --nodes 48 --gpus-per-node 8 --gpu-mem 80
+    python tools/plan_topology.py --config configs/200b.json --nodes 40 --calibration h100.json --calibration h200.json
 
 Hard constraints filter (tp <= GPUs per node, heads/hidden/ffn % tp, layer partition with >= 1 block
 per stage, memory fit); soft ones are flagged and penalised (batch ramp-up vs dp*mbs, trimmed global
 batch, fused softmax, hidden % 128). The time model is in docs/planning.md.
+
+--calibration FILE (repeatable; written by bench/bench_layer.py --json) adds a GPU kind whose compute rate
+comes from measured seconds per layer: the config's own layout is then predicted for the seed-fitted A100
+and for every calibrated kind side by side, with each kind's best layout on --nodes.
 """
 import argparse
 import json
@@ -14,7 +19,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gptpar.planning import Hardware, load_config, plan_topology, settings_from_config  # noqa: E402
+from gptpar.planning import (Hardware, calibrated_hardware, calibration_notes, load_calibration,  # noqa: E402
+                             load_config, plan_topology, predict_layout, settings_from_config)
+from gptpar.planning_report import SEED_RUNS  # noqa: E402
 
 TOP = 20
 
@@ -25,6 +32,8 @@ def main(argv=None) -> int:
     parser.add_argument("--nodes", type=int, required=True)
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU")
+    parser.add_argument("--calibration", action="append", default=[], metavar="FILE",
+                        help="a GPU kind's measured seconds per layer (bench/bench_layer.py --json); repeatable")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     try:
@@ -37,6 +46,13 @@ def main(argv=None) -> int:
         s = settings_from_config(load_config(args.config))
         hw = Hardware(gpus_per_node=args.gpus_per_node, gpu_mem_gib=args.gpu_mem)
         cands = plan_topology(s, args.nodes, hw)
+        kinds = [("A100 (seed 003 fit)", "", hw)]
+        for path in args.calibration:
+            cal = load_calibration(path)
+            kinds.append((cal["gpu"], path, calibrated_hardware(cal, s["activation_checkpointing"], hw)))
+            kinds[-1] += (calibration_notes(cal, s),)
+        layouts = [_layout_row(s, name, path, khw, args.nodes, notes=extra[0] if extra else [])
+                   for name, path, khw, *extra in kinds] if args.calibration else []
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -47,7 +63,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps({"nodes": args.nodes, "gpus_per_node": args.gpus_per_node, "gpu_mem": args.gpu_mem,
                           "hardware": hw.__dict__, "num_candidates": len(cands),
-                          "candidates": [c.to_dict() for c in cands[:50]]}))
+                          "candidates": [c.to_dict() for c in cands[:50]], "layouts": layouts}))
         return 0
     print(f"{len(cands)} layouts fit; best {min(TOP, len(cands))} by predicted s/it (at the requested batch "
           f"{s['global_batch_size']}), soft flags penalise the rank")
@@ -57,7 +73,43 @@ def main(argv=None) -> int:
         print(f"{i:>3} {c.nodes:>5} {c.tp:>3} {c.pp:>3} {c.dp:>3} {c.mbs:>3} {c.global_batch_size:>5} {c.mem_gib:>7.1f} "
               f"{c.sec_per_requested_batch:>7.1f} {c.compute_s:>7.1f} {c.bubble_s:>6.1f} {c.tp_comm_s:>7.1f} "
               f"{c.pp_comm_s:>7.1f} {c.dp_comm_s:>7.1f}  {', '.join(c.soft)}")
+    if layouts:
+        print_layouts(s, layouts, args.nodes)
     return 0
+
+
+def _layout_row(s, name, path, hw, nodes, notes):
+    """The config's layout predicted on one GPU kind, and that kind's best layout on `nodes` nodes."""
+    row = {"kind": name, "calibration": path, "achieved_tflops": hw.achieved_tflops, "gpu_mem_gib": hw.gpu_mem_gib,
+           "notes": notes, **predict_layout(s, hw)}
+    best = plan_topology(s, nodes, hw)
+    row["best"] = best[0].to_dict() if best else None
+    return row
+
+
+def print_layouts(s, layouts, nodes):
+    L, h = s["num_layers"], s["hidden_size"]
+    tp, pp, dp, mbs, gbs = s["tp_size"], s["pp_size"], s["dp_size"], s["micro_batch_size"], s["global_batch_size"]
+    print(f"\nThe config's layout, tp {tp} x pp {pp} x dp {dp} ({tp * pp * dp} GPUs), micro batch {mbs}, global "
+          f"batch {gbs}, recompute {s['activation_checkpointing']}, per GPU kind (rate = the model's achieved "
+          f"TFLOPs before its micro-batch and shape factors; tp all-reduces from the bandwidth model):")
+    print(f"  {'GPU kind':<34} {'rate':>6} {'mem GiB':>8} {'s/it':>8} {'compute':>8} {'bubble':>7} {'tp comm':>7} "
+          f"{'pp comm':>7} {'dp comm':>7}  best layout on {nodes} nodes")
+    for r in layouts:
+        b = r["best"]
+        best = (f"tp {b['tp']} pp {b['pp']} dp {b['dp']} mbs {b['mbs']}: {b['sec_per_requested_batch']:.1f} s/it"
+                if b else "none fits")
+        mem = f"{r['mem_gib']:.1f}" + ("" if r["fits"] else "!")
+        print(f"  {r['kind'][:34]:<34} {r['achieved_tflops']:>6.1f} {mem:>8} {r['sec_per_iter']:>8.1f} "
+              f"{r['compute_s']:>8.1f} {r['bubble_s']:>7.1f} {r['tp_comm_s']:>7.1f} {r['pp_comm_s']:>7.1f} "
+              f"{r['dp_comm_s']:>7.1f}  {best}")
+        if r["notes"]:
+            print(f"  {'':<34} calibrated at another shape: {'; '.join(r['notes'])}")
+    measured = [row for row in SEED_RUNS if row[1:8] == (L, h, tp, pp, dp, mbs, gbs)]
+    for where, *_, sec, _printed, _how in measured:
+        print(f"  seed {where}: measured {sec} s/it on A100s")
+    if any(not r["fits"] for r in layouts):
+        print("  (! = the memory estimate exceeds that GPU's memory)")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,19 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
+# Activation recompute in backward (Megatron's --recompute-granularity): nothing, only the attention core
+# (QK^T, softmax, dropout, .V: the s x s tensors, cheap to redo), or each whole transformer layer.
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def recompute_mode(value) -> str:
+    """'none' | 'selective' | 'full' from a mode name or the older boolean (True = full, False = none)."""
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    if value not in RECOMPUTE_MODES:
+        raise ValueError(f"activation checkpointing must be one of {RECOMPUTE_MODES} (or true/false), "
+                         f"got {value!r}")
+    return value
 
 
 def pad_vocab_size(vocab_size: int, tp_size: int = 1, divisible_by: int = 128) -> int:

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gptpar.model.config import GPTConfig
+from gptpar.model.config import GPTConfig, recompute_mode
 from gptpar.model.kernels import make_layer_norm
 from gptpar.tensor_parallel.comm import (Group, divide, gather_from_sequence_parallel_region, group_size,
                                          mark_sequence_parallel, scatter_to_sequence_parallel_region)
@@ -119,12 +119,16 @@ class GPTEmbedding(nn.Module):
 
 class TransformerLayer(nn.Module):
     """x + attn(ln1(x)), then + mlp(ln2(x)). Input/output (s, b, h) (or (s/tp, b, h) under sp),
-    optionally paired with a boolean attention mask (b, 1, s, s), True = may attend."""
+    optionally paired with a boolean attention mask (b, 1, s, s), True = may attend.
+
+    `recompute_core_attention` is selective recompute: in training the attention core is recomputed in
+    backward instead of keeping its (b, nh/tp, s, s) tensors, the linears and their inputs are kept."""
 
     def __init__(self, config: GPTConfig, layer_number: int, *, tp_group: Group = None,
                  sequence_parallel: bool = False, rng_tracker: Optional[RNGStatesTracker] = None,
-                 seed: int = 1234, device=None, dtype=None):
+                 seed: int = 1234, recompute_core_attention: bool = False, device=None, dtype=None):
         super().__init__()
+        self.recompute_core_attention = recompute_core_attention
         tp = group_size(tp_group)
         h = config.hidden_size
         self.num_heads = divide(config.num_attention_heads, tp, "num_attention_heads")  # heads on this rank
@@ -158,14 +162,25 @@ class TransformerLayer(nn.Module):
         # selects: its backward stacks the three gradients into one (s, b, nh, 3, d) buffer, where each
         # select's backward would zero-fill a full-size buffer and the three would then be summed.
         q, k, v = (t.permute(1, 2, 0, 3) for t in qkv.unbind(dim=3))  # each (b, nh/tp, s, d)
+        if self.recompute_core_attention and self.training:
+            # Selective recompute (Korthikanti et al. 2022): q, k, v are kept, the core is redone in backward
+            # with the same dropout mask (the tracker's streams are replayed). Its s x s tensors are what a
+            # non-fused kernel keeps (5as/h of the layer's 34 + 5as/h bytes per sbh at tp=1); QK^T and .V
+            # cost only 4sh of the layer's 24h^2 + 4sh forward FLOPs per token (f = 4h).
+            ctx = checkpoint(self.core_attention, q, k, v, mask, tracker=self.rng_tracker)
+        else:
+            ctx = self.core_attention(q, k, v, mask)
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)  # (s, b, h/tp)
+        return self.dense(ctx)
+
+    def core_attention(self, q, k, v, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """dropout(softmax(q k^T / sqrt(d) + mask)) v: q, k, v (b, nh/tp, s, d) -> (b, nh/tp, s, d)."""
         dropout_p = self.attention_dropout if self.training else 0.0
         # The attention probabilities belong to this rank's heads: their dropout draws per tp rank.
         fork = self.rng_tracker.fork() if (dropout_p > 0 and self.rng_tracker) else contextlib.nullcontext()
         with fork:
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                                 is_causal=mask is None)
-        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)  # (s, b, h/tp)
-        return self.dense(ctx)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                                  is_causal=mask is None)
 
     def forward(self, inputs):
         x, mask = _split_mask(inputs)
@@ -231,18 +246,22 @@ class GPTModel(nn.Module):
 
     forward(input_ids (b, s), position_ids=None, attention_mask=None, labels=None, loss_mask=None):
     the mean loss when `labels` is given, else this rank's logits (b, s, V/tp).
+
+    activation_checkpointing: "none", "selective" (the attention core is recomputed in backward), "full"
+    (each transformer layer is), or the older True (= full) / False (= none).
     """
 
     def __init__(self, config: GPTConfig, *, tp_group: Group = None, sequence_parallel: bool = False,
                  rng_tracker: Optional[RNGStatesTracker] = None, seed: int = 1234,
-                 activation_checkpointing: bool = False, device=None, dtype=None):
+                 activation_checkpointing="none", device=None, dtype=None):
         super().__init__()
         config.check_parallel(group_size(tp_group), 1)
         self.config = config
-        self.activation_checkpointing, self.rng_tracker = activation_checkpointing, rng_tracker
+        self.recompute, self.rng_tracker = recompute_mode(activation_checkpointing), rng_tracker
         kw = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, device=device, dtype=dtype)
         self.embedding = GPTEmbedding(config, rng_tracker=rng_tracker, seed=seed, **kw)
-        self.layers = nn.ModuleList(TransformerLayer(config, i, rng_tracker=rng_tracker, seed=seed, **kw)
+        self.layers = nn.ModuleList(TransformerLayer(config, i, rng_tracker=rng_tracker, seed=seed,
+                                                     recompute_core_attention=self.recompute == "selective", **kw)
                                     for i in range(config.num_layers))
         self.final_layernorm = FinalLayerNorm(config, **kw)
         self.loss_fn = GPTLoss(config.vocab_size, tp_group)
@@ -251,7 +270,7 @@ class GPTModel(nn.Module):
     def forward(self, input_ids, position_ids=None, attention_mask=None, labels=None, loss_mask=None):
         x = self.embedding((input_ids, position_ids, attention_mask))
         for layer in self.layers:
-            if self.activation_checkpointing and self.training:
+            if self.recompute == "full" and self.training:
                 x = checkpoint(layer, x, tracker=self.rng_tracker)
             else:
                 x = layer(x)

@@ -16,7 +16,7 @@ from typing import List
 
 import torch.nn as nn
 
-from gptpar.model.config import GPTConfig
+from gptpar.model.config import GPTConfig, recompute_mode
 from gptpar.model.gpt import FinalLayerNorm, GPTEmbedding, GPTLoss, TransformerLayer, lm_logits
 from gptpar.model.partition import (PARTITION_METHODS, PartitionPlan, StagePlan,  # noqa: F401 (re-exported)
                                     partition_layers, resolve_partition_method)
@@ -36,7 +36,8 @@ def deepspeed_partition_method(plan: PartitionPlan) -> str:
 
 
 def layer_specs(config: GPTConfig, *, tp_group=None, sequence_parallel: bool = False, rng_tracker=None,
-                seed: int = 1234, embedding_weight: int = 1, device=None, dtype=None) -> list:
+                seed: int = 1234, embedding_weight: int = 1, recompute_core_attention: bool = False,
+                device=None, dtype=None) -> list:
     """DeepSpeed layer specs of the whole model (built lazily, stage by stage, by PipelineModule)."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
@@ -46,7 +47,8 @@ def layer_specs(config: GPTConfig, *, tp_group=None, sequence_parallel: bool = F
         [TiedLayerSpec("embed", GPTEmbedding, config, rng_tracker=rng_tracker, seed=seed,
                        tied_weight_attr="word_embeddings.weight", **kw)]
         + markers
-        + [LayerSpec(TransformerLayer, config, i, rng_tracker=rng_tracker, seed=seed, **kw)
+        + [LayerSpec(TransformerLayer, config, i, rng_tracker=rng_tracker, seed=seed,
+                     recompute_core_attention=recompute_core_attention, **kw)
            for i in range(config.num_layers)]
         + [LayerSpec(FinalLayerNorm, config, **kw)]
         + markers
@@ -58,21 +60,25 @@ def layer_specs(config: GPTConfig, *, tp_group=None, sequence_parallel: bool = F
 
 def build_pipeline_model(config: GPTConfig, pstate, *, partition_method: str = "auto", embedding_weight: int = 1,
                          sequence_parallel: bool = False, rng_tracker=None, seed: int = 1234,
-                         activation_checkpointing: bool = False, dtype=None):
-    """The GPT as a DeepSpeed `PipelineModule` over `pstate`'s grid; this rank builds only its stage."""
+                         activation_checkpointing="none", dtype=None):
+    """The GPT as a DeepSpeed `PipelineModule` over `pstate`'s grid; this rank builds only its stage.
+
+    activation_checkpointing "full" (or True) checkpoints every transformer layer through DeepSpeed's
+    interval; "selective" makes each layer recompute its attention core itself."""
     import deepspeed
     from deepspeed.pipe import PipelineModule
 
     config.check_parallel(pstate.tp_size, pstate.pp_size)
+    recompute = recompute_mode(activation_checkpointing)
     deepspeed.init_distributed(dist_backend=pstate.backend)  # adopts the existing process group
     plan = partition_layers(config.num_layers, pstate.pp_size, partition_method, embedding_weight)
     specs = layer_specs(config, tp_group=pstate.tp_group, sequence_parallel=sequence_parallel,
                         rng_tracker=rng_tracker, seed=seed, embedding_weight=plan.embedding_weight,
-                        device=pstate.device, dtype=dtype)
+                        recompute_core_attention=recompute == "selective", device=pstate.device, dtype=dtype)
     module = PipelineModule(
         layers=specs, loss_fn=GPTLoss(config.vocab_size, pstate.tp_group), topology=pstate.topology(),
         partition_method=deepspeed_partition_method(plan),
-        activation_checkpoint_interval=1 if activation_checkpointing else 0,
+        activation_checkpoint_interval=1 if recompute == "full" else 0,
         activation_checkpoint_func=functools.partial(checkpoint, tracker=rng_tracker),
         checkpointable_layers=["TransformerLayer"])
     if list(module.parts) != plan.parts:

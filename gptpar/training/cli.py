@@ -20,6 +20,7 @@ SPECIAL_ALIASES = {
     "--bf16": "training.precision=bf16",
     "--fp32": "training.precision=fp32",
     "--checkpoint-activations": "training.activation_checkpointing=true",
+    "--recompute-activations": "training.activation_checkpointing=selective",  # Megatron-LM: selective
     "--log-num-zeros-in-grad": "logging.log_num_zeros=true",
 }
 LIST_ALIASES = {"--data-path": None, "--rampup-batch-size": 3}  # nargs: None = one or more

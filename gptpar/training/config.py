@@ -18,7 +18,7 @@ import typing
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
-from gptpar.model.config import GPTConfig
+from gptpar.model.config import RECOMPUTE_MODES, GPTConfig, recompute_mode
 from gptpar.model.partition import partition_layers, resolve_partition_method
 from gptpar.parallel import resolve_sizes
 from gptpar.training.schedules import BatchSizeRampup
@@ -194,8 +194,12 @@ class TrainingConfig:
                             "The pipeline engine refuses 2 and 3. bf16 and fp16 always run at 1: DeepSpeed "
                             "0.19.8 has no bf16 path with fp32 gradient accumulation at 0, and its fp16 path "
                             "at 0 never scales the loss.", choices=(0, 1))
-    activation_checkpointing: bool = _f(False, "Recompute each transformer layer's activations in backward "
-                                               "(also sets the TFLOPs recompute factor 4 instead of 3).")
+    activation_checkpointing: Union[bool, str] = _f(
+        "none", "Activation recompute in backward (Megatron's --recompute-granularity): `none`; `selective` "
+                "recomputes only each layer's attention core (QK^T, softmax, dropout, x V), dropping its s x s "
+                "activations for ~4sh extra forward FLOPs per token and layer (the TFLOPs count adds them); "
+                "`full` recomputes each whole transformer layer from its input (TFLOPs recompute factor 4 "
+                "instead of 3). true/false are read as full/none.", choices=RECOMPUTE_MODES)
     rampup_batch_size: Optional[List[int]] = _f(None, "Megatron's batch-size ramp-up `[start, increment, "
                                                       "samples]`: start at `start`, grow by `increment` "
                                                       "evenly over `samples` samples up to "
@@ -211,6 +215,8 @@ class TrainingConfig:
 
     def __post_init__(self):
         s = "training"
+        if isinstance(self.activation_checkpointing, bool):  # the older switch: true = full, false = none
+            self.activation_checkpointing = recompute_mode(self.activation_checkpointing)
         _check_fields(s, self)
         # Mixed precision runs at ZeRO-1 (not a field: the trainer prints `zero_stage_note` at start):
         # - bf16 must accumulate gradients in fp32, and DeepSpeed 0.19.8's only such path is BF16_Optimizer, its

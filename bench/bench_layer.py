@@ -1,0 +1,236 @@
+"""One transformer layer as one GPU of a tensor-parallel model sees it: seconds per layer (forward + backward)
+and TFLOPs per GPU with none / selective / full recompute, written as a calibration file for the planner.
+
+    python bench/bench_layer.py --config configs/200b.json --device cuda --json cal_h200.json
+    python bench/bench_layer.py --tiny            # CPU smoke: a 64-wide layer at tp 2, seconds
+    python tools/plan_topology.py --config configs/200b.json --nodes 40 --calibration cal_h200.json
+
+At configs/200b.json's shape and tp 8 one GPU holds hidden 14400, 96/8 = 12 heads (head dim 150) and an FFN
+slice of 57600/8 = 7200: QKV (5400, 14400), attention output (14400, 1800), fc1 (7200, 14400), fc2
+(14400, 7200), micro-batch 2 x seq 2048. The layer is gptpar's own `TransformerLayer`, built with a
+tensor-parallel group of tp ranks from torch's *fake* process group: this one process holds rank 0's shards,
+and every collective returns at once without moving data. **The tensor-parallel all-reduces are excluded**
+(per layer 2 forward + 2 backward of s x b x h values, 2 more under full recompute); the planner adds them
+from its bandwidth model. Parameters are in the config's precision (bf16: DeepSpeed's bf16 mode keeps the
+module in bf16), the input (s, b, h) requires grad as inside a pipeline stage, the backward gets a random
+output gradient; no optimizer step. Modes: `none`; `selective` (the layer recomputes its attention core);
+`full` (gptpar's tracker-aware checkpoint around the layer, as the trainer does).
+
+TFLOPs per GPU = gptpar.flops.model_flops_per_iteration for one layer and this micro-batch (no vocab), / tp,
+counting each mode's recompute as the trainer's log line does (`tflops`), and without it (`model_tflops`,
+MFU-style useful work). Times are medians of --iters forward + backward passes after --warmup, between
+device synchronisations. The JSON (--json) is the calibration file `gptpar.planning.load_calibration` reads.
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from gptpar.flops import model_flops_per_iteration  # noqa: E402
+from gptpar.model.config import RECOMPUTE_MODES, GPTConfig  # noqa: E402
+from gptpar.model.gpt import TransformerLayer  # noqa: E402
+from gptpar.tensor_parallel.random import checkpoint, model_parallel_seed  # noqa: E402
+
+CALIBRATION_VERSION = 1
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def fake_tp_group(tp: int):
+    """A process group of `tp` ranks in which this process is rank 0 and no collective moves data."""
+    if tp == 1:
+        return None
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    if dist.get_world_size() != tp:
+        raise RuntimeError(f"a process group of {dist.get_world_size()} ranks exists already; need {tp}")
+    return dist.group.WORLD
+
+
+def build_layer(config: GPTConfig, tp: int, device, dtype, tracker) -> TransformerLayer:
+    """Rank 0's shard of one layer, allocated directly on the device (the seeded full-size init that gptpar
+    slices per rank would need the whole 200B layer in host memory); N(0, 0.02) weights, unit LayerNorms."""
+    layer = TransformerLayer(config, 0, tp_group=fake_tp_group(tp), rng_tracker=tracker, device="meta",
+                             dtype=dtype).to_empty(device=device)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, config.init_method_std)
+            elif "layernorm" in name and name.endswith("weight"):
+                p.fill_(1.0)
+            else:
+                p.zero_()
+    return layer.train()
+
+
+def sdpa_backends(config: GPTConfig, tp: int, mbs: int, device, dtype) -> dict:
+    """Which SDPA kernels accept this rank's attention (b, nh/tp, s, d) with the model's dropout, causal."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    nh, d, s = config.num_attention_heads // tp, config.head_dim, config.seq_length
+    q = torch.randn(mbs, nh, s, d, device=device, dtype=dtype, requires_grad=True)
+    out = {}
+    for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"):
+        backend = getattr(SDPBackend, name, None)
+        if backend is None:
+            continue
+        try:
+            with sdpa_kernel([backend]):
+                y = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=config.attention_dropout,
+                                                                     is_causal=True)
+                y.sum().backward()
+            out[name.lower()] = "ok"
+        except Exception as e:  # noqa: BLE001 - "not eligible" comes as RuntimeError with the reason
+            out[name.lower()] = f"unavailable: {str(e).splitlines()[0][:160]}"
+        q.grad = None
+    return out
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_mode(layer, mode: str, x, grad, tracker, device, warmup: int, iters: int) -> dict:
+    layer.recompute_core_attention = mode == "selective"
+
+    def step():
+        y = checkpoint(layer, x, tracker=tracker) if mode == "full" else layer(x)
+        y.backward(grad)
+        x.grad = None
+        for p in layer.parameters():
+            p.grad = None
+
+    for _ in range(warmup):
+        step()
+    sync(device)
+    out = {}
+    if device.type == "cuda":   # the activations (and the gradients) one fwd + bwd adds to what is resident
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        sync(device)
+        out["peak_memory_above_resident_gib"] = (torch.cuda.max_memory_allocated(device) - base) / 2 ** 30
+    times = []
+    for _ in range(iters):
+        sync(device)
+        start = time.perf_counter()
+        step()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    out.update(sec_per_layer=statistics.median(times), sec_per_layer_all=times)
+    return out
+
+
+def layer_flops_per_gpu(config: GPTConfig, tp: int, mbs: int, mode) -> float:
+    """FLOPs of one layer's forward + backward (+ the mode's recompute) for one micro-batch, on one of tp GPUs."""
+    return model_flops_per_iteration(num_layers=1, hidden_size=config.hidden_size, vocab_size=0,
+                                     seq_length=config.seq_length, global_batch_size=mbs, recompute=mode,
+                                     ffn_hidden_size=config.ffn_hidden_size) / tp
+
+
+def run(config: GPTConfig, *, tp: int, mbs: int, device, dtype, modes, warmup: int, iters: int, seed: int = 0) -> dict:
+    tracker = model_parallel_seed(seed, device=device)
+    layer = build_layer(config, tp, device, dtype, tracker)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    h, s = config.hidden_size, config.seq_length
+    x = torch.randn(s, mbs, h, device=device, dtype=dtype, generator=gen).requires_grad_()
+    grad = torch.randn(s, mbs, h, device=device, dtype=dtype, generator=gen)
+    results = {}
+    for mode in modes:
+        r = time_mode(layer, mode, x, grad, tracker, device, warmup, iters)
+        r["flops_per_layer_per_gpu"] = layer_flops_per_gpu(config, tp, mbs, mode)
+        r["tflops"] = r["flops_per_layer_per_gpu"] / r["sec_per_layer"] / 1e12
+        r["model_tflops"] = layer_flops_per_gpu(config, tp, mbs, "none") / r["sec_per_layer"] / 1e12
+        results[mode] = r
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return {
+        "kind": "gptpar layer calibration", "version": CALIBRATION_VERSION,
+        "gpu": gpu or f"cpu: {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)",
+        "device": device.type,
+        "gpu_mem_gib": (torch.cuda.get_device_properties(device).total_memory / 2 ** 30 if gpu else None),
+        "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "dtype": str(dtype).replace("torch.", ""),
+        "shape": {"hidden_size": h, "num_attention_heads": config.num_attention_heads,
+                  "ffn_hidden_size": config.ffn_hidden_size, "seq_length": s, "micro_batch_size": mbs,
+                  "tp_size": tp, "heads_per_rank": config.num_attention_heads // tp,
+                  "ffn_per_rank": config.ffn_hidden_size // tp, "head_dim": config.head_dim,
+                  "attention_dropout": config.attention_dropout, "hidden_dropout": config.hidden_dropout},
+        "tp_communication": "excluded: fake process group, every all-reduce returns without moving data",
+        "sdpa_backends": sdpa_backends(config, tp, mbs, device, dtype),
+        "warmup": warmup, "iters": iters, "modes": results,
+    }
+
+
+def config_from_file(path: str):
+    with open(path) as f:
+        d = json.load(f)
+    m = dict(d["model"])
+    m["num_layers"] = 1
+    keep = {"num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
+            "max_position_embeddings", "vocab_size", "make_vocab_size_divisible_by", "hidden_dropout",
+            "attention_dropout", "layernorm_epsilon", "init_method_std", "activation"}
+    t, par = d.get("training", {}), d.get("parallel", {})
+    return (GPTConfig(**{k: v for k, v in m.items() if k in keep}), par.get("tensor_model_parallel_size", 1),
+            t.get("micro_batch_size", 1), t.get("precision", "bf16"))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/200b.json", help="model shape, tp, micro-batch, precision")
+    p.add_argument("--tp", type=int, default=None, help="default: the config's tensor_model_parallel_size")
+    p.add_argument("--micro-batch-size", type=int, default=None, help="default: the config's")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="default: the config's precision on CUDA, fp32 on CPU")
+    p.add_argument("--modes", default=",".join(RECOMPUTE_MODES), help="comma-separated: none,selective,full")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--json", default=None, help="write the calibration file here")
+    p.add_argument("--tiny", action="store_true", help="64 wide, 8 heads, seq 32, tp 2: seconds on a CPU")
+    args = p.parse_args(argv)
+
+    device = torch.device(args.device)
+    config, tp, mbs, precision = config_from_file(args.config)
+    warmup, iters = args.warmup, args.iters
+    if args.tiny:
+        config = GPTConfig(num_layers=1, hidden_size=64, num_attention_heads=8, seq_length=32, vocab_size=128,
+                           attention_dropout=0.1, hidden_dropout=0.1)
+        tp, mbs, warmup, iters = 2, 2, 1, 3
+        if device.type == "cpu":   # at this size a second thread only waits at every op's barrier (and on a
+            torch.set_num_threads(1)   # shared machine for a descheduled peer: ~8 ms per op, measured)
+    tp, mbs = args.tp or tp, args.micro_batch_size or mbs
+    config.check_parallel(tp, 1)
+    dtype = DTYPES[args.dtype or (precision if device.type == "cuda" else "fp32")]
+    modes = [m for m in args.modes.split(",") if m]
+    for m in modes:
+        if m not in RECOMPUTE_MODES:
+            raise SystemExit(f"--modes: {m!r} is not one of {RECOMPUTE_MODES}")
+    res = run(config, tp=tp, mbs=mbs, device=device, dtype=dtype, modes=modes, warmup=warmup, iters=iters)
+    sh = res["shape"]
+    print(f"{res['gpu']} | {res['dtype']} | one layer at tp {tp}: hidden {sh['hidden_size']}, {sh['heads_per_rank']} "
+          f"heads x {sh['head_dim']}, ffn slice {sh['ffn_per_rank']}, mbs {mbs}, seq {sh['seq_length']} "
+          f"(tp all-reduces excluded)")
+    print(f"sdpa kernels: {', '.join(k for k, v in res['sdpa_backends'].items() if v == 'ok')}")
+    for mode, r in res["modes"].items():
+        mem = (f", +{r['peak_memory_above_resident_gib']:.2f} GiB peak" if "peak_memory_above_resident_gib" in r
+               else "")
+        print(f"  {mode:<9} {r['sec_per_layer'] * 1e3:9.3f} ms per layer fwd+bwd, {r['tflops']:8.2f} TFLOPs/GPU "
+              f"({r['model_tflops']:.2f} without recompute){mem}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+        print(f"calibration written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()
