@@ -317,11 +317,18 @@ class CheckpointConfig:
     """Where checkpoints go and come from."""
 
     save: Optional[str] = _f(None, "Directory to save checkpoints in; null = never save.")
-    load: Optional[str] = _f(None, "Directory to resume from (its `latest` pointer); empty or missing starts "
-                                   "fresh with a message.")
+    load: Optional[str] = _f(None, "Checkpoint to resume from: the folder checkpoint.save wrote (its `latest` "
+                                   "pointer) or one of its iter_N folders. A missing folder, or one holding only "
+                                   "gptpar's lock/probe/partial files, starts fresh with a message; anything else "
+                                   "that is not a whole checkpoint (a file, an empty `latest`, a missing or "
+                                   "truncated shard) is an error (exit 2).")
     save_interval: Optional[int] = _f(None, "Save every this many iterations (and always at exit); "
                                             "null = only at exit.")
     keep_last: Optional[int] = _f(None, "Keep only the newest K checkpoints; null = keep all.")
+    override_lock: bool = _f(False, "Take over checkpoint.save's lock (`.gptpar.lock`) even when gptpar cannot "
+                                    "tell that the job holding it has ended (it ran on another host, or the lock "
+                                    "is unreadable). A lock of a live job on this host is always refused, one of "
+                                    "a dead pid on this host always taken over.")
 
     def __post_init__(self):
         _check_fields("checkpoint", self)
