@@ -26,6 +26,7 @@ from gptpar.parallel import destroy_parallel, init_parallel
 from gptpar.data.indexed import DataError
 from gptpar.training.checkpoint import CheckpointError, CheckpointSaveError
 from gptpar.training.preflight import run_preflight
+from gptpar.training.trainer import NonFiniteError
 from gptpar.training.cli import USAGE, parse_args
 from gptpar.training.config import ConfigError, load_config
 from gptpar.training.launcher_watch import watch_launcher
@@ -201,6 +202,9 @@ def main(argv=None) -> int:
         dist.barrier()
     except CheckpointSaveError as e:  # a full disk or an I/O error while saving: the run's own failure
         print(f"pretrain_gpt.py: checkpoint save failed: {e}", file=sys.stderr, flush=True)
+        return 1
+    except NonFiniteError as e:
+        print(f"pretrain_gpt.py: {e}", file=sys.stderr, flush=True)
         return 1
     except CheckpointError as e:  # load, save folder or shape refused: nothing was changed
         print(f"pretrain_gpt.py: checkpoint error: {e}", file=sys.stderr, flush=True)

@@ -192,6 +192,19 @@ def run_cases(d, only=None):
     run("disk_full", four, patches=[(torch, "save", save_on_full_disk)])
     run("after_disk_full", four, prepare=lambda: open(os.path.join(h, ".latest.tmp-4242"), "w").close())
 
+    # -- NaN runs --------------------------------------------------------------------------------------
+    k = str(d / "K")
+    # ZeRO-0: ZeRO-1 skips a step whose gradients are not finite (the weights stay finite, only the loss
+    # goes NaN); without it the optimizer writes NaN into the weights, the case a save must refuse.
+    nan = write_config(d / "nan.json", training=dict(train_iters=2, lr_warmup_iters=1, eval_interval=1, eval_iters=1,
+                                                     zero_stage=0),
+                       checkpoint=dict(save=k, load=k, save_interval=1))
+    run("nan_base", nan)
+    run("nan", nan, "--set", "training.lr=1e6", "--set", "training.min_lr=0", "--set", "training.train_iters=30",
+        "--set", "training.exit_on_nan_iterations=3")
+    run("nan_no_limit", nan, "--set", "training.lr=1e6", "--set", "training.min_lr=0",
+        "--set", "training.train_iters=30", "--set", "training.exit_on_nan_iterations=null")
+
     # -- data whose token ids do not fit the model -------------------------------------------------------
     prefix = str(d / "big_vocab_text_document")
     if rank == 0:
@@ -323,6 +336,35 @@ def test_full_disk_during_a_save_names_the_folder_and_is_cleaned_up(cases):
     out = _expect(cases, "after_disk_full", 0, f"removing partial checkpoint {h}/iter_0000004",
                   f"removing stale temporary file {h}/.latest.tmp-4242", f"resumed from {h}/iter_0000002")
     assert read_latest(str(h)) == "iter_0000004" and os.path.isfile(h / "iter_0000004" / MANIFEST)
+
+
+def _finite_weights(checkpoint):
+    state = torch.load(os.path.join(checkpoint, SHARD), weights_only=False)["module"]
+    return all(bool(torch.isfinite(t).all()) for t in state.values() if torch.is_tensor(t))
+
+
+def test_nan_run_stops_and_latest_keeps_finite_weights(cases):
+    d, _ = cases
+    k = d / "K"
+    out = _expect(cases, "nan", 1, "in 3 consecutive iterations (training.exit_on_nan_iterations=3)",
+                  "the weights hold NaN/Inf", "lm loss PPL: NAN")
+    stopped = len(log_lines(out)) + 2
+    assert stopped < 30  # long before train_iters
+    latest = read_latest(str(k))
+    assert f"`latest` in {k} stays at {latest}" in out
+    assert _finite_weights(k / latest)
+    refused = [int(i) for i in re.findall(r"^warning: not saving iteration (\d+): ", out, re.M)]
+    assert refused and int(latest.split("_")[1]) < refused[0]
+    assert not any(os.path.exists(k / f"iter_{i:07d}") for i in refused + [stopped])
+
+
+def test_nan_run_without_a_limit_refuses_the_final_save(cases):
+    d, _ = cases
+    k = d / "K"
+    latest = read_latest(str(k))
+    _expect(cases, "nan_no_limit", 1, "not saving iteration 30: the weights hold NaN/Inf",
+            f"`latest` in {k} stays at {latest}")
+    assert _finite_weights(k / latest)
 
 
 def test_out_of_vocab_data_exits_2_before_the_model_is_built(cases):

@@ -193,6 +193,11 @@ class TrainingConfig:
                                             "when checkpoint.save is set); null = never.")
     exit_duration_in_mins: Optional[float] = _f(None, "Stop (and save) after this many minutes of training; "
                                                       "null = never.")
+    exit_on_nan_iterations: Optional[int] = _f(10, "Stop with exit code 1 after this many consecutive iterations "
+                                                   "whose loss is NaN or Inf (counted as the log line's `number "
+                                                   "of nan iterations`); null = never. Independently of it, a "
+                                                   "checkpoint is never saved while the weights hold NaN/Inf: "
+                                                   "the save is refused and `latest` keeps the last finite one.")
 
     def __post_init__(self):
         s = "training"
@@ -200,7 +205,8 @@ class TrainingConfig:
         _positive(s, self, "micro_batch_size", "global_batch_size", "adam_eps", "initial_loss_scale",
                   "loss_scale_window", "hysteresis", "min_loss_scale")
         _positive(s, self, "train_iters", "train_samples", "lr_decay_iters", "lr_decay_samples",
-                  "eval_interval", "exit_interval", "exit_duration_in_mins", allow_none=True)
+                  "eval_interval", "exit_interval", "exit_duration_in_mins", "exit_on_nan_iterations",
+                  allow_none=True)
         _positive(s, self, "lr", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "weight_decay",
                   "clip_grad", "loss_scale", "eval_iters", "seed", allow_zero=True)
         if (self.train_iters is None) == (self.train_samples is None):
