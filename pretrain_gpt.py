@@ -6,8 +6,11 @@
     python pretrain_gpt.py --config configs/200b.json --dry-run   # the plan only: no process group, no weights
 
 Config errors (world size, divisibility, ramp-up arithmetic, unknown keys, missing data) print one message
-and exit 2 before any process group exists. SIGTERM / SIGUSR1 save a checkpoint after the current iteration
-and exit 0.
+and exit 2 before any process group exists. A checkpoint.load that is not a whole checkpoint, a save folder
+that another job holds or that cannot take a checkpoint, and data whose token ids do not fit the model exit 2
+before the model is built, changing nothing (gptpar.training.preflight). SIGTERM / SIGUSR1 save a checkpoint
+after the current iteration and exit 0; a failed save, and a run gone NaN, exit 1. A rank whose launcher dies
+exits at once without saving (gptpar.training.launcher_watch).
 """
 from __future__ import annotations
 

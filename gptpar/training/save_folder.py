@@ -142,22 +142,28 @@ class JobLock:
         warning = peek_lock(self.directory, override)
         make_folder(self.directory)
         mine = this_job()
+        # Written whole under a temporary name, then linked into place: the lock is never seen half-written,
+        # and link() fails if another job's lock appeared meanwhile (atomic, also on NFS).
+        tmp = f"{self.path}.tmp-{os.getpid()}"
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:  # a stale lock (peek_lock said we may take it over), or one just created
-            warning = peek_lock(self.directory, override) or warning
-            tmp = self.path + f".tmp-{os.getpid()}"
             _write_json(tmp, mine)
-            os.replace(tmp, self.path)
         except OSError as e:
-            raise SaveFolderError(f"checkpoint.save {self.directory} is not writable: cannot create {self.path} "
-                                  f"({e.strerror}): fix the permissions or set checkpoint.save to another "
-                                  "folder") from None
-        else:
-            with os.fdopen(fd, "w") as f:
-                json.dump(mine, f)
-                f.flush()
-                os.fsync(f.fileno())
+            _remove_quietly(tmp)
+            raise SaveFolderError(f"checkpoint.save {self.directory} is not writable: writing {self.path} failed "
+                                  f"({type(e).__name__}: {e.strerror}): fix the permissions or free space, or set "
+                                  "checkpoint.save to another folder") from None
+        try:
+            os.link(tmp, self.path)
+            os.remove(tmp)
+        except FileExistsError:  # a stale lock (peek_lock said we may take it over), or one just created
+            try:
+                warning = peek_lock(self.directory, override) or warning
+            except SaveFolderError:
+                _remove_quietly(tmp)
+                raise
+            os.replace(tmp, self.path)
+        except OSError:  # a file system without hard links: replace, after the check above
+            os.replace(tmp, self.path)
         if read_lock(self.directory) != mine:  # two runs raced for a stale lock: the later replace won
             raise SaveFolderError(f"another job took the lock {self.path} at the same moment "
                                   f"({describe_job(read_lock(self.directory) or {})}): run one job per folder")
@@ -173,6 +179,13 @@ class JobLock:
             except OSError:
                 pass
         self.mine = None
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def _write_json(path: str, obj: dict) -> None:
@@ -205,10 +218,7 @@ def probe_writable(directory: str, size: int = 1 << 16) -> None:
             os.fsync(f.fileno())
         os.remove(path)
     except OSError as e:
-        try:
-            os.remove(path)
-        except OSError:
-            pass
+        _remove_quietly(path)
         raise SaveFolderError(f"checkpoint.save {directory} is not writable: writing a probe file failed "
                               f"({type(e).__name__}: {e.strerror}): fix the permissions or free space, or set "
                               "checkpoint.save to another folder") from None
