@@ -164,8 +164,8 @@ class Trainer:
             if self._nan_limit_reached():
                 raise NonFiniteError(
                     f"stopping at iteration {c.iteration}: the loss was NaN/Inf in {self.nan_streak} consecutive "
-                    f"iterations (training.exit_on_nan_iterations={t.exit_on_nan_iterations}); no checkpoint "
-                    f"written{self._latest_note()}. Lower training.lr or check the data, then resume")
+                    f"iterations (training.exit_on_nan_iterations={t.exit_on_nan_iterations}); not saving"
+                    f"{self._latest_note()}. Lower training.lr or check the data, then resume")
             if t.eval_interval and c.iteration % t.eval_interval == 0:
                 self.evaluate()
             reason = self.stop_reason()
