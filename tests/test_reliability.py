@@ -4,7 +4,6 @@ token ids do not fit the model. Each case checks the exit code, the message and 
 
 Faults are injected from here (monkeypatching inside the ranks), never through hooks in the library.
 """
-import errno
 import json
 import os
 import re

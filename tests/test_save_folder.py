@@ -19,20 +19,18 @@ pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="n
 
 
 def _sleeper(*marker):
-    """A process whose command line carries `marker` (as a launcher's would)."""
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"] + list(marker))
-
-
-def _wait_for_stat(pid):
-    for _ in range(100):
-        if proc_stat(pid) is not None:
-            return
+    """A process whose command line carries `marker` (as a launcher's would), once it has exec'd."""
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"] + list(marker))
+    for _ in range(200):  # until then /proc shows the forked copy of this process
+        with open(f"/proc/{p.pid}/cmdline", "rb") as f:
+            if b"time.sleep(60)" in f.read():
+                return p
         time.sleep(0.05)
+    raise AssertionError("the sleeper did not start")
 
 
 def test_live_dead_and_reused_pids():
     p = _sleeper()
-    _wait_for_stat(p.pid)
     ticks = proc_stat(p.pid)[2]
     here = socket.gethostname()
     try:
@@ -53,7 +51,6 @@ def test_lock_is_taken_released_and_refused(tmp_path):
         assert json.load(f)["pid"] == os.getpid()
     # The same process counts as an earlier run of it (a harness), so fake another live holder.
     p = _sleeper()
-    _wait_for_stat(p.pid)
     try:
         with open(os.path.join(folder, ".gptpar.lock"), "w") as f:
             json.dump({"pid": p.pid, "host": socket.gethostname(), "start_ticks": proc_stat(p.pid)[2]}, f)
@@ -85,7 +82,6 @@ def test_a_lock_that_cannot_be_written_leaves_nothing(tmp_path, monkeypatch):
 @pytest.mark.parametrize("marker,watched", [("torch.distributed.run", 1), ("deepspeed.launcher.launch", 2), ("", 0)])
 def test_which_launchers_a_rank_watches(marker, watched):
     p = _sleeper(marker) if marker else _sleeper()
-    _wait_for_stat(p.pid)
     try:
         chain = launcher_chain(ppid=p.pid, environ={})
         assert [pid for pid, _, _ in chain] == [p.pid, os.getpid()][:watched]
