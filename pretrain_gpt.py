@@ -6,8 +6,11 @@
     python pretrain_gpt.py --config configs/200b.json --dry-run   # the plan only: no process group, no weights
 
 Config errors (world size, divisibility, ramp-up arithmetic, unknown keys, missing data) print one message
-and exit 2 before any process group exists. SIGTERM / SIGUSR1 save a checkpoint after the current iteration
-and exit 0.
+and exit 2 before any process group exists. A checkpoint.load that is not a whole checkpoint, a save folder
+that another job holds or that cannot take a checkpoint, and data whose token ids do not fit the model exit 2
+before the model is built, changing nothing (gptpar.training.preflight). SIGTERM / SIGUSR1 save a checkpoint
+after the current iteration and exit 0; a failed save, and a run gone NaN, exit 1. A rank whose launcher dies
+exits at once without saving (gptpar.training.launcher_watch).
 """
 from __future__ import annotations
 
@@ -23,9 +26,13 @@ import torch.distributed as dist
 
 from gptpar.model.kernels import describe_kernels
 from gptpar.parallel import destroy_parallel, init_parallel
-from gptpar.training.checkpoint import CheckpointError
+from gptpar.data.indexed import DataError
+from gptpar.training.checkpoint import CheckpointError, CheckpointSaveError
+from gptpar.training.preflight import run_preflight
+from gptpar.training.trainer import NonFiniteError
 from gptpar.training.cli import USAGE, parse_args
 from gptpar.training.config import ConfigError, load_config
+from gptpar.training.launcher_watch import watch_launcher
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -121,8 +128,16 @@ def build_model(cfg, pstate, tracker):
     return model
 
 
-def build_trainer(cfg, pstate, log):
-    from gptpar.training.checkpoint import Checkpointer, shape_of
+def checkpoint_shape(cfg, pstate) -> dict:
+    """What a checkpoint must share with this run to be resumed (gptpar.training.checkpoint.shape_of)."""
+    from gptpar.training.checkpoint import shape_of
+
+    return shape_of(cfg.to_dict(), pstate.tp_size, pstate.pp_size, pstate.dp_size,
+                    cfg.model.padded_vocab_size(pstate.tp_size), cfg.resolved_partition_method(pstate.pp_size))
+
+
+def build_trainer(cfg, pstate, log, load_target):
+    from gptpar.training.checkpoint import Checkpointer
     from gptpar.training.config import deepspeed_config
     from gptpar.training.data import build_sources
     from gptpar.training.engine import build_engine
@@ -138,9 +153,8 @@ def build_trainer(cfg, pstate, log):
     engine = build_engine(model, pstate, deepspeed_config(cfg, pstate.dp_size), lr=t.lr,
                           weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                           has_attention_mask=train_source.masks.has_attention_mask)
-    shape = shape_of(cfg.to_dict(), pstate.tp_size, pstate.pp_size, pstate.dp_size,
-                     cfg.model.padded_vocab_size(pstate.tp_size), cfg.resolved_partition_method(pstate.pp_size))
-    checkpointer = Checkpointer(ck.save, ck.load, ck.keep_last, pstate.rank, shape, cfg.to_json(), log=log)
+    checkpointer = Checkpointer(ck.save, load_target, ck.keep_last, pstate.rank, pstate.world_size,
+                                checkpoint_shape(cfg, pstate), cfg.to_json(), log=log, device=pstate.device)
     return Trainer(cfg, pstate, engine, train_source, valid_source, checkpointer, tracker,
                    log=functools.partial(print, flush=True))
 
@@ -164,7 +178,8 @@ def main(argv=None) -> int:
         print(dry_run(cfg, *sizes), flush=True)
         return 0
 
-    # init
+    # init: first of all, never outlive the launcher (gptpar.training.launcher_watch)
+    watch = watch_launcher(label=f"rank {os.environ.get('RANK', '0')}")
     setup_environment()
     owns_process_group = not dist.is_initialized()  # a test harness may have made it
     tp, pp, dp = sizes
@@ -172,9 +187,12 @@ def main(argv=None) -> int:
     log = print if pstate.rank == 0 else _quiet
     log(f"gptpar: {pstate.world_size} rank(s) = tp {tp} x pp {pp} x dp {dp} on {pstate.backend}; "
         f"{describe_kernels(pstate.device)}\nresolved config:\n{cfg.to_json()}", flush=True)
+    preflight = None
     try:
+        # check what load, save and the data mean before anything is built (rank 0 decides for all)
+        preflight = run_preflight(cfg, pstate, checkpoint_shape(cfg, pstate), functools.partial(log, flush=True))
         # build
-        trainer = build_trainer(cfg, pstate, log)
+        trainer = build_trainer(cfg, pstate, log, preflight.load_target)
         if cfg.training.zero_stage_note:
             log(cfg.training.zero_stage_note, flush=True)
         log(trainer.engine.precision_plan(), flush=True)
@@ -183,13 +201,25 @@ def main(argv=None) -> int:
         reason = trainer.train()
         log(f"training finished at iteration {trainer.counters.iteration}: {reason}", flush=True)
         dist.barrier()
-    except CheckpointError as e:  # every rank checks its own files and stops with the same message
+    except CheckpointSaveError as e:  # a full disk or an I/O error while saving: the run's own failure
+        print(f"pretrain_gpt.py: checkpoint save failed: {e}", file=sys.stderr, flush=True)
+        return 1
+    except NonFiniteError as e:
+        print(f"pretrain_gpt.py: {e}", file=sys.stderr, flush=True)
+        return 1
+    except CheckpointError as e:  # load, save folder or shape refused: nothing was changed
         print(f"pretrain_gpt.py: checkpoint error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except DataError as e:
+        print(f"pretrain_gpt.py: data error: {e}", file=sys.stderr, flush=True)
         return 2
     finally:
         # clean up
+        if preflight is not None:
+            preflight.release()
         if owns_process_group:
             destroy_parallel()
+        watch.stop()
     return 0
 
 

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -145,3 +146,91 @@ def test_deepspeed_launcher_cli(tmp_path):
     with open(os.path.join(ROOT, "configs", "cpu_dp2.json")) as f:
         gbs = json.load(f)["training"]["global_batch_size"]
     assert f"consumed samples: {3 * gbs:12d} |" in lines[-1]
+
+
+# -- ranks die with their launcher; one job per save folder -------------------------------------------
+
+def _start_launcher(cmd, first_line=" iteration "):
+    """Start a launcher in its own session and wait for `first_line` in its output (read by a thread, so
+    that the ranks never block on a full pipe). Returns (process, lines)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    deadline = time.monotonic() + 240
+    while not any(line.startswith(first_line) for line in list(lines)):
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+        time.sleep(0.2)
+    return proc, lines
+
+
+def _ranks(launcher_pid):
+    """The pretrain_gpt.py processes under a launcher (any depth)."""
+    import psutil
+
+    return [p for p in psutil.Process(launcher_pid).children(recursive=True)
+            if any(a.endswith("pretrain_gpt.py") for a in p.cmdline())
+            and "deepspeed.launcher.launch" not in p.cmdline()]
+
+
+def _wait_gone(procs, seconds):
+    """True once none of `procs` runs (exited or a zombie), polling for up to `seconds`."""
+    import psutil
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        alive = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return True
+        time.sleep(0.2)
+    for p in procs:  # do not leave them running after a failure
+        p.kill()
+    return False
+
+
+def test_kill_9_of_torchrun_ends_its_ranks_and_a_second_job_is_refused(tmp_path):
+    pytest.importorskip("psutil")
+    ck = str(tmp_path / "ck")
+    cfg = write_config(tmp_path / "c.json", training=dict(train_iters=100000),
+                       checkpoint=dict(save=ck, load=ck, save_interval=50))
+    agent, lines = _start_launcher([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                    "--master_port", str(free_port()), SCRIPT, "--config", cfg])
+    try:
+        ranks = _ranks(agent.pid)
+        assert len(ranks) == 2
+        # A second job on the same save folder, while the first runs: refused, naming the first.
+        one = write_config(tmp_path / "one.json", parallel=dict(data_parallel_size=1),
+                           training=dict(train_iters=100000), checkpoint=dict(save=ck, load=ck))
+        codes, outs = _finish(_launch(1, ["--config", one]))
+        assert codes == [2], outs[0]
+        assert f"another job is writing checkpoints to {ck}: pid " in outs[0]
+        holder = int(outs[0].split(f"writing checkpoints to {ck}: pid ")[1].split()[0])
+        assert holder in [p.pid for p in ranks]
+    finally:
+        agent.kill()  # SIGKILL to the agent only: torchrun started the ranks in sessions of their own
+    agent.wait()
+    assert _wait_gone(ranks, 15), "ranks outlived their launcher"
+    assert any("its launcher (pid" in line and "is gone; exiting without saving" in line for line in lines)
+
+
+def test_kill_9_of_the_deepspeed_runner_ends_launch_py_and_the_ranks(tmp_path):
+    pytest.importorskip("psutil")
+    import psutil
+
+    runner_cmd = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    if not os.path.exists(runner_cmd):
+        pytest.skip("deepspeed CLI not installed next to this python")
+    ck = str(tmp_path / "ck")
+    cfg = write_config(tmp_path / "c.json", training=dict(train_iters=100000),
+                       checkpoint=dict(save=ck, load=ck, save_interval=50))
+    runner, lines = _start_launcher([runner_cmd, "--num_gpus", "2", "--master_port", str(free_port()), SCRIPT,
+                                     "--config", cfg])
+    try:
+        below = psutil.Process(runner.pid).children(recursive=True)  # launch.py and the two ranks
+        assert len(_ranks(runner.pid)) == 2 and len(below) == 3, [p.cmdline() for p in below]
+    finally:
+        runner.kill()  # only the runner: launch.py is its child, the ranks are launch.py's
+    runner.wait()
+    assert _wait_gone(below, 15), "launch.py or a rank outlived the runner"
+    # At least the first rank to notice says so; launch.py may SIGTERM the other before its own check.
+    assert any("is gone; exiting without saving" in line for line in lines), "".join(lines)[-3000:]

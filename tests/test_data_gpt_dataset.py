@@ -123,6 +123,11 @@ def test_parse_data_path_forms():
     assert parse_data_path("0.3 a 0.7 b") == parse_data_path(["0.3", "a", "0.7", "b"]) == (["a", "b"], [0.3, 0.7])
     with pytest.raises(DataError, match="alternate weight and prefix"):
         parse_data_path("0.3 a b")
+    # A weight slot holding a word: named, not read as four prefixes ("abc.idx: index file not found").
+    with pytest.raises(DataError, match=r"'abc' stand\(s\) where a weight belongs but is not a number"):
+        parse_data_path(["abc", "A", "0.7", "B"])
+    with pytest.raises(DataError, match="look like weights but do not alternate"):
+        parse_data_path(["A", "0.7", "B"])
 
 
 def test_train_valid_test_split(tmp_path):

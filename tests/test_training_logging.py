@@ -66,6 +66,8 @@ def test_eval_line_megatron_format():
     block = format_eval_block(100, 30.0).split("\n")
     assert block[0] == block[2] == "-" * (len(block[1]) + 1)
     assert f"{math.exp(20):.6E}" in block[1]  # Megatron caps the perplexity exponent at 20
+    # A NaN loss is a NaN perplexity, not the cap (min(20, nan) is 20).
+    assert "lm loss value: NAN | lm loss PPL: NAN |" in format_eval_line(7, float("nan"))
 
 
 def test_interval_stats():

@@ -50,6 +50,15 @@ def parse_data_path(data_path):
         if len(items) % 2 or not all(is_number(w) for w in items[0::2]):
             raise DataError(f"weighted data_path must alternate weight and prefix ('0.3 A 0.7 B'), got {items}")
         return items[1::2], [float(w) for w in items[0::2]]
+    numbers = [i for i, item in enumerate(items) if is_number(item)]
+    if numbers:  # a number among prefixes is a weight whose neighbours went wrong, not a dataset name
+        bad = [items[i] for i in range(0, len(items), 2) if not is_number(items[i])] if len(items) % 2 == 0 \
+            and all(i % 2 == 0 for i in numbers) else []
+        what = (f"{', '.join(map(repr, bad))} stand(s) where a weight belongs but is not a number" if bad else
+                f"item(s) {', '.join(repr(items[i]) for i in numbers)} look like weights but do not alternate "
+                "with prefixes")
+        raise DataError(f"data_path {items}: {what}; a weighted blend alternates number and prefix "
+                        "('0.3 A 0.7 B'), an unweighted one lists prefixes only")
     return items, None
 
 

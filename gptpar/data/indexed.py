@@ -19,6 +19,7 @@ dataset; the reader still accepts several sequences per document.
 Both files are memory-mapped: opening a 100 GB dataset costs nothing, and `get` returns views, not copies.
 """
 import array
+import hashlib
 import os
 import struct
 
@@ -211,6 +212,15 @@ class IndexedDatasetBuilder:
         # Compact arrays, not lists: 4 + 8 bytes per document even for a billion documents.
         self._sizes = array.array("i")
         self._doc_idx = array.array("q", [0])
+        # What gptpar.data.token_stats caches beside the files, gathered while writing (no second pass).
+        self._sha1, self._min_id, self._max_id = hashlib.sha1(), None, None
+
+    def _track(self, data, arr):
+        self._sha1.update(data)
+        if arr.size:
+            lo, hi = int(arr.min()), int(arr.max())
+            self._min_id = lo if self._min_id is None else min(self._min_id, lo)
+            self._max_id = hi if self._max_id is None else max(self._max_id, hi)
 
     def add_document(self, ids):
         """Append one document (one sequence) of token ids."""
@@ -221,7 +231,9 @@ class IndexedDatasetBuilder:
                                 f"in document {len(self._doc_idx) - 1}")
             if self.dtype.kind in "iu" and arr.max() > np.iinfo(self.dtype).max:
                 raise DataError(f"{self.prefix}: token id {int(arr.max())} does not fit {self.dtype.name}")
-        self._bin.write(arr.astype(self.dtype, copy=False).tobytes())
+        data = arr.astype(self.dtype, copy=False).tobytes()
+        self._bin.write(data)
+        self._track(data, arr)
         self._sizes.append(arr.size)
         self._doc_idx.append(len(self._sizes))
 
@@ -231,8 +243,9 @@ class IndexedDatasetBuilder:
             raise DataError(f"{other.prefix}: dtype {other.dtype.name} differs from {self.dtype.name}: cannot merge "
                             f"datasets tokenized with different dtypes (vocabularies); re-preprocess one of them")
         with open(data_file_path(other.prefix), "rb") as src:
-            while block := src.read(1 << 24):
+            while block := src.read(1 << 24):  # a multiple of every dtype's size: whole tokens per block
                 self._bin.write(block)
+                self._track(block, np.frombuffer(block, dtype=self.dtype))
         base = len(self._sizes)
         self._sizes.frombytes(np.ascontiguousarray(other.sizes, dtype=np.int32).tobytes())
         self._doc_idx.frombytes((other.doc_idx[1:] + base).astype(np.int64).tobytes())
@@ -247,6 +260,10 @@ class IndexedDatasetBuilder:
             os.remove(index_file_path(self.prefix))
         os.replace(data_file_path(self.prefix) + self._tmp, data_file_path(self.prefix))
         os.replace(idx_tmp, index_file_path(self.prefix))
+        from gptpar.data.token_stats import write_stats
+
+        write_stats(self.prefix, {"num_tokens": int(sum(self._sizes)), "min_id": self._min_id,
+                                  "max_id": self._max_id, "bin_sha1": self._sha1.hexdigest()})
         return len(self._doc_idx) - 1
 
     def abort(self):

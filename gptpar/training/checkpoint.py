@@ -9,23 +9,26 @@ Layout of one checkpoint (tag `iter_{N:07d}`):
     {save}/iter_0000300/gptpar_rank_00000.pt   per rank: counters, ramp-up and LR-schedule inputs, the RNG
                                         states (torch, numpy, python, the tp tracker's streams)
     {save}/iter_0000300/config.json     the resolved config of the run that saved it
+    {save}/iter_0000300/gptpar_manifest.json   every file of the checkpoint and its size; written last, so a
+                                        folder without it is partial (gptpar.training.checkpoint_files)
 
 A save killed half-way leaves `latest` on the previous complete checkpoint, so a resume never reads a
-partial one. `keep_last` deletes the oldest complete checkpoints after `latest` moved on.
+partial one; the next start deletes the partial folder (gptpar.training.save_folder). `keep_last` deletes
+the oldest complete checkpoints after `latest` moved on. A save that fails (a full disk, an I/O error)
+raises CheckpointSaveError naming the folder and the cause; `latest` stays where it was.
 
-Resume: the model and parallel shape stored in config.json must equal the current config's (a clear
-error otherwise: ZeRO shards and tp/pp slices cannot be reshaped here); every other key (LR, intervals,
-exit conditions, ...) comes from the current config. An empty or missing `load` directory starts fresh.
+Resume: what `checkpoint.load` points at is resolved and verified before training (checkpoint_files.
+resolve_load / verify_checkpoint); the model and parallel shape stored with it must equal the current
+config's (a clear error otherwise: ZeRO shards and tp/pp slices cannot be reshaped here); every other key
+(LR, intervals, exit conditions, ...) comes from the current config.
 
 `GPTPAR_TEST_KILL_IN_SAVE=N` (test-only fault injection): rank 0 SIGKILLs itself while saving iteration N,
 after DeepSpeed wrote its files and before the gptpar files and `latest`.
 """
 from __future__ import annotations
 
-import json
 import os
 import random
-import re
 import shutil
 import signal
 from dataclasses import dataclass
@@ -35,9 +38,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-LATEST = "latest"
-TAG_RE = re.compile(r"^iter_(\d{7,})$")
-FORMAT_VERSION = 1
+from gptpar.training.checkpoint_files import (CONFIG, LATEST, TAG_RE, CheckpointError, LoadTarget, is_complete,
+                                              read_latest, state_file, tag_of, write_latest, write_manifest)
+
+FORMAT_VERSION = 2  # 2: a manifest marks a complete checkpoint
 
 # The keys that fix the shape of the weights and of the optimizer shards.
 MODEL_SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
@@ -46,34 +50,8 @@ PARALLEL_SHAPE_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_si
                        "partition_method", "zero_stage")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be resumed with this config; the message says what differs."""
-
-
-def tag_of(iteration: int) -> str:
-    return f"iter_{iteration:07d}"
-
-
-def read_latest(directory: Optional[str]) -> Optional[str]:
-    """The tag `latest` points at, or None when the directory or the pointer does not exist."""
-    if not directory:
-        return None
-    path = os.path.join(directory, LATEST)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        tag = f.read().strip()
-    return tag or None
-
-
-def write_latest(directory: str, tag: str) -> None:
-    """Point `latest` at `tag` atomically: a reader sees the old or the new pointer, never a partial one."""
-    tmp = os.path.join(directory, f".{LATEST}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(tag + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(directory, LATEST))
+class CheckpointSaveError(CheckpointError):
+    """Writing a checkpoint failed (full disk, I/O error); the message names the folder and the cause."""
 
 
 def shape_of(cfg_dict: dict, tp: int, pp: int, dp: int, padded_vocab: int, partition_method: str) -> dict:
@@ -114,63 +92,72 @@ def set_rng_states(states: dict, tracker) -> None:
 
 @dataclass
 class Checkpointer:
-    """Saves and loads the run's checkpoints on every rank (all calls are collective)."""
+    """Saves and loads the run's checkpoints on every rank (all calls are collective).
+
+    `load_target` is what checkpoint.load resolved to before training (None = a fresh start)."""
 
     save_dir: Optional[str]
-    load_dir: Optional[str]
+    load_target: Optional[LoadTarget]
     keep_last: Optional[int]
     rank: int
+    world_size: int
     shape: dict
     config_json: str
     log: callable = print
+    device: object = "cpu"  # where the all-reduces' flag lives (a GPU under NCCL)
 
     # -- save ----------------------------------------------------------------------------------
     def save(self, ds_engine, iteration: int, client_state: dict, tracker) -> str:
         """Write checkpoint `iter_{iteration}` on every rank, then move `latest` to it. Returns the path."""
         tag = tag_of(iteration)
         path = os.path.join(self.save_dir, tag)
-        if self.rank == 0:
-            os.makedirs(path, exist_ok=True)
-        _barrier()
-        ds_engine.save_checkpoint(self.save_dir, tag=tag, client_state={"gptpar_iteration": iteration},
-                                  save_latest=False)
+        with self._failures(tag, defer=True) as failed:
+            if self.rank == 0:
+                os.makedirs(path, exist_ok=True)
+        _agree_or_raise(failed, self.device)
+        # A rank failing inside DeepSpeed's save raises at once: DeepSpeed's own closing barrier cannot be
+        # joined from here, so the others wait there until the launcher or the process-group timeout ends
+        # them. `latest` does not move either way.
+        with self._failures(tag):
+            ds_engine.save_checkpoint(self.save_dir, tag=tag, client_state={"gptpar_iteration": iteration},
+                                      save_latest=False)
         _fault_point(iteration, self.rank)
-        state = dict(client_state, version=FORMAT_VERSION, shape=self.shape, rng=rng_states(tracker))
-        torch.save(state, os.path.join(path, f"gptpar_rank_{self.rank:05d}.pt"))
-        if self.rank == 0:
-            with open(os.path.join(path, "config.json"), "w") as f:
-                f.write(self.config_json)
-        _barrier()  # every rank's files are on disk before the pointer moves
-        if self.rank == 0:
-            write_latest(self.save_dir, tag)
-            self._prune(iteration)
-        _barrier()
+        with self._failures(tag, defer=True) as failed:
+            state = dict(client_state, version=FORMAT_VERSION, shape=self.shape, rng=rng_states(tracker))
+            torch.save(state, os.path.join(path, state_file(self.rank)))
+        _agree_or_raise(failed, self.device)  # every rank's files are on disk before the pointer moves
+        with self._failures(tag, defer=True) as failed:
+            if self.rank == 0:  # config.json and the manifest last: a folder without them is partial
+                with open(os.path.join(path, CONFIG), "w") as f:
+                    f.write(self.config_json)
+                write_manifest(path, iteration, self.world_size)
+                write_latest(self.save_dir, tag)
+                self._prune(iteration)
+        _agree_or_raise(failed, self.device)
         return path
 
+    def _failures(self, tag: str, defer: bool = False) -> "_SaveFailure":
+        return _SaveFailure(self.save_dir, tag, self.rank, defer)
+
     def _prune(self, newest: int) -> None:
-        """Delete all but the newest `keep_last` checkpoints at or before the one `latest` points at."""
+        """Delete all but the newest `keep_last` complete checkpoints at or before the one `latest` points at."""
         if not self.keep_last:
             return
-        done = sorted(i for i in _iterations(self.save_dir) if i <= newest)
+        done = sorted(i for i in _iterations(self.save_dir)
+                      if i <= newest and is_complete(os.path.join(self.save_dir, tag_of(i))))
         for i in done[:-self.keep_last]:
             shutil.rmtree(os.path.join(self.save_dir, tag_of(i)), ignore_errors=True)
 
     # -- load ----------------------------------------------------------------------------------
     def load(self, ds_engine, tracker) -> Optional[dict]:
-        """Restore the checkpoint `latest` points at; its client state, or None to start fresh."""
-        tag = read_latest(self.load_dir)
-        if tag is None:
-            if self.load_dir:
-                self.log(f"no checkpoint in {self.load_dir} (no `{LATEST}` file): starting from scratch")
+        """Restore `load_target` (verified before training); its client state, or None to start fresh."""
+        target = self.load_target
+        if target is None:
             return None
-        path = os.path.join(self.load_dir, tag)
-        state_file = os.path.join(path, f"gptpar_rank_{self.rank:05d}.pt")
-        if not os.path.isfile(state_file):
-            raise CheckpointError(f"{self.load_dir}/{LATEST} points at {tag}, which has no {state_file} "
-                                  "(saved by another topology or not by gptpar)")
-        state = torch.load(state_file, weights_only=False)
+        path = target.path
+        state = torch.load(os.path.join(path, state_file(self.rank)), weights_only=False)
         check_shape(state["shape"], self.shape, path)
-        loaded, _ = ds_engine.load_checkpoint(self.load_dir, tag=tag)
+        loaded, _ = ds_engine.load_checkpoint(target.directory, tag=target.tag)
         if loaded is None:
             raise CheckpointError(f"DeepSpeed could not load {path}")
         set_rng_states(state["rng"], tracker)
@@ -179,15 +166,61 @@ class Checkpointer:
         return state
 
 
+class _SaveFailure:
+    """Turns an OSError (or torch's writer error) inside a save into CheckpointSaveError naming the folder and
+    the cause. `defer` collects it in the list `with` returns instead of raising, for the ranks to agree first."""
+
+    def __init__(self, save_dir: str, tag: str, rank: int, defer: bool):
+        self.save_dir, self.tag, self.rank, self.defer = save_dir, tag, rank, defer
+        self.errors = []
+
+    def __enter__(self):
+        return self.errors
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is None or not isinstance(exc, (OSError, RuntimeError)) or isinstance(exc, CheckpointError):
+            return False
+        error = CheckpointSaveError(describe_save_failure(self.save_dir, self.tag, self.rank, exc))
+        if not self.defer:
+            raise error from exc
+        self.errors.append(error)
+        return True
+
+
+def describe_save_failure(save_dir: str, tag: str, rank: int, exc: BaseException) -> str:
+    """Where and why a save failed, the free space left, and what `latest` still points at."""
+    cause = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, RuntimeError) and "unexpected pos" in str(exc):
+        cause += " (torch's writer wrote fewer bytes than asked: usually a full disk)"
+    try:
+        free = f"{shutil.disk_usage(save_dir).free / 2 ** 20:.1f} MiB free there now"
+    except OSError as e:
+        free = f"free space unknown ({e.strerror})"
+    try:
+        kept = read_latest(save_dir)
+    except CheckpointError:
+        kept = None
+    intact = f"`latest` still points at {kept}" if kept else "no earlier checkpoint there"
+    return (f"rank {rank} could not save checkpoint {tag} in {save_dir}: {cause}; {free}; {intact}. Free space "
+            "or set checkpoint.save to another folder, then resume (the partial folder is deleted at the next start)")
+
+
+def _agree_or_raise(errors: list, device) -> None:
+    """All ranks learn whether any failed (one all-reduce MAX, also the barrier), so none moves on alone."""
+    failed = torch.tensor([float(bool(errors))], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if errors:
+        raise errors[0]
+    if failed.item() > 0:
+        raise CheckpointSaveError("another rank could not write its part of the checkpoint (its message says "
+                                  "why); `latest` was not moved")
+
+
 def _iterations(directory: str):
     if not os.path.isdir(directory):
         return []
     return [int(m.group(1)) for m in map(TAG_RE.match, os.listdir(directory)) if m]
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _fault_point(iteration: int, rank: int) -> None:
@@ -196,5 +229,5 @@ def _fault_point(iteration: int, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-__all__ = ["Checkpointer", "CheckpointError", "read_latest", "write_latest", "tag_of", "shape_of", "check_shape",
-           "rng_states", "set_rng_states"]
+__all__ = ["Checkpointer", "CheckpointError", "CheckpointSaveError", "LoadTarget", "LATEST", "read_latest",
+           "write_latest", "tag_of", "shape_of", "check_shape", "rng_states", "set_rng_states"]

@@ -212,6 +212,11 @@ class TrainingConfig:
                                             "when checkpoint.save is set); null = never.")
     exit_duration_in_mins: Optional[float] = _f(None, "Stop (and save) after this many minutes of training; "
                                                       "null = never.")
+    exit_on_nan_iterations: Optional[int] = _f(10, "Stop with exit code 1 after this many consecutive iterations "
+                                                   "whose loss is NaN or Inf (counted as the log line's `number "
+                                                   "of nan iterations`); null = never. Independently of it, a "
+                                                   "checkpoint is never saved while the weights hold NaN/Inf: "
+                                                   "the save is refused and `latest` keeps the last finite one.")
 
     def __post_init__(self):
         s = "training"
@@ -230,7 +235,8 @@ class TrainingConfig:
         _positive(s, self, "micro_batch_size", "global_batch_size", "adam_eps", "initial_loss_scale",
                   "loss_scale_window", "hysteresis", "min_loss_scale")
         _positive(s, self, "train_iters", "train_samples", "lr_decay_iters", "lr_decay_samples",
-                  "eval_interval", "exit_interval", "exit_duration_in_mins", allow_none=True)
+                  "eval_interval", "exit_interval", "exit_duration_in_mins", "exit_on_nan_iterations",
+                  allow_none=True)
         _positive(s, self, "lr", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "weight_decay",
                   "clip_grad", "loss_scale", "eval_iters", "seed", allow_zero=True)
         if (self.train_iters is None) == (self.train_samples is None):
@@ -358,11 +364,18 @@ class CheckpointConfig:
     """Where checkpoints go and come from."""
 
     save: Optional[str] = _f(None, "Directory to save checkpoints in; null = never save.")
-    load: Optional[str] = _f(None, "Directory to resume from (its `latest` pointer); empty or missing starts "
-                                   "fresh with a message.")
+    load: Optional[str] = _f(None, "Checkpoint to resume from: the folder checkpoint.save wrote (its `latest` "
+                                   "pointer) or one of its iter_N folders. A missing folder, or one holding only "
+                                   "gptpar's lock/probe/partial files, starts fresh with a message; anything else "
+                                   "that is not a whole checkpoint (a file, an empty `latest`, a missing or "
+                                   "truncated shard) is an error (exit 2).")
     save_interval: Optional[int] = _f(None, "Save every this many iterations (and always at exit); "
                                             "null = only at exit.")
     keep_last: Optional[int] = _f(None, "Keep only the newest K checkpoints; null = keep all.")
+    override_lock: bool = _f(False, "Take over checkpoint.save's lock (`.gptpar.lock`) even when gptpar cannot "
+                                    "tell that the job holding it has ended (it ran on another host, or the lock "
+                                    "is unreadable). A lock of a live job on this host is always refused, one of "
+                                    "a dead pid on this host always taken over.")
 
     def __post_init__(self):
         _check_fields("checkpoint", self)

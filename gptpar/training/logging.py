@@ -103,6 +103,9 @@ def format_eval_block(iteration: int, lm_loss: float) -> str:
 
 
 def perplexity(lm_loss: float) -> float:
+    """exp(loss) capped at exp(20) as Megatron does; NaN for a NaN loss (min(20, nan) would read 20)."""
+    if math.isnan(lm_loss):
+        return math.nan
     return math.exp(min(20.0, lm_loss))
 
 

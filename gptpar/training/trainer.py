@@ -19,6 +19,7 @@ steps on (only with logging.log_num_zeros, else omitted), TFLOPs from gptpar.flo
 """
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -34,6 +35,10 @@ from gptpar.training.logging import (IntervalStats, MetricsWriter, TensorBoardWr
 from gptpar.training.schedules import BatchSizeRampup, LearningRateSchedule, train_iters
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class NonFiniteError(RuntimeError):
+    """The run went NaN/Inf: too many non-finite iterations in a row, or a save asked of non-finite weights."""
 
 
 @dataclass
@@ -130,6 +135,7 @@ class Trainer:
         self.engine_gbs = None
         self.last = {}
         self.saved_at = self.evaluated_at = None
+        self.nan_streak = 0  # consecutive iterations with a NaN/Inf loss (the same on every rank: the loss is)
         self.is_log_rank = pstate.is_last_stage and pstate.dp_rank == 0 and pstate.tp_rank == 0
         partitioned = t.zero_stage >= 1  # bf16 without ZeRO keeps full gradients on every dp rank
         self.zeros = ZeroCounter(engine.ds, pstate, partitioned) if cfg.logging.log_num_zeros else None
@@ -155,20 +161,25 @@ class Trainer:
         c, t = self.counters, self.cfg.training
         while c.iteration < self.train_iters:
             self.train_step()
-            if c.iteration % self.cfg.logging.log_interval == 0:
+            if c.iteration % self.cfg.logging.log_interval == 0 or self._nan_limit_reached():
                 self.log_interval()
+            if self._nan_limit_reached():
+                raise NonFiniteError(
+                    f"stopping at iteration {c.iteration}: the loss was NaN/Inf in {self.nan_streak} consecutive "
+                    f"iterations (training.exit_on_nan_iterations={t.exit_on_nan_iterations}); not saving"
+                    f"{self._latest_note()}. Lower training.lr or check the data, then resume")
             if t.eval_interval and c.iteration % t.eval_interval == 0:
                 self.evaluate()
             reason = self.stop_reason()
             if self._save_due() or reason:
-                self.save()
+                self.save(final=bool(reason))
             if reason:
                 self._say(f"stopping at iteration {c.iteration}: {reason}")
                 return reason
         if t.eval_interval and self.evaluated_at != c.iteration and c.iteration > 0:
             self.evaluate()
         if self.cfg.checkpoint.save and self.saved_at != c.iteration:
-            self.save()
+            self.save(final=True)
         return "train_iters reached"
 
     def train_step(self) -> None:
@@ -192,6 +203,7 @@ class Trainer:
             c.lr_iterations += 1
             c.lr_samples += gbs
         self.stats.add(loss, elapsed, skipped=not applied)
+        self.nan_streak = 0 if math.isfinite(loss) else self.nan_streak + 1
         self.last = {"lr": lr, "global_batch_size": gbs, "grad_norm": self.engine.grad_norm if applied else None,
                      "step_applied": applied}
 
@@ -284,13 +296,46 @@ class Trainer:
         ck = self.cfg.checkpoint
         return bool(ck.save and ck.save_interval and self.counters.iteration % ck.save_interval == 0)
 
-    def save(self) -> None:
+    def _nan_limit_reached(self) -> bool:
+        limit = self.cfg.training.exit_on_nan_iterations
+        return bool(limit) and self.nan_streak >= limit
+
+    def save(self, final: bool = False) -> None:
+        """Save a checkpoint, unless the weights hold NaN/Inf: then refuse (`latest` keeps the last finite
+        checkpoint); a refused final save ends the run with NonFiniteError."""
         if self.checkpointer is None or not self.cfg.checkpoint.save or self.saved_at == self.counters.iteration:
+            return
+        if not self.weights_finite():
+            message = (f"not saving iteration {self.counters.iteration}: the weights hold NaN/Inf"
+                       f"{self._latest_note()}")
+            if final:
+                raise NonFiniteError(message)
+            self._say(f"warning: {message}")
             return
         start = time.time()
         path = self.checkpointer.save(self.engine.ds, self.counters.iteration, self.client_state(), self.tracker)
         self.saved_at = self.counters.iteration
         self._say(f"saved checkpoint {path} in {time.time() - start:.2f} s")
+
+    def weights_finite(self) -> bool:
+        """Whether every rank's weights are finite (one all-reduce MAX of a flag)."""
+        bad = any(not bool(torch.isfinite(p).all()) for p in self.engine.ds.module.parameters())
+        flag = torch.tensor([float(bad)], device=self.pstate.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() == 0
+
+    def _latest_note(self) -> str:
+        from gptpar.training.checkpoint import CheckpointError, read_latest
+
+        save = self.cfg.checkpoint.save
+        if not save:
+            return ""
+        try:
+            latest = read_latest(save)
+        except CheckpointError:
+            latest = None
+        return f"; `latest` in {save} stays at {latest}" if latest else f"; {save} holds no checkpoint"
 
     def client_state(self) -> dict:
         c = self.counters
@@ -333,4 +378,4 @@ def _test_stall(rank: int, iteration: int) -> None:
         time.sleep(3600)
 
 
-__all__ = ["Trainer", "Counters", "StopSignals", "ZeroCounter", "STOP_SIGNALS"]
+__all__ = ["Trainer", "NonFiniteError", "Counters", "StopSignals", "ZeroCounter", "STOP_SIGNALS"]

@@ -1,0 +1,238 @@
+"""The checkpoint folder's layout, read without modifying anything: what `checkpoint.load` points at, and
+whether a checkpoint is complete.
+
+    {dir}/latest                      the tag of the newest complete checkpoint ("iter_0000300")
+    {dir}/iter_0000300/               one checkpoint; complete once gptpar_manifest.json exists
+    {dir}/iter_0000300/gptpar_manifest.json   every file of the checkpoint with its size, written by rank 0
+                                      after every rank finished and before `latest` moves
+    {dir}/.gptpar.lock                the job writing this folder (gptpar.training.save_folder)
+    {dir}/.gptpar-probe-PID, .latest.tmp-PID   short-lived files of a write probe and of the pointer update
+
+gptpar's own entries are the lock, probe and temporary files, the recovery scripts DeepSpeed copies
+beside its checkpoints, and *partial* checkpoints (an `iter_N` without manifest or config.json: the save
+that wrote it was killed). A folder holding nothing else has no checkpoint: loading from it starts fresh.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import zipfile
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+LATEST = "latest"
+TAG_RE = re.compile(r"^iter_(\d{7,})$")
+MANIFEST = "gptpar_manifest.json"
+CONFIG = "config.json"
+LOCK = ".gptpar.lock"
+PROBE_PREFIX = ".gptpar-probe-"
+LATEST_TMP_PREFIX = f".{LATEST}.tmp-"
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # DeepSpeed copies them next to the checkpoints
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used as asked; the message names the path and the fix."""
+
+
+def tag_of(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def state_file(rank: int) -> str:
+    return f"gptpar_rank_{rank:05d}.pt"
+
+
+def read_latest(directory: Optional[str]) -> Optional[str]:
+    """The tag `latest` points at; None when the directory or the pointer does not exist.
+
+    An empty or garbled pointer is an error, never "no checkpoint": the folder did hold one."""
+    if not directory:
+        return None
+    path = os.path.join(directory, LATEST)
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        raw = f.read(256)
+    tag = raw.decode("utf-8", "replace").strip()
+    if not TAG_RE.match(tag):
+        what = "is empty" if not tag else f"holds {raw[:60]!r}, not a checkpoint tag"
+        raise CheckpointError(f"{path} {what}: write the tag of a complete checkpoint folder beside it into it "
+                              f"(e.g. `echo iter_0000300 > {path}`), or point checkpoint.load at an iter_N folder")
+    return tag
+
+
+def write_latest(directory: str, tag: str) -> None:
+    """Point `latest` at `tag` atomically: a reader sees the old or the new pointer, never a partial one."""
+    tmp = os.path.join(directory, f"{LATEST_TMP_PREFIX}{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(tag + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(directory, LATEST))
+
+
+def list_files(path: str) -> Dict[str, int]:
+    """{relative path: size} of every file under `path`."""
+    out = {}
+    for root, _, names in os.walk(path):
+        for name in names:
+            full = os.path.join(root, name)
+            out[os.path.relpath(full, path)] = os.path.getsize(full)
+    return out
+
+
+def write_manifest(path: str, iteration: int, world_size: int) -> None:
+    """Record every file of the finished checkpoint `path` (call after all ranks wrote theirs)."""
+    files = {f: size for f, size in list_files(path).items() if f != MANIFEST}
+    tmp = os.path.join(path, f".{MANIFEST}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump({"version": 1, "iteration": iteration, "world_size": world_size, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(path, MANIFEST))
+
+
+def is_complete(path: str) -> bool:
+    """A finished checkpoint: it has a manifest, or (saved before manifests existed) its config.json."""
+    return os.path.isfile(os.path.join(path, MANIFEST)) or os.path.isfile(os.path.join(path, CONFIG))
+
+
+def is_own_entry(directory: str, name: str) -> bool:
+    """An entry gptpar may find in a folder without it holding a checkpoint (see the module docstring)."""
+    if name.startswith((LOCK, PROBE_PREFIX, LATEST_TMP_PREFIX)) or name in RECOVERY_SCRIPTS:
+        return True
+    path = os.path.join(directory, name)
+    return bool(TAG_RE.match(name)) and os.path.isdir(path) and not is_complete(path)
+
+
+def partial_checkpoints(directory: str, latest: Optional[str]) -> List[str]:
+    """Tags of the partial checkpoints in `directory` that a cleanup may delete: no manifest and no config.json,
+    and newer than `latest` (an older incomplete folder is left alone: gptpar never wrote one)."""
+    if not os.path.isdir(directory):
+        return []
+    newest = int(TAG_RE.match(latest).group(1)) if latest else -1
+    return sorted(name for name in os.listdir(directory)
+                  if TAG_RE.match(name) and int(TAG_RE.match(name).group(1)) > newest
+                  and os.path.isdir(os.path.join(directory, name))
+                  and not is_complete(os.path.join(directory, name)))
+
+
+def complete_checkpoints(directory: str) -> List[str]:
+    if not os.path.isdir(directory):
+        return []
+    return sorted(name for name in os.listdir(directory)
+                  if TAG_RE.match(name) and is_complete(os.path.join(directory, name)))
+
+
+# ---------------------------------------------------------------------------------------------
+# What checkpoint.load means
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LoadTarget:
+    """The checkpoint to resume: folder `tag` inside `directory` (DeepSpeed's (load_dir, tag))."""
+
+    directory: str
+    tag: str
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.directory, self.tag)
+
+
+def resolve_load(load: Optional[str]) -> Tuple[Optional[LoadTarget], Optional[str]]:
+    """(the checkpoint to load or None for a fresh start, the line that says so); reads, never writes.
+
+    A missing folder, or one holding only gptpar's own lock/probe/partial files, is a fresh start. A folder
+    with a `latest` pointer loads what it points at; an `iter_N` folder given directly is loaded itself.
+    Anything else (a file, an empty or garbled `latest`, checkpoints without a `latest`, a folder of
+    unknown files) raises CheckpointError: a wrong path must never start a run from scratch.
+    """
+    if load is None:
+        return None, None
+    if not os.path.exists(load):
+        return None, f"no checkpoint to load: {load} does not exist; starting from scratch"
+    if not os.path.isdir(load):
+        raise CheckpointError(f"checkpoint.load {load} is a file, not a checkpoint folder: give the folder "
+                              "checkpoint.save wrote (it holds `latest`) or one of its iter_N folders")
+    load = os.path.normpath(load)
+    name = os.path.basename(load)
+    if TAG_RE.match(name) and not os.path.exists(os.path.join(load, LATEST)):
+        return LoadTarget(os.path.dirname(load), name), None
+    tag = read_latest(load)
+    if tag is None:
+        entries = sorted(os.listdir(load))
+        others = [e for e in entries if not is_own_entry(load, e)]
+        if not others:
+            what = "is empty" if not entries else "holds no checkpoint yet (only " + ", ".join(entries[:5]) + ")"
+            return None, f"no checkpoint to load: {load} {what}; starting from scratch"
+        complete = [e for e in others if TAG_RE.match(e)]
+        if complete:
+            raise CheckpointError(f"{load} holds checkpoints ({', '.join(complete[-3:])}) but no `{LATEST}` "
+                                  f"pointer: point checkpoint.load at {os.path.join(load, complete[-1])} to resume "
+                                  f"from it (or write its tag into {os.path.join(load, LATEST)})")
+        raise CheckpointError(f"checkpoint.load {load} has no `{LATEST}` pointer and holds files that are not a "
+                              f"gptpar checkpoint ({', '.join(others[:5])}): point checkpoint.load at the folder "
+                              "checkpoint.save wrote, or at a new or empty folder for a fresh start")
+    target = LoadTarget(load, tag)
+    if not os.path.isdir(target.path):
+        raise CheckpointError(f"{os.path.join(load, LATEST)} points at {tag}, but {target.path} does not exist: "
+                              f"write the tag of an existing checkpoint into it ({_choices(load)})")
+    return target, None
+
+
+def verify_checkpoint(target: LoadTarget, world_size: int) -> None:
+    """Raise CheckpointError unless every file of the checkpoint is there, whole, for `world_size` ranks.
+
+    With a manifest every listed file must exist with its recorded size; every `.pt` must also open as a
+    zip archive (torch's format keeps its directory at the end, so a truncated file fails here)."""
+    path = target.path
+    fix = f"resume from an earlier checkpoint instead ({_choices(target.directory, exclude=target.tag)})"
+    manifest_path = os.path.join(path, MANIFEST)
+    problems = []
+    if os.path.isfile(manifest_path):
+        try:
+            with open(manifest_path) as f:
+                expected = json.load(f)["files"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{manifest_path} is unreadable ({e}): {fix}") from None
+        for rel, size in sorted(expected.items()):
+            full = os.path.join(path, rel)
+            if not os.path.isfile(full):
+                problems.append(f"{full} is missing")
+            elif os.path.getsize(full) != size:
+                problems.append(f"{full} has {os.path.getsize(full)} bytes, the manifest says {size} (truncated?)")
+    elif not os.path.isfile(os.path.join(path, CONFIG)):
+        raise CheckpointError(f"{path} is incomplete (no {MANIFEST}: the save that wrote it was interrupted): {fix}")
+    for rank in range(world_size):
+        if not os.path.isfile(os.path.join(path, state_file(rank))):
+            problems.append(f"{os.path.join(path, state_file(rank))} is missing (saved by another world size, "
+                            "or not by gptpar?)")
+    for rel in sorted(list_files(path)):
+        full = os.path.join(path, rel)
+        if rel.endswith(".pt") and os.path.isfile(full) and not _opens_as_zip(full):
+            problems.append(f"{full} is not a whole torch file (truncated or corrupt)")
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is damaged:\n  " + "\n  ".join(dict.fromkeys(problems))
+                              + f"\n{fix}")
+
+
+def _opens_as_zip(path: str) -> bool:
+    try:
+        with zipfile.ZipFile(path):
+            return True
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def _choices(directory: str, exclude: Optional[str] = None) -> str:
+    tags = [t for t in complete_checkpoints(directory) if t != exclude]
+    if not tags:
+        return f"no other complete checkpoint in {directory}"
+    return "complete ones in " + directory + ": " + ", ".join(tags[-3:])
+
+
+__all__ = ["LATEST", "TAG_RE", "MANIFEST", "LOCK", "CheckpointError", "LoadTarget", "tag_of", "state_file",
+           "read_latest", "write_latest", "write_manifest", "list_files", "is_complete", "is_own_entry",
+           "partial_checkpoints", "complete_checkpoints", "resolve_load", "verify_checkpoint"]

@@ -1,0 +1,373 @@
+"""Faults a user meets, reproduced on 2 gloo ranks (one spawn runs every case, in order): wrong
+checkpoint.load values, unusable save folders, locks, a full disk during a save, NaN runs, data whose
+token ids do not fit the model. Each case checks the exit code, the message and what the folders hold.
+
+Faults are injected from here (monkeypatching inside the ranks), never through hooks in the library.
+"""
+import json
+import os
+import re
+import shutil
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+from gptpar.testing import run_distributed
+from gptpar.training.checkpoint import read_latest
+from trainer_runs import log_lines, write_config
+
+# The checkpoint folder's documented layout (gptpar.training.checkpoint_files), spelled out.
+SHARD = "mp_rank_00_model_states.pt"
+OPTIM_1 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+MANIFEST = "gptpar_manifest.json"
+LOCK = ".gptpar.lock"
+
+
+def snapshot(folder):
+    """Every entry under `folder` with its size and modification time (folders included)."""
+    out = {}
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            st = os.stat(path)
+            out[os.path.relpath(path, folder)] = (st.st_size if name in files else None, st.st_mtime_ns)
+    st = os.stat(folder)
+    out["."] = (None, st.st_mtime_ns)
+    return out
+
+
+def _write_lock(folder, **fields):
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, LOCK), "w") as f:
+        json.dump(fields, f)
+
+
+def _start_ticks(pid):
+    """Field 22 of /proc/PID/stat: when the process started."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[19])
+
+
+def _checkpoint_size(folder):
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(folder) for f in files)
+
+
+def _write_vocab_dataset(prefix, max_id, num_docs=40, seed=0):
+    from gptpar.data.indexed import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(seed)
+    with IndexedDatasetBuilder(prefix, np.uint16) as b:
+        for _ in range(num_docs):
+            b.add_document(rng.integers(0, max_id, size=60))
+        b.add_document([max_id])
+        b.finalize()
+
+
+def run_cases(d, only=None):
+    """On each rank: the cases in order, rank 0 preparing the folders between them; {name: (rc, output,
+    (folder before, after) or None)}. `only`: run just these cases (and "base"), e.g. against older code."""
+    import contextlib
+    import io
+    import traceback
+
+    import torch.distributed as dist
+
+    import pretrain_gpt
+
+    rank = dist.get_rank()
+    out = {}
+
+    def run(name, config, *extra, prepare=None, patches=()):
+        if only is not None and name not in only and name != "base":
+            return
+        if rank == 0 and prepare is not None:
+            prepare()
+        dist.barrier()
+        buf = io.StringIO()
+        with contextlib.ExitStack() as stack:
+            for target, attr, value in patches:
+                old = getattr(target, attr)
+                setattr(target, attr, value)
+                stack.callback(setattr, target, attr, old)
+            with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+                try:
+                    rc = pretrain_gpt.main(["--config", config] + list(extra))
+                except Exception:  # noqa: BLE001 - an escaped exception is a result too (a traceback, no exit)
+                    rc = "exception"
+                    traceback.print_exc()
+        dist.barrier()
+        if rank == 0 and name in snapshots:  # (before, after) of the folder the case must leave alone
+            folder, before = snapshots[name]
+            snapshots[name] = (before, snapshot(folder))
+        out[name] = (rc, buf.getvalue(), snapshots.get(name) if rank == 0 else None)
+
+    snapshots = {}
+
+    def keep(name, folder):
+        def prepare():
+            snapshots[name] = (folder, snapshot(folder))
+        return prepare
+
+    a = str(d / "A")
+    two = write_config(d / "two.json", training=dict(train_iters=2, lr_warmup_iters=1), checkpoint=dict(save=a, load=a))
+    run("base", two)
+
+    def copy_of(name, damage):
+        folder = str(d / name)
+
+        def prepare():
+            shutil.copytree(a, folder)
+            damage(folder)
+            snapshots[name] = (folder, snapshot(folder))
+        return folder, prepare
+
+    def empty_latest(folder):
+        open(os.path.join(folder, "latest"), "w").close()
+
+    def truncate_shard(folder):
+        path = os.path.join(folder, "iter_0000002", SHARD)
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+
+    def drop_optim(folder):
+        os.remove(os.path.join(folder, "iter_0000002", OPTIM_1))
+
+    def drop_latest(folder):
+        os.remove(os.path.join(folder, "latest"))
+
+    # -- checkpoint.load refused: exit 2, the folder untouched (mtimes included) -----------------------
+    for name, damage in (("empty_latest", empty_latest), ("truncated", truncate_shard), ("missing", drop_optim),
+                         ("no_latest", drop_latest)):
+        folder, prepare = copy_of(name, damage)
+        run(name, two, "--set", f"checkpoint.load={folder}", "--set", f"checkpoint.save={folder}", prepare=prepare)
+    run("load_file", two, "--set", f"checkpoint.load={a}/iter_0000002/config.json", prepare=keep("load_file", a))
+    run("load_null_over_checkpoint", two, "--set", "checkpoint.load=null", prepare=keep("load_null_over_checkpoint", a))
+
+    # -- checkpoint.save unusable: exit 2 before the first iteration ------------------------------------
+    def regular_file():
+        (d / "a_file").write_text("not a folder")
+    run("unwritable", two, "--set", f"checkpoint.save={d}/a_file/ck", "--set", "checkpoint.load=null",
+        prepare=regular_file)
+    full = shutil.disk_usage(str(d))._replace(free=1000)
+    run("no_space", two, "--set", f"checkpoint.save={d}/space", "--set", "checkpoint.load=null",
+        patches=[(shutil, "disk_usage", lambda path: full)])
+    run("live_lock", two, prepare=lambda: (_write_lock(a, pid=os.getppid(), host=socket.gethostname(),
+                                                       start_ticks=_start_ticks(os.getppid()), started="earlier"),
+                                           keep("live_lock", a)()))
+    run("other_host_lock", two, prepare=lambda: (_write_lock(a, pid=1, host="elsewhere", started="earlier"),
+                                                 keep("other_host_lock", a)()))
+
+    # -- loaded / fresh --------------------------------------------------------------------------------
+    # An iter_N folder given directly, with a lock from another host taken over explicitly and room for
+    # fewer than two checkpoints (a warning).
+    # Room for one and a half of the checkpoints this model really writes: one fits, two do not.
+    roomy = shutil.disk_usage(str(d))._replace(free=int(1.5 * _checkpoint_size(f"{a}/iter_0000002")))
+    run("iter_folder", two, "--set", f"checkpoint.load={a}/iter_0000002", "--set", "training.train_iters=3",
+        "--set", "checkpoint.override_lock=true", patches=[(shutil, "disk_usage", lambda path: roomy)])
+
+    def own_files_only():
+        g = d / "G"
+        os.makedirs(g / "iter_0000005")  # a partial checkpoint: no manifest
+        (g / "iter_0000005" / SHARD).write_bytes(b"partial")
+        (g / ".latest.tmp-99999").write_text("iter_0000005\n")
+        _write_lock(str(g), pid=2 ** 22 + 1, host=socket.gethostname(), started="earlier")  # a dead pid
+    g = str(d / "G")
+    run("own_files_only", two, "--set", f"checkpoint.load={g}", "--set", f"checkpoint.save={g}",
+        prepare=own_files_only)
+
+    # -- a save that fails (the disk fills up), then the next start --------------------------------------
+    h = str(d / "H")
+    four = write_config(d / "four.json", training=dict(train_iters=4), checkpoint=dict(save=h, load=h, save_interval=2))
+    real_save = torch.save
+
+    def save_on_full_disk(obj, f, *args, **kwargs):
+        if isinstance(f, str) and "iter_0000004" in f:
+            with open(f, "wb") as partial:
+                partial.write(b"PK\x03\x04 half a file")
+            real_save(obj, "/dev/full")  # the kernel's ENOSPC, as torch reports it
+        return real_save(obj, f, *args, **kwargs)
+    run("disk_full", four, patches=[(torch, "save", save_on_full_disk)])
+    run("after_disk_full", four, prepare=lambda: open(os.path.join(h, ".latest.tmp-4242"), "w").close())
+
+    # -- NaN runs --------------------------------------------------------------------------------------
+    k = str(d / "K")
+    # ZeRO-0: ZeRO-1 skips a step whose gradients are not finite (the weights stay finite, only the loss
+    # goes NaN); without it the optimizer writes NaN into the weights, the case a save must refuse.
+    nan = write_config(d / "nan.json", training=dict(train_iters=2, lr_warmup_iters=1, eval_interval=1, eval_iters=1,
+                                                     zero_stage=0),
+                       checkpoint=dict(save=k, load=k, save_interval=1))
+    run("nan_base", nan)
+    run("nan", nan, "--set", "training.lr=1e6", "--set", "training.min_lr=0", "--set", "training.train_iters=30",
+        "--set", "training.exit_on_nan_iterations=3")
+    run("nan_no_limit", nan, "--set", "training.lr=1e6", "--set", "training.min_lr=0",
+        "--set", "training.train_iters=30", "--set", "training.exit_on_nan_iterations=null")
+
+    # -- data whose token ids do not fit the model -------------------------------------------------------
+    prefix = str(d / "big_vocab_text_document")
+    if rank == 0:
+        _write_vocab_dataset(prefix, 1023)
+    built = []
+    real_build = pretrain_gpt.build_model
+    oov = write_config(d / "oov.json", data=dict(synthetic=False, data_path=prefix, split="90,10,0"))
+    run("out_of_vocab", oov, patches=[(pretrain_gpt, "build_model",
+                                       lambda *a, **k: built.append(1) or real_build(*a, **k))])
+    out["out_of_vocab_built"] = (len(built), "", None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    d = tmp_path_factory.mktemp("reliability")
+    return d, run_distributed(run_cases, 2, (d,), timeout=600)
+
+
+def _case(cases, name):
+    d, out = cases
+    return out[0][name], out[1][name]
+
+
+def _expect(cases, name, rc, *messages):
+    (rc0, out0, _), (rc1, out1, _) = _case(cases, name)
+    assert (rc0, rc1) == (rc, rc), out0 + out1
+    for m in messages:
+        assert m in out0, f"{m!r} not in:\n{out0}"
+    return out0
+
+
+def _unchanged(cases, name):
+    d, out = cases
+    before, after = out[0][name][2]
+    assert before and after == before
+
+
+def test_base_run_saves_a_complete_checkpoint(cases):
+    d, _ = cases
+    _expect(cases, "base", 0, "no checkpoint to load: ", "starting from scratch")
+    with open(d / "A" / "iter_0000002" / MANIFEST) as f:
+        files = json.load(f)["files"]
+    assert SHARD in files and OPTIM_1 in files and "gptpar_rank_00001.pt" in files
+
+
+def test_checkpoint_size_estimate_matches_a_real_checkpoint(cases):
+    from gptpar.training.config import load_config
+    from gptpar.training.preflight import count_parameters
+    from gptpar.training.save_folder import checkpoint_bytes
+
+    d, _ = cases
+    cfg = load_config(str(d / "two.json"))
+    estimate = checkpoint_bytes(count_parameters(cfg.model, 1, 1), "fp32", zero_stage=1, world_size=2)
+    actual = _checkpoint_size(d / "A" / "iter_0000002")
+    assert abs(estimate - actual) < 0.05 * actual, (estimate, actual)
+
+
+@pytest.mark.parametrize("name,message", [
+    ("empty_latest", "latest is empty: write the tag"),
+    ("truncated", f"{SHARD} has "),
+    ("missing", f"{OPTIM_1} is missing"),
+    ("no_latest", "holds checkpoints (iter_0000002) but no `latest` pointer: point checkpoint.load at"),
+])
+def test_bad_load_exits_2_and_changes_nothing(cases, name, message):
+    d, _ = cases
+    out = _expect(cases, name, 2, "pretrain_gpt.py: checkpoint error: ", message, str(d / name))
+    assert not log_lines(out)
+    _unchanged(cases, name)
+
+
+def test_load_of_a_file_exits_2(cases):
+    d, _ = cases
+    _expect(cases, "load_file", 2, f"checkpoint.load {d}/A/iter_0000002/config.json is a file")
+    _unchanged(cases, "load_file")
+
+
+def test_fresh_run_never_saves_over_an_existing_checkpoint(cases):
+    _expect(cases, "load_null_over_checkpoint", 2, "already holds checkpoint iter_0000002", "checkpoint.load is null")
+    _unchanged(cases, "load_null_over_checkpoint")
+
+
+def test_unwritable_save_folder_exits_2_before_training(cases):
+    d, _ = cases
+    out = _expect(cases, "unwritable", 2, f"checkpoint.save {d}/a_file/ck cannot be created")
+    assert not log_lines(out)
+
+
+def test_no_space_for_a_checkpoint_exits_2(cases):
+    out = _expect(cases, "no_space", 2, "0.0 MiB free, but one checkpoint of this model needs about")
+    assert not log_lines(out)
+
+
+def test_live_job_holding_the_folder_is_refused(cases):
+    _expect(cases, "live_lock", 2, f"another job is writing checkpoints to", f"pid {os.getpid()} on "
+            f"{socket.gethostname()}")
+    _unchanged(cases, "live_lock")
+
+
+def test_lock_from_another_host_needs_the_override(cases):
+    _expect(cases, "other_host_lock", 2, "(pid 1 on elsewhere, started earlier)", "checkpoint.override_lock=true")
+    _unchanged(cases, "other_host_lock")
+
+
+def test_iter_folder_given_directly_is_loaded(cases):
+    d, _ = cases
+    out = _expect(cases, "iter_folder", 0, f"resumed from {d}/A/iter_0000002: iteration 2",
+                  "warning: checkpoint.override_lock=true: taking over the lock",
+                  "room for fewer than two checkpoints")
+    assert [line.split("/")[0].split()[-1] for line in log_lines(out)] == ["3"]
+    assert read_latest(str(d / "A")) == "iter_0000003"
+    assert not os.path.exists(d / "A" / LOCK)  # released at the end
+
+
+def test_folder_with_only_own_files_starts_fresh_and_is_cleaned(cases):
+    d, _ = cases
+    _expect(cases, "own_files_only", 0, "starting from scratch", "taking over the lock",
+            "removing partial checkpoint", "removing stale temporary file")
+    assert sorted(os.listdir(d / "G")) == ["iter_0000002", "latest", "zero_to_fp32.py", "zero_to_torch.py"]
+
+
+def test_full_disk_during_a_save_names_the_folder_and_is_cleaned_up(cases):
+    d, _ = cases
+    h = d / "H"
+    out = _expect(cases, "disk_full", 1, "pretrain_gpt.py: checkpoint save failed: ",
+                  f"could not save checkpoint iter_0000004 in {h}: RuntimeError", "usually a full disk",
+                  "`latest` still points at iter_0000002")
+    assert out.count("Traceback") == 0
+    out = _expect(cases, "after_disk_full", 0, f"removing partial checkpoint {h}/iter_0000004",
+                  f"removing stale temporary file {h}/.latest.tmp-4242", f"resumed from {h}/iter_0000002")
+    assert read_latest(str(h)) == "iter_0000004" and os.path.isfile(h / "iter_0000004" / MANIFEST)
+
+
+def _finite_weights(checkpoint):
+    state = torch.load(os.path.join(checkpoint, SHARD), weights_only=False)["module"]
+    return all(bool(torch.isfinite(t).all()) for t in state.values() if torch.is_tensor(t))
+
+
+def test_nan_run_stops_and_latest_keeps_finite_weights(cases):
+    d, _ = cases
+    k = d / "K"
+    out = _expect(cases, "nan", 1, "in 3 consecutive iterations (training.exit_on_nan_iterations=3)",
+                  "the weights hold NaN/Inf", "lm loss PPL: NAN")
+    stopped = len(log_lines(out)) + 2
+    assert stopped < 30  # long before train_iters
+    latest = read_latest(str(k))
+    assert f"`latest` in {k} stays at {latest}" in out
+    assert _finite_weights(k / latest)
+    refused = [int(i) for i in re.findall(r"^warning: not saving iteration (\d+): ", out, re.M)]
+    assert refused and int(latest.split("_")[1]) < refused[0]
+    assert not any(os.path.exists(k / f"iter_{i:07d}") for i in refused + [stopped])
+
+
+def test_nan_run_without_a_limit_refuses_the_final_save(cases):
+    d, _ = cases
+    k = d / "K"
+    latest = read_latest(str(k))
+    _expect(cases, "nan_no_limit", 1, "not saving iteration 30: the weights hold NaN/Inf",
+            f"`latest` in {k} stays at {latest}")
+    assert _finite_weights(k / latest)
+
+
+def test_out_of_vocab_data_exits_2_before_the_model_is_built(cases):
+    d, out = cases
+    _expect(cases, "out_of_vocab", 2, "pretrain_gpt.py: data error: dataset ",
+            "largest token id is 1023, but model.vocab_size is 200")
+    assert out[0]["out_of_vocab_built"][0] == out[1]["out_of_vocab_built"][0] == 0
