@@ -2,7 +2,7 @@
 # Issue 12's GPU figures in one call on one lent H100/H200; raw output under $OUT (planned ~7 min on an H200,
 # every step capped by its own timeout and by a total budget of $BUDGET_S seconds, default 510):
 #
-#   OUT=gpu_out bash bench/gpu_speed.sh
+#   OUT=gpu_out bash bench/gpu_speed.sh     # device call: carry [".whl"] (bash bench/fetch_gpu_wheels.sh first)
 #   GPU_SPEED_CPU_SMOKE=1 OUT=/tmp/smoke bash bench/gpu_speed.sh   # every step at a tiny shape on the CPU (the flow)
 #
 # 1. the ratio first (issue 12: trainer vs a compiled nanoGPT-style loop, same call, same GPU), at
@@ -19,7 +19,8 @@
 #    the peak GPU memory of a training step                      -> single_rank_1.3b_{none,selective,full}.*
 # 4. the planner with the calibration (arithmetic), and gptpar/memory.py's estimates for the step-3 runs
 #                                                                -> plan_200b_calibrated.log, memory_estimates.log
-# summary.json / summary.txt: the figures above in one place (bench/gpu_speed_summary.py).
+# summary.json / summary.txt: the figures above in one place (bench/gpu_speed_summary.py); everything else is
+# packed into gpu_speed_raw.tgz at the end (the device call returns at most 8 files).
 set -u
 OUT=${OUT:-gpu_out}
 PY=${PYTHON:-python3}
@@ -118,3 +119,6 @@ step memory_estimates 60 $PY bench/gpu_speed_summary.py --memory-estimates confi
 step summary 60 $PY bench/gpu_speed_summary.py --out "$OUT"
 cat "$OUT/summary.log" 2>/dev/null
 echo "done in $(( $(date +%s) - START ))s; failed steps: $(cat "$OUT/failed.txt" 2>/dev/null | tr '\n' ' ')"
+# The device call brings back at most 8 files from $OUT: keep the summaries, pack the raw logs and JSON.
+( cd "$OUT" && ls | grep -v -x -e 'summary.json' -e 'summary.txt' -e 'gpu_speed_raw.tgz' \
+    | tar czf gpu_speed_raw.tgz --remove-files -T - )

@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
@@ -151,14 +152,18 @@ def test_gpu_speed_script_flow_on_cpu(tmp_path):
     run = subprocess.run(["bash", "bench/gpu_speed.sh"], cwd=REPO, capture_output=True, text=True, timeout=600,
                          env={**ENV, "GPU_SPEED_CPU_SMOKE": "1", "OUT": str(out), "PYTHON": sys.executable})
     assert run.returncode == 0, run.stderr[-3000:]
-    assert not (out / "failed.txt").exists(), (out / "failed.txt").read_text() + run.stdout[-3000:]
-    assert not (out / "skipped.txt").exists(), (out / "skipped.txt").read_text()
+    assert sorted(os.listdir(out)) == ["gpu_speed_raw.tgz", "summary.json", "summary.txt"]  # <= 8 files return
+    raw = tmp_path / "raw"
+    with tarfile.open(out / "gpu_speed_raw.tgz") as tar:
+        tar.extractall(raw)
+    assert not (raw / "failed.txt").exists(), (raw / "failed.txt").read_text() + run.stdout[-3000:]
+    assert not (raw / "skipped.txt").exists(), (raw / "skipped.txt").read_text()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ratio_trainer_vs_compiled_peer"] > 0
     assert set(summary["single_rank"]) == {"none", "selective", "full"}
     assert len(summary["layer"]) == 2 and all(set(c["modes"]) == {"none", "selective", "full"}
                                               for c in summary["layer"].values())
-    assert "A100 (seed 003 fit)" in (out / "plan_200b_calibrated.log").read_text()
+    assert "A100 (seed 003 fit)" in (raw / "plan_200b_calibrated.log").read_text()
 
 
 @pytest.mark.slow
