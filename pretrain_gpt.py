@@ -138,7 +138,7 @@ def checkpoint_shape(cfg, pstate) -> dict:
 
 def build_trainer(cfg, pstate, log, load_target):
     from gptpar.training.checkpoint import Checkpointer
-    from gptpar.training.config import deepspeed_config
+    from gptpar.training.engine import deepspeed_config
     from gptpar.training.data import build_sources
     from gptpar.training.engine import build_engine
     from gptpar.training.schedules import train_iters

@@ -72,7 +72,7 @@ def train_rank(model: dict, tp: int, pp: int, dp: int, micro_batch: int, micro_b
     from gptpar.model.gpt import GPTModel
     from gptpar.model.pipeline import build_pipeline_model
     from gptpar.parallel import init_parallel
-    from gptpar.training.config import deepspeed_config
+    from gptpar.training.engine import deepspeed_config
     from gptpar.training.engine import build_engine
 
     cfg = run_config(model, tp, pp, dp, micro_batch, micro_batches)

@@ -104,14 +104,6 @@ class ParallelState:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
-    def topology(self):
-        """DeepSpeed's `PipeModelDataParallelTopology` for this grid, checked to agree with ours."""
-        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-
-        topo = PipeModelDataParallelTopology(num_pp=self.pp_size, num_mp=self.tp_size, num_dp=self.dp_size)
-        check_topology_agrees(topo, self.tp_size, self.pp_size, self.dp_size)
-        return topo
-
     def __repr__(self) -> str:
         return (f"ParallelState(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
                 f"pp={self.pp_rank}/{self.pp_size}, dp={self.dp_rank}/{self.dp_size}, "

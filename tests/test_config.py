@@ -6,7 +6,8 @@ import os
 import pytest
 
 from gptpar.training.cli import cli_aliases, parse_args
-from gptpar.training.config import (Accelerator, ConfigError, Config, config_from_dict, deepspeed_config, load_config,
+from gptpar.training.engine import deepspeed_config
+from gptpar.training.config import (Accelerator, ConfigError, Config, config_from_dict, load_config,
                                     parse_data_path, parse_override, parse_split)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

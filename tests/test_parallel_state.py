@@ -7,6 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from gptpar.parallel import coords_of, group_ranks, init_parallel, rank_of, resolve_sizes, single_process_state
+from gptpar.model.pipeline import deepspeed_topology
 from gptpar.testing import run_distributed
 
 SHAPES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 2, 2), (4, 3, 2), (8, 10, 3)]
@@ -74,7 +75,7 @@ def _groups_on_ranks(tp, pp):
         ranks = [None] * dist.get_world_size(group)
         dist.all_gather_object(ranks, me, group=group)
         out[axis] = ranks
-    st.topology()  # raises if DeepSpeed's numbering disagrees
+    deepspeed_topology(st)  # raises if DeepSpeed's numbering disagrees
     return st.pp_rank, st.dp_rank, st.tp_rank, out
 
 

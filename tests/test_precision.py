@@ -2,7 +2,7 @@
 holds (against gptpar.memory), bf16's fp32 gradient accumulation and what it buys over bf16 accumulation.
 
 fp16 needs an accelerator with fp16 support: the ranks patch DeepSpeed's CPU accelerator to say yes
-(gptpar.testing.allow_fp16_on_cpu), so these tests do not depend on the CPU they run on.
+(gptpar.training.engine.allow_fp16_on_cpu), so these tests do not depend on the CPU they run on.
 """
 import logging
 
@@ -28,7 +28,7 @@ def _config(precision, zero_stage, pp=1, dp=1, micro_batches=2, **training):
 def _engine(cfg, pstate, ds_edit=None):
     """The trainer's model and engine for `cfg` (ds_edit may alter the generated DeepSpeed dict)."""
     import pretrain_gpt
-    from gptpar.training.config import deepspeed_config
+    from gptpar.training.engine import deepspeed_config
     from gptpar.training.engine import build_engine
 
     model = pretrain_gpt.build_model(cfg, pstate, pretrain_gpt.seed_everything(cfg.training.seed, pstate))
@@ -57,7 +57,7 @@ def _held_at_step(dp):
     """Per case: (precision plan, bytes per parameter held at the optimizer step, optimizer-state bytes per
     parameter after it)."""
     from gptpar.parallel import init_parallel
-    from gptpar.testing import allow_fp16_on_cpu
+    from gptpar.training.engine import allow_fp16_on_cpu
 
     allow_fp16_on_cpu()
     pstate = init_parallel(1, 1, dp)
@@ -139,7 +139,7 @@ def _fp16_stage0_gradient_over_plain_gradient():
     """engine.backward's gradient / the module's own unscaled gradient, at DeepSpeed's fp16 ZeRO-0, with a
     loss scale of 1024 in force (one micro-batch: no accumulation division)."""
     from gptpar.parallel import init_parallel
-    from gptpar.testing import allow_fp16_on_cpu
+    from gptpar.training.engine import allow_fp16_on_cpu
 
     allow_fp16_on_cpu()
     pstate = init_parallel(1, 1, 1)

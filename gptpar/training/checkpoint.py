@@ -107,7 +107,7 @@ class Checkpointer:
     device: object = "cpu"  # where the all-reduces' flag lives (a GPU under NCCL)
 
     # -- save ----------------------------------------------------------------------------------
-    def save(self, ds_engine, iteration: int, client_state: dict, tracker) -> str:
+    def save(self, engine, iteration: int, client_state: dict, tracker) -> str:
         """Write checkpoint `iter_{iteration}` on every rank, then move `latest` to it. Returns the path."""
         tag = tag_of(iteration)
         path = os.path.join(self.save_dir, tag)
@@ -119,8 +119,7 @@ class Checkpointer:
         # joined from here, so the others wait there until the launcher or the process-group timeout ends
         # them. `latest` does not move either way.
         with self._failures(tag):
-            ds_engine.save_checkpoint(self.save_dir, tag=tag, client_state={"gptpar_iteration": iteration},
-                                      save_latest=False)
+            engine.save_checkpoint(self.save_dir, tag, {"gptpar_iteration": iteration})
         _fault_point(iteration, self.rank)
         with self._failures(tag, defer=True) as failed:
             state = dict(client_state, version=FORMAT_VERSION, shape=self.shape, rng=rng_states(tracker))
@@ -149,7 +148,7 @@ class Checkpointer:
             shutil.rmtree(os.path.join(self.save_dir, tag_of(i)), ignore_errors=True)
 
     # -- load ----------------------------------------------------------------------------------
-    def load(self, ds_engine, tracker) -> Optional[dict]:
+    def load(self, engine, tracker) -> Optional[dict]:
         """Restore `load_target` (verified before training); its client state, or None to start fresh."""
         target = self.load_target
         if target is None:
@@ -157,8 +156,7 @@ class Checkpointer:
         path = target.path
         state = torch.load(os.path.join(path, state_file(self.rank)), weights_only=False)
         check_shape(state["shape"], self.shape, path)
-        loaded, _ = ds_engine.load_checkpoint(target.directory, tag=target.tag)
-        if loaded is None:
+        if not engine.load_checkpoint(target.directory, target.tag):
             raise CheckpointError(f"DeepSpeed could not load {path}")
         set_rng_states(state["rng"], tracker)
         self.log(f"resumed from {path}: iteration {state['iteration']}, "
