@@ -27,11 +27,10 @@ def _config(precision, zero_stage, pp=1, dp=1, micro_batches=2, **training):
 
 def _engine(cfg, pstate, ds_edit=None):
     """The trainer's model and engine for `cfg` (ds_edit may alter the generated DeepSpeed dict)."""
-    import pretrain_gpt
-    from gptpar.training.engine import deepspeed_config
-    from gptpar.training.engine import build_engine
+    from gptpar.training.build import build_model, seed_everything
+    from gptpar.training.engine import build_engine, deepspeed_config
 
-    model = pretrain_gpt.build_model(cfg, pstate, pretrain_gpt.seed_everything(cfg.training.seed, pstate))
+    model = build_model(cfg, pstate, seed_everything(cfg.training.seed, pstate))
     ds = deepspeed_config(cfg, pstate.dp_size)
     if ds_edit is not None:
         ds_edit(ds)

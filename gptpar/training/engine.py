@@ -482,6 +482,15 @@ def deepspeed_config(cfg: Config, dp_size: int, consumed_samples: int = 0) -> di
         })
     return ds
 
+def quiet_deepspeed_log() -> None:
+    """DeepSpeed's own log at WARNING: its INFO lines would drown gptpar's log line."""
+    import logging
+
+    from deepspeed.utils import logger as ds_logger
+
+    ds_logger.setLevel(logging.WARNING)
+
+
 def allow_fp16_on_cpu() -> None:
     """Make DeepSpeed's CPU accelerator accept fp16 in this process (slow emulated math: tiny runs only), so
     that fp16 tests and smoke runs do not depend on whether this CPU has AVX512-FP16 / AMX-FP16."""
