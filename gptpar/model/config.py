@@ -114,11 +114,3 @@ class GPTConfig:
             raise ValueError(
                 f"parallel.pipeline_model_parallel_size ({pp_size}) exceeds model.num_layers "
                 f"({self.num_layers}): every pipeline stage needs at least one transformer layer")
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "GPTConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown model key(s) {unknown}; known keys: {sorted(known)}")
-        return cls(**d)

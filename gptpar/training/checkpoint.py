@@ -21,16 +21,12 @@ Resume: what `checkpoint.load` points at is resolved and verified before trainin
 resolve_load / verify_checkpoint); the model and parallel shape stored with it must equal the current
 config's (a clear error otherwise: ZeRO shards and tp/pp slices cannot be reshaped here); every other key
 (LR, intervals, exit conditions, ...) comes from the current config.
-
-`GPTPAR_TEST_KILL_IN_SAVE=N` (test-only fault injection): rank 0 SIGKILLs itself while saving iteration N,
-after DeepSpeed wrote its files and before the gptpar files and `latest`.
 """
 from __future__ import annotations
 
 import os
 import random
 import shutil
-import signal
 from dataclasses import dataclass
 from typing import Optional
 
@@ -120,7 +116,6 @@ class Checkpointer:
         # them. `latest` does not move either way.
         with self._failures(tag):
             engine.save_checkpoint(self.save_dir, tag, {"gptpar_iteration": iteration})
-        _fault_point(iteration, self.rank)
         with self._failures(tag, defer=True) as failed:
             state = dict(client_state, version=FORMAT_VERSION, shape=self.shape, rng=rng_states(tracker))
             torch.save(state, os.path.join(path, state_file(self.rank)))
@@ -219,12 +214,6 @@ def _iterations(directory: str):
     if not os.path.isdir(directory):
         return []
     return [int(m.group(1)) for m in map(TAG_RE.match, os.listdir(directory)) if m]
-
-
-def _fault_point(iteration: int, rank: int) -> None:
-    target = os.environ.get("GPTPAR_TEST_KILL_IN_SAVE")
-    if target is not None and int(target) == iteration and rank == 0:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 __all__ = ["Checkpointer", "CheckpointError", "CheckpointSaveError", "LoadTarget", "LATEST", "read_latest",

@@ -21,7 +21,6 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 from gptpar.model.config import RECOMPUTE_MODES, GPTConfig, recompute_mode
 from gptpar.model.partition import partition_layers, resolve_partition_method
 from gptpar.parallel import resolve_sizes
-from gptpar.training.schedules import BatchSizeRampup
 
 
 class ConfigError(ValueError):

@@ -20,7 +20,6 @@ steps on (only with logging.log_num_zeros, else omitted), TFLOPs from gptpar.flo
 from __future__ import annotations
 
 import math
-import os
 import signal
 import time
 from dataclasses import asdict, dataclass
@@ -236,7 +235,6 @@ class Trainer:
     def stop_reason(self) -> Optional[str]:
         """Why to stop after this iteration, agreed by all ranks (one all-reduce MAX), or None."""
         t = self.cfg.training
-        _test_stall(self.pstate.rank, self.counters.iteration)
         minutes = (time.time() - self.start_time) / 60.0
         flags = torch.tensor([self.signals.received or 0, t.exit_duration_in_mins is not None
                               and minutes > t.exit_duration_in_mins], dtype=torch.float64, device=self.pstate.device)
@@ -326,14 +324,6 @@ class Trainer:
         for writer in (self.tensorboard, self.wandb):
             if writer is not None:
                 writer.close()
-
-
-def _test_stall(rank: int, iteration: int) -> None:
-    """Test-only: `GPTPAR_TEST_STALL=RANK:ITERATION` makes that rank hang before the stop all-reduce, so
-    the others must end with the process-group timeout (parallel.distributed_timeout_minutes)."""
-    spec = os.environ.get("GPTPAR_TEST_STALL")
-    if spec and tuple(map(int, spec.split(":"))) == (rank, iteration):
-        time.sleep(3600)
 
 
 __all__ = ["Trainer", "NonFiniteError", "Counters", "StopSignals", "STOP_SIGNALS"]
