@@ -1,6 +1,6 @@
 """The dry-run report: what a config means before any GPU is touched.
 
-`render_dry_run(config_dict)` is pure formulas (gptpar.flops, gptpar.memory): the resolved config,
+`render_dry_run(config, dp_size)` is pure formulas (gptpar.flops, gptpar.memory): the resolved config,
 the pipeline partition, parameters per stage and per tp rank, memory per GPU, and the TFLOPs that
 the seconds per iteration measured in the seed tables would mean for this shape. The trainer's
 `--dry-run` prints it, adding the exact count of the real model built on the meta device.
@@ -12,9 +12,10 @@ from typing import List, Optional, Tuple
 
 from gptpar.flops import (exact_model_params, model_size_formula, params_per_stage, resolve_partition_method,
                           stage_layer_ranges, tflops_per_gpu)
-from gptpar.memory import GIB, memory_per_gpu
+from gptpar.memory import GIB
 from gptpar.model.config import pad_vocab_size
-from gptpar.planning import settings_from_config
+from gptpar.planning import memory_of, settings_of
+from gptpar.training.config import Config
 
 # Runs measured in seeds 002/003: (where, layers, hidden, tp, pp, dp, mbs, gbs, sec/it, printed TFLOPs, formula).
 SEED_RUNS: List[Tuple] = [
@@ -40,9 +41,13 @@ def _fmt(n: float) -> str:
     return f"{n:,.0f}"
 
 
-def render_dry_run(cfg: dict, sec_per_iter: Optional[float] = None, meta_param_count: Optional[int] = None) -> str:
-    """The report; meta_param_count (the real model's unique parameters on the meta device) is compared."""
-    s = settings_from_config(cfg)
+def render_dry_run(config: Config, dp_size: int, sec_per_iter: Optional[float] = None,
+                   meta_param_count: Optional[int] = None) -> str:
+    """The report for `config` on dp_size data-parallel ranks; meta_param_count (the real model's unique
+    parameters on the meta device) is compared."""
+    s = settings_of(config, dp_size)
+    cfg = config.to_dict()
+    cfg["parallel"]["data_parallel_size"] = dp_size
     L, h, tp, pp, dp = s["num_layers"], s["hidden_size"], s["tp_size"], s["pp_size"], s["dp_size"]
     v, v_pad, seq = s["vocab_size"], s["padded_vocab_size"], s["seq_length"]
     mbs, gbs = s["micro_batch_size"], s["global_batch_size"]
@@ -63,13 +68,7 @@ def render_dry_run(cfg: dict, sec_per_iter: Optional[float] = None, meta_param_c
     method = resolve_partition_method(s["partition_method"], L, pp, s["embedding_weight"])
     unique = params_per_stage(**shape)
     per_rank = params_per_stage(**shape, per_tp_rank=True)
-    mem = memory_per_gpu(num_layers=L, hidden_size=h, num_attention_heads=s["num_attention_heads"], vocab_size=v,
-                         seq_length=seq, micro_batch_size=mbs, global_batch_size=gbs, tp_size=tp, pp_size=pp,
-                         dp_size=dp, partition_method=s["partition_method"], precision=s["precision"],
-                         embedding_weight=s["embedding_weight"],
-                         zero_stage=s["zero_stage"], activation_checkpointing=s["activation_checkpointing"],
-                         ffn_hidden_size=s["ffn_hidden_size"], max_position_embeddings=s["max_position_embeddings"],
-                         make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"])
+    mem = memory_of(s)
     lines += ["", f"== pipeline partition ({method}, from {s['partition_method']!r}) and parameters ==",
               f"{'stage':>5} {'blocks':>11} {'extra':<28} {'params':>17} {'per tp rank':>15} {'mem/GPU GiB':>11}"]
     for i, ((a, b), u, r, m) in enumerate(zip(ranges, unique, per_rank, mem["stages"])):

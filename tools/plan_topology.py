@@ -20,7 +20,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gptpar.planning import (Hardware, calibrated_hardware, calibration_notes, load_calibration,  # noqa: E402
-                             load_config, plan_topology, predict_layout, settings_from_config)
+                             plan_topology, predict_layout, settings_of)
+from gptpar.training.config import load_config  # noqa: E402
 from gptpar.planning_report import SEED_RUNS  # noqa: E402
 
 TOP = 20
@@ -28,7 +29,9 @@ TOP = 20
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="JSON config (model, training sections)")
+    parser.add_argument("--config", required=True, help="JSON config, read and checked as pretrain_gpt.py reads it")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config key, as pretrain_gpt.py --set (repeatable)")
     parser.add_argument("--nodes", type=int, required=True)
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU")
@@ -43,7 +46,7 @@ def main(argv=None) -> int:
             raise ValueError(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
         if args.gpu_mem <= 0:
             raise ValueError(f"--gpu-mem must be > 0 (GiB), got {args.gpu_mem}")
-        s = settings_from_config(load_config(args.config))
+        s = settings_of(load_config(args.config, args.set))
         hw = Hardware(gpus_per_node=args.gpus_per_node, gpu_mem_gib=args.gpu_mem)
         cands = plan_topology(s, args.nodes, hw)
         kinds = [("A100 (seed 003 fit)", "", hw)]

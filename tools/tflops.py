@@ -6,8 +6,10 @@
         --global-batch-size 2048 --tensor-model-parallel-size 8 --gpus 8 --sec-per-iter 769.99 --formula legacy
     python tools/tflops.py --config configs/200b.json --gpus 80 --log train.log
 
---vocab-size is the padded size as given; from a config the vocab is padded for its tp.
-Defaults: the improved (Narayanan) formula, activation recompute on (factor 4).
+--vocab-size is the padded size as given; from a config the vocab is padded for its tp. The config is read and
+checked as pretrain_gpt.py reads it (--set overrides a key); recompute is the config's
+training.activation_checkpointing (the seed logs' full recompute with flags alone), --no-recompute turns it off.
+Formula: improved (Narayanan) unless --formula legacy.
 """
 import argparse
 import json
@@ -83,8 +85,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"formula {out['formula']}, recompute {'on (factor 4)' if out['recompute'] else 'off (factor 3)'}, "
-          f"{out['gpus']} GPUs")
+    print(f"formula {out['formula']}, recompute {out['recompute']}, {out['gpus']} GPUs")
     if args.log:
         print(f"{'iteration':>9} {'s/it':>9} {'gbs':>6} {'printed':>8} {'TFLOPs':>8}")
         for r in out["iterations"]:

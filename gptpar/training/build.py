@@ -95,11 +95,9 @@ def dry_run(cfg: Config, tp: int, pp: int, dp: int) -> str:
     from gptpar.model.pipeline import model_parameter_count, partition_layers, stage_report
     from gptpar.planning import dry_run_report
 
-    d = cfg.to_dict()
-    d["parallel"]["data_parallel_size"] = dp
     plan = partition_layers(cfg.model.num_layers, pp, cfg.resolved_partition_method(pp),
                             cfg.parallel.embedding_weight or 1)
-    report = dry_run_report(d, meta_param_count=model_parameter_count(cfg.model, tp))
+    report = dry_run_report(cfg, dp, meta_param_count=model_parameter_count(cfg.model, tp))
     return report + "\n== stages of the real model (meta device) ==\n" + stage_report(cfg.model, plan, tp)
 
 
