@@ -14,7 +14,7 @@ from typing import List, Optional
 
 from gptpar.flops import model_flops_per_iteration, params_per_stage, stage_layer_ranges
 from gptpar.memory import GIB, memory_per_gpu
-from gptpar.model.config import pad_vocab_size, recompute_mode
+from gptpar.model.config import check_tp_divides, pad_vocab_size, recompute_mode
 from gptpar.training.config import Config, config_from_dict, load_config
 
 
@@ -134,14 +134,12 @@ def _settings_from_flags(args) -> dict:
 
 
 def check_tp(s: dict) -> None:
-    """ValueError naming --tensor-model-parallel-size when it does not divide heads, hidden or ffn."""
+    """The flags' tp and pp: positive integers, tp splitting heads, hidden and ffn (`check_tp_divides`)."""
     tp = s.get("tp_size") or 1
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"--tensor-model-parallel-size must be a positive integer, got {tp!r}")
-    for key in ("num_attention_heads", "hidden_size", "ffn_hidden_size"):
-        if s.get(key) and s[key] % tp:
-            raise ValueError(f"--tensor-model-parallel-size {tp} must divide {key} ({s[key]}): "
-                             f"pick a tp that divides heads, hidden and ffn sizes")
+    check_tp_divides(tp, **{key: s.get(key) or None for key in ("num_attention_heads", "hidden_size",
+                                                                 "ffn_hidden_size")})
     if s.get("pp_size") is not None and (not isinstance(s["pp_size"], int) or s["pp_size"] < 1):
         raise ValueError(f"--pipeline-model-parallel-size must be a positive integer, got {s['pp_size']!r}")
 
@@ -354,7 +352,9 @@ def plan_topology(s: dict, nodes: int, hw: Hardware = Hardware(), mbs_choices=(1
     total = nodes * hw.gpus_per_node
     out = []
     for tp in range(1, hw.gpus_per_node + 1):
-        if heads % tp or h % tp or s["ffn_hidden_size"] % tp:
+        try:
+            check_tp_divides(tp, num_attention_heads=heads, hidden_size=h, ffn_hidden_size=s["ffn_hidden_size"])
+        except ValueError:
             continue
         for pp in range(1, L + 1):
             try:

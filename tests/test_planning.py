@@ -1,5 +1,4 @@
 """The topology planner and the dry-run report, against seed 003's 48-node measurements."""
-import json
 import os
 
 import pytest

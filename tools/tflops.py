@@ -14,32 +14,26 @@ Formula: improved (Narayanan) unless --formula legacy.
 import argparse
 import json
 import os
-import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gptpar.flops import model_flops_per_iteration, tflops_per_gpu  # noqa: E402
 from gptpar.planning import add_model_flags, require, settings_from_args  # noqa: E402
-
-_ITER = re.compile(r"iteration\s+(\d+)\s*/")
-_TIME = re.compile(r"elapsed time per iteration \((s|ms)\):\s*([\d.]+)")
-_GBS = re.compile(r"global batch size:\s*(\d+)")
-_TFLOPS = re.compile(r"TFLOPs:\s*([\d.]+)")
-
+from gptpar.training.logging import parse_log_line  # noqa: E402
 
 def parse_log(path: str):
-    """[(iteration, sec_per_iter, global_batch_size or None, printed TFLOPs or None)] of the log's lines."""
+    """[(iteration, sec_per_iter, global_batch_size or None, printed TFLOPs or None)] of the log's iteration lines,
+    read by the trainer's own parser (gptpar.training.logging.parse_log_line)."""
     rows = []
     with open(path, errors="replace") as f:
         for line in f:
-            it, tm = _ITER.search(line), _TIME.search(line)
-            if not (it and tm):
+            try:
+                r = parse_log_line(line, strict=False)
+            except ValueError:  # not an iteration line
                 continue
-            sec = float(tm.group(2)) / (1000.0 if tm.group(1) == "ms" else 1.0)
-            gbs, tf = _GBS.search(line), _TFLOPS.search(line)
-            rows.append((int(it.group(1)), sec, int(gbs.group(1)) if gbs else None,
-                         float(tf.group(1)) if tf else None))
+            if r["elapsed_s"] is not None:
+                rows.append((r["iteration"], r["elapsed_s"], r["global_batch_size"], r["tflops"]))
     return rows
 
 

@@ -21,6 +21,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 from gptpar.model.config import RECOMPUTE_MODES, GPTConfig, recompute_mode
 from gptpar.model.partition import partition_layers, resolve_partition_method
 from gptpar.parallel import resolve_sizes
+from gptpar.training.schedules import BatchSizeRampup, LearningRateSchedule
 
 
 class ConfigError(ValueError):
@@ -263,24 +264,15 @@ class TrainingConfig:
                     raise ConfigError(f"training.{name} is iteration-based but training.train_samples is set: "
                                       f"use training.{name.replace('iters', 'samples')} instead")
             warmup, decay, unit = self.lr_warmup_samples, self.lr_decay_samples or self.train_samples, "samples"
-        if warmup >= decay:  # Megatron's AnnealingLR asserts warmup_steps < decay_steps
+        try:  # the schedule's own rule (Megatron's AnnealingLR asserts warmup_steps < decay_steps)
+            LearningRateSchedule.from_config(self)
+        except ValueError:
             raise ConfigError(f"training.lr_warmup_{unit} ({warmup}) must be below the decay length "
-                              f"(lr_decay_{unit} or train_{unit}: {decay}): shorten the warmup")
-        if self.rampup_batch_size is not None:
-            if len(self.rampup_batch_size) != 3:
-                raise ConfigError("training.rampup_batch_size must be [start, increment, samples], got "
-                                  f"{self.rampup_batch_size}")
-            start, increment, samples = self.rampup_batch_size
-            if start < 1 or increment < 1 or samples < 0:
-                raise ConfigError(f"training.rampup_batch_size {self.rampup_batch_size}: start and increment "
-                                  "must be > 0 and samples >= 0")
-            if start >= self.global_batch_size:
-                raise ConfigError(f"training.rampup_batch_size start ({start}) must be below "
-                                  f"training.global_batch_size ({self.global_batch_size}): lower it, or set "
-                                  "rampup_batch_size to null for a constant batch size")
-            if (self.global_batch_size - start) % increment:
-                raise ConfigError(f"training.rampup_batch_size: global_batch_size - start ({self.global_batch_size} "
-                                  f"- {start}) must divide by the increment ({increment})")
+                              f"(lr_decay_{unit} or train_{unit}: {decay}): shorten the warmup") from None
+        if self.rampup_batch_size is not None and len(self.rampup_batch_size) != 3:
+            raise ConfigError("training.rampup_batch_size must be [start, increment, samples], got "
+                              f"{self.rampup_batch_size}")
+        # the batch arithmetic (ramp-up included) needs the data-parallel size: Config.check runs it
 
     @property
     def zero_stage_note(self) -> Optional[str]:
@@ -317,45 +309,24 @@ class DataConfig:
         if self.synthetic and self.data_path is not None:
             raise ConfigError("data.synthetic=true and data.data_path are both set: set data.data_path=null "
                               "for synthetic data, or data.synthetic=false to read the dataset")
-        if isinstance(self.data_path, list):
-            parse_data_path(self.data_path)
-        elif self.data_path == "":
+        if self.data_path == "":
             raise ConfigError("data.data_path is empty: give a dataset prefix or null")
-        parse_split(self.split)
+        _check_data(self.data_path, self.split)
         if self.loss_on_targets_only and not self.prefix_lm:
             raise ConfigError("data.loss_on_targets_only needs data.prefix_lm=true (targets follow the prefix)")
 
 
-def parse_data_path(data_path: Union[str, Sequence]) -> List[Tuple[Optional[float], str]]:
-    """Megatron's data path as [(weight, prefix)], weights normalised to sum 1 (None for an unweighted list of
-    several prefixes, which the datasets blend by their token counts).
+def _check_data(data_path, split) -> None:
+    """The data pipeline's own parsers (gptpar.data.gpt_dataset: the path grammar and the blend weights'
+    rule, the split), so a data path or split the config accepts is one the datasets read the same way."""
+    from gptpar.data.gpt_dataset import DataError, parse_data_path, parse_split
 
-    Parsed with the data pipeline's own grammar (`gptpar.data.gpt_dataset.parse_data_path`), so a path the
-    config accepts is one the datasets read the same way; only the weights' range is checked here.
-    """
-    from gptpar.data.gpt_dataset import DataError, parse_data_path as parse
-
-    try:
-        prefixes, weights = parse(data_path)
-    except DataError as e:
-        raise ConfigError(f"data.data_path: {e}") from None
-    if weights is None:
-        return [(1.0 if len(prefixes) == 1 else None, p) for p in prefixes]
-    if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
-        raise ConfigError(f"data.data_path weights {weights} must be finite, >= 0 and not all 0")
-    total = sum(weights)
-    return [(w / total, p) for w, p in zip(weights, prefixes)]
-
-
-def parse_split(split: str) -> List[float]:
-    """Megatron's `--split "949,50,1"` as three normalised fractions (train, valid, test), by the data
-    pipeline's own parser."""
-    from gptpar.data.gpt_dataset import DataError, parse_split as parse
-
-    try:
-        return parse(split)
-    except DataError as e:
-        raise ConfigError(f"data.split: {e}") from None
+    for key, parse, value in (("data_path", parse_data_path, data_path), ("split", parse_split, split)):
+        if value is not None:
+            try:
+                parse(value)
+            except DataError as e:
+                raise ConfigError(f"data.{key}: {e}") from None
 
 
 @dataclass
@@ -491,19 +462,10 @@ class Config:
             raise ConfigError(f"parallel.sequence_parallel needs model.seq_length ({m.seq_length}) to divide by "
                               f"tensor_model_parallel_size ({tp})")
 
-        unit = t.micro_batch_size * dp
-        if t.global_batch_size % unit:
-            raise ConfigError(
-                f"training.global_batch_size ({t.global_batch_size}) must divide by training.micro_batch_size "
-                f"({t.micro_batch_size}) x data-parallel size ({dp}) = {unit}: change the batch sizes")
-        if t.rampup_batch_size is not None:
-            start, increment, _ = t.rampup_batch_size
-            for what, value in (("start", start), ("increment", increment)):
-                if value % unit:
-                    raise ConfigError(
-                        f"training.rampup_batch_size {what} ({value}) must divide by training.micro_batch_size "
-                        f"({t.micro_batch_size}) x data-parallel size ({dp}) = {unit} so that every ramp-up "
-                        "batch splits into whole micro-batches")
+        try:
+            BatchSizeRampup.from_config(t, dp)  # the batch arithmetic's one home (gptpar.training.schedules)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
         if self.data.data_path is None and not self.data.synthetic:
             raise ConfigError("data.data_path is not set: give a preprocessed dataset prefix, or set "
@@ -599,4 +561,4 @@ def parse_override(item: str) -> Tuple[str, str, Any]:
 
 __all__ = ["ConfigError", "Accelerator", "Config", "ParallelConfig", "TrainingConfig", "DataConfig", "CheckpointConfig",
            "LoggingConfig", "GPTConfig", "SECTIONS", "MODEL_DOCS", "load_config", "config_from_dict",
-           "parse_override", "parse_data_path", "parse_split"]
+           "parse_override"]

@@ -90,14 +90,34 @@ class BatchSizeRampup:
     samples: int = 0
 
     def __post_init__(self):
-        unit = self.micro_batch_size * self.dp_size
-        sizes = [self.final_batch_size] + ([] if self.start is None else [self.start, self.increment])
-        if unit < 1 or any(s < 1 or s % unit for s in sizes):
-            raise ValueError(f"batch sizes {sizes} must be positive multiples of micro_batch_size x dp = {unit}")
-        if self.start is not None and ((self.final_batch_size - self.start) % self.increment
-                                       or self.start >= self.final_batch_size or self.samples < 0):
-            raise ValueError(f"ramp-up start {self.start}, increment {self.increment}, samples {self.samples} "
-                             f"does not reach global batch size {self.final_batch_size}")
+        # The one home of the batch arithmetic: Config.check calls this before any process group exists, so
+        # the messages name the config keys.
+        mbs, dp, unit = self.micro_batch_size, self.dp_size, self.micro_batch_size * self.dp_size
+        if mbs < 1 or dp < 1:
+            raise ValueError(f"training.micro_batch_size ({mbs}) and the data-parallel size ({dp}) must be >= 1")
+        if self.final_batch_size < 1 or self.final_batch_size % unit:
+            raise ValueError(
+                f"training.global_batch_size ({self.final_batch_size}) must divide by training.micro_batch_size "
+                f"({mbs}) x data-parallel size ({dp}) = {unit}: change the batch sizes")
+        if self.start is None:
+            return
+        start, increment, samples = self.start, self.increment, self.samples
+        if start < 1 or increment < 1 or samples < 0:
+            raise ValueError(f"training.rampup_batch_size {[start, increment, samples]}: start and increment "
+                             "must be > 0 and samples >= 0")
+        if start >= self.final_batch_size:
+            raise ValueError(f"training.rampup_batch_size start ({start}) must be below training.global_batch_size "
+                             f"({self.final_batch_size}): lower it, or set rampup_batch_size to null for a constant "
+                             "batch size")
+        if (self.final_batch_size - start) % increment:
+            raise ValueError(f"training.rampup_batch_size: global_batch_size - start ({self.final_batch_size} - "
+                             f"{start}) must divide by the increment ({increment})")
+        for what, value in (("start", start), ("increment", increment)):
+            if value % unit:
+                raise ValueError(
+                    f"training.rampup_batch_size {what} ({value}) must divide by training.micro_batch_size "
+                    f"({mbs}) x data-parallel size ({dp}) = {unit} so that every ramp-up batch splits into "
+                    "whole micro-batches")
 
     @classmethod
     def from_config(cls, training, dp_size: int) -> "BatchSizeRampup":
