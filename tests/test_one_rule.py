@@ -11,7 +11,7 @@ import torch.distributed as dist
 from gptpar.data.blending import BlendedDataset
 from gptpar.data.gpt_dataset import parse_data_path, parse_split
 from gptpar.data.indexed import DataError
-from gptpar.flops import layer_params
+from gptpar.estimate.flops import layer_params
 from gptpar.model.config import GPTConfig
 from gptpar.training.schedules import BatchSizeRampup, LearningRateSchedule
 

@@ -1,10 +1,13 @@
 """The topology planner and the dry-run report, against seed 003's 48-node measurements."""
+import json
 import os
 
 import pytest
 
-from gptpar.flops import exact_model_params, params_per_stage, tflops_per_gpu
-from gptpar.planning import Hardware, dry_run_report, plan_topology, predict, settings_of
+from gptpar.estimate.flops import exact_model_params, params_per_stage, tflops_per_gpu
+from gptpar.estimate.planner import Hardware, plan_topology, predict
+from gptpar.estimate.report import render_dry_run
+from gptpar.estimate.settings import settings_of
 from gptpar.training.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -14,9 +17,16 @@ def config(name):
     return load_config(os.path.join(ROOT, "configs", f"{name}.json"))
 
 
+def seed_runs():
+    """The runs measured in seeds 002/003 (test data)."""
+    with open(os.path.join(ROOT, "tests", "data", "seed_runs.json")) as f:
+        return [tuple(row) for row in json.load(f)["runs"]]
+
+
 def report(cfg, **kw):
-    """The dry-run report on the world the config names (as pretrain_gpt.py --dry-run plans it)."""
-    return dry_run_report(cfg, cfg.parallel.data_parallel_size or 1, **kw)
+    """The dry-run report on the world the config names (as pretrain_gpt.py --dry-run plans it), with the seeds'
+    measured runs."""
+    return render_dry_run(cfg, cfg.parallel.data_parallel_size or 1, measured=seed_runs(), **kw)
 
 
 @pytest.fixture(scope="module")

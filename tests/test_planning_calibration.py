@@ -6,8 +6,9 @@ import sys
 
 import pytest
 
-from gptpar.flops import model_flops_per_iteration
-from gptpar.planning import Hardware, calibrated_hardware, compute_rate, load_calibration, predict_layout, settings_of
+from gptpar.estimate.flops import model_flops_per_iteration
+from gptpar.estimate.planner import Hardware, calibrated_hardware, compute_rate, load_calibration, predict_layout
+from gptpar.estimate.settings import settings_of
 from gptpar.training.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,8 +89,9 @@ def test_plan_topology_prints_calibrated_kinds_beside_the_a100(tmp_path):
     assert rows[1]["achieved_tflops"] == pytest.approx(3 * rows[0]["achieved_tflops"], rel=1e-9)
     assert rows[1]["compute_s"] == pytest.approx(rows[0]["compute_s"] / 3, rel=1e-9)
     text = subprocess.run([sys.executable, "tools/plan_topology.py", "--config", CONFIG_200B, "--nodes", "40",
-                           "--calibration", path], cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
-    assert "A100 (seed 003 fit)" in text and "fast.json" in text and "measured 207.92 s/it" in text
+                           "--calibration", path, "--measured", os.path.join("tests", "data", "seed_runs.json")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
+    assert "A100 (seed 003 fit)" in text and "fast.json" in text and "): 207.92 s/it" in text
 
 
 def test_bad_calibration_files(tmp_path):

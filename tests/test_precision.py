@@ -1,5 +1,5 @@
 """Precision through DeepSpeed 0.19.8 on CPU/gloo: which optimizer each precision gets, the bytes it really
-holds (against gptpar.memory), bf16's fp32 gradient accumulation and what it buys over bf16 accumulation.
+holds (against gptpar.estimate.memory), bf16's fp32 gradient accumulation and what it buys over bf16 accumulation.
 
 fp16 needs an accelerator with fp16 support: the ranks patch DeepSpeed's CPU accelerator to say yes
 (gptpar.training.engine.allow_fp16_on_cpu), so these tests do not depend on the CPU they run on.
@@ -95,10 +95,10 @@ def held():
 
 @pytest.mark.parametrize("precision, zero", CASES)
 def test_state_bytes_match_the_memory_estimate(held, precision, zero):
-    """gptpar.memory's bytes per parameter are what DeepSpeed's optimizers really hold at the step. bf16
+    """gptpar.estimate.memory's bytes per parameter are what DeepSpeed's optimizers really hold at the step. bf16
     (BF16_Optimizer) is exact up to the flat buffers' alignment padding; ZeRO's gradient buckets free part of
     the full gradients before the step at dp > 1, so the others are upper bounds within 15%."""
-    from gptpar.memory import state_bytes_per_param
+    from gptpar.estimate.memory import state_bytes_per_param
 
     for dp in (1, 2):
         ranks = [held[1]] if dp == 1 else held[2]

@@ -16,8 +16,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gptpar.memory import GIB  # noqa: E402
-from gptpar.planning import add_model_flags, memory_of, require, settings_from_args  # noqa: E402
+from gptpar.estimate.memory import GIB  # noqa: E402
+from gptpar.estimate.settings import memory_of, require  # noqa: E402
+from model_flags import add_model_flags, settings_from_args  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -18,8 +18,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gptpar.flops import model_flops_per_iteration, tflops_per_gpu  # noqa: E402
-from gptpar.planning import add_model_flags, require, settings_from_args  # noqa: E402
+from gptpar.estimate.flops import model_flops_per_iteration, tflops_per_gpu  # noqa: E402
+from gptpar.estimate.settings import require  # noqa: E402
+from model_flags import add_model_flags, settings_from_args  # noqa: E402
 from gptpar.training.logging import parse_log_line  # noqa: E402
 
 def parse_log(path: str):

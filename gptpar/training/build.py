@@ -92,12 +92,12 @@ def build_trainer(cfg: Config, pstate, log, load_target):
 
 def dry_run(cfg: Config, tp: int, pp: int, dp: int) -> str:
     """The --dry-run report: formulas and a meta-device build, no process group."""
+    from gptpar.estimate.report import render_dry_run
     from gptpar.model.pipeline import model_parameter_count, partition_layers, stage_report
-    from gptpar.planning import dry_run_report
 
     plan = partition_layers(cfg.model.num_layers, pp, cfg.resolved_partition_method(pp),
                             cfg.parallel.embedding_weight or 1)
-    report = dry_run_report(cfg, dp, meta_param_count=model_parameter_count(cfg.model, tp))
+    report = render_dry_run(cfg, dp, meta_param_count=model_parameter_count(cfg.model, tp))
     return report + "\n== stages of the real model (meta device) ==\n" + stage_report(cfg.model, plan, tp)
 
 

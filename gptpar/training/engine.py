@@ -2,7 +2,7 @@
 fp32/bf16/fp16), the generated DeepSpeed config, checkpoint calls, zero counting and the accelerator.
 
 Nothing else in gptpar/ imports DeepSpeed except the pipeline-stage builder (gptpar/model/pipeline.py:
-`PipelineModule`, `LayerSpec`, the topology); tests/test_deepspeed_boundary.py keeps it so. The trainer and the
+`PipelineModule`, `LayerSpec`, the topology); tests/test_package_structure.py keeps it so. The trainer and the
 checkpointer talk to `TrainEngine`, never to the DeepSpeed engine it holds.
 
 `build_engine` takes the model (a plain `GPTModel` for pp = 1, a `PipelineModule` for pp > 1), a client
@@ -246,7 +246,7 @@ class TrainEngine:
 
     def held_state_bytes(self) -> dict:
         """Bytes this rank holds for parameters, gradients and the optimizer wrapper's buffers and state (each
-        storage counted once, under the first of those it is found in): what gptpar.memory estimates."""
+        storage counted once, under the first of those it is found in): what gptpar.estimate.memory estimates."""
         seen, out = set(), {"parameters": 0, "gradients": 0, "optimizer": 0}
 
         def add(kind, t):

@@ -15,7 +15,7 @@ the optimizer step (evaluation and checkpoint saves are not in it); samples/s an
 The log line is printed by the last pipeline stage's first data-parallel rank (tp rank 0); the same record
 goes to the metrics JSONL, TensorBoard and wandb (gptpar.training.logging). Skipped iterations are counted
 from the engine's `step_applied`, NaN iterations from the loss, num zeros from the gradients the optimizer
-steps on (only with logging.log_num_zeros, else omitted), TFLOPs from gptpar.flops.
+steps on (only with logging.log_num_zeros, else omitted), TFLOPs from gptpar.estimate.flops.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from gptpar.flops import tflops_per_gpu
+from gptpar.estimate.flops import tflops_per_gpu
 from gptpar.training.engine import ZeroCounter
 from gptpar.training.logging import (IntervalStats, MetricsWriter, TensorBoardWriter, WandbWriter,
                                      format_eval_block, format_log_line, format_timers_line)

@@ -1,5 +1,5 @@
-"""Package structure: DeepSpeed stays behind gptpar/training/engine.py (and the pipeline-stage builder). Reads
-every import statement, function-local ones included, with `ast`."""
+"""Package structure: DeepSpeed stays behind gptpar/training/engine.py (and the pipeline-stage builder), and
+gptpar/ has no import circle. Both read every import statement, function-local ones included, with `ast`."""
 import ast
 import os
 
@@ -33,7 +33,34 @@ def imported_modules(path):
             yield str(node.args[0].value)
 
 
+def module_name(rel):
+    name = rel[:-3].replace("/", ".")
+    return name[:-len(".__init__")] if name.endswith(".__init__") else name
+
+
 def test_only_the_deepspeed_module_and_the_pipeline_builder_import_deepspeed():
     offenders = {rel: sorted({m for m in imported_modules(path) if m.split(".")[0] == "deepspeed"})
                  for rel, path in package_files() if rel not in DEEPSPEED_ALLOWED}
     assert {rel: mods for rel, mods in offenders.items() if mods} == {}
+
+
+def test_no_import_circle_in_the_package():
+    modules = {module_name(rel): path for rel, path in package_files()}
+    graph = {name: sorted({m for m in imported_modules(path) if m in modules and m != name})
+             for name, path in modules.items()}
+    circles, state = [], {}  # state: 1 = on the current path, 2 = done
+
+    def visit(name, path):
+        state[name] = 1
+        for dep in graph[name]:
+            if state.get(dep) == 1:
+                circles.append(path[path.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    # gptpar/__init__.py re-exporting its submodules, which import gptpar.x (never gptpar itself), is no circle
+    assert [c for c in circles if "gptpar" not in c] == []

@@ -1,4 +1,4 @@
-"""3D-topology planning: settings from the trainer's Config and/or Megatron-style flags, and the planner.
+"""3D-topology planning: the time model and the search over (tp, pp, dp, micro batch).
 
 The planner enumerates (tp, pp, dp, micro batch) for a model on `nodes x gpus_per_node` GPUs, drops what
 cannot run (hard constraints), flags what runs badly or breaks the batch ramp-up (soft constraints),
@@ -12,150 +12,10 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import List, Optional
 
-from gptpar.flops import model_flops_per_iteration, params_per_stage, stage_layer_ranges
-from gptpar.memory import GIB, memory_per_gpu
+from gptpar.estimate.flops import model_flops_per_iteration, params_per_stage, stage_layer_ranges
+from gptpar.estimate.memory import GIB, memory_per_gpu
+from gptpar.estimate.settings import require
 from gptpar.model.config import check_tp_divides, pad_vocab_size, recompute_mode
-from gptpar.training.config import Config, config_from_dict, load_config
-
-
-# ---------------------------------------------------------------------------------------------
-# Settings: what the estimates read, flattened from the trainer's Config (its defaults, its checks)
-# ---------------------------------------------------------------------------------------------
-
-def settings_of(cfg: Config, dp_size: Optional[int] = None) -> dict:
-    """The keys the estimates read, from the trainer's `Config` (gptpar.training.config: the one config reader,
-    so precision, ZeRO stage and recompute default as they do for the run). `dp_size` overrides the config's
-    data_parallel_size (None there = 1)."""
-    m, p, t = cfg.model, cfg.parallel, cfg.training
-    tp = p.tensor_model_parallel_size
-    return {
-        "num_layers": m.num_layers, "hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads,
-        "ffn_hidden_size": m.ffn_hidden_size, "seq_length": m.seq_length,
-        "max_position_embeddings": m.max_position_embeddings, "vocab_size": m.vocab_size,
-        "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by, "activation": m.activation,
-        "padded_vocab_size": m.padded_vocab_size(tp),
-        "tp_size": tp, "pp_size": p.pipeline_model_parallel_size, "dp_size": dp_size or p.data_parallel_size or 1,
-        "partition_method": p.partition_method, "embedding_weight": p.embedding_weight or 1,
-        "micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size,
-        "precision": t.precision, "zero_stage": t.zero_stage,
-        "activation_checkpointing": recompute_mode(t.activation_checkpointing),
-        "rampup_batch_size": t.rampup_batch_size,
-    }
-
-
-def memory_of(s: dict) -> dict:
-    """gptpar.memory.memory_per_gpu for settings `s`: the figures tools/memory.py and the dry run both print."""
-    return memory_per_gpu(num_layers=s["num_layers"], hidden_size=s["hidden_size"],
-                          num_attention_heads=s["num_attention_heads"], vocab_size=s["vocab_size"],
-                          seq_length=s["seq_length"], micro_batch_size=s["micro_batch_size"],
-                          global_batch_size=s["global_batch_size"], tp_size=s["tp_size"], pp_size=s["pp_size"],
-                          dp_size=s["dp_size"], partition_method=s["partition_method"],
-                          embedding_weight=s["embedding_weight"], precision=s["precision"],
-                          zero_stage=s["zero_stage"], activation_checkpointing=s["activation_checkpointing"],
-                          ffn_hidden_size=s["ffn_hidden_size"], max_position_embeddings=s["max_position_embeddings"],
-                          make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"])
-
-
-def add_model_flags(parser) -> None:
-    """The flags shared by tools/model_size.py, tflops.py and memory.py: the trainer's `--config FILE` and
-    `--set section.key=value`, and Megatron-style flags that override them (or stand alone)."""
-    parser.add_argument("--config", help="JSON config (configs/*.json), read as pretrain_gpt.py reads it")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override one config key, as pretrain_gpt.py --set (repeatable)")
-    for flag in ("num-layers", "hidden-size", "num-attention-heads", "seq-length", "vocab-size",
-                 "global-batch-size", "tensor-model-parallel-size", "pipeline-model-parallel-size", "gpus"):
-        parser.add_argument(f"--{flag}", type=int)
-    parser.add_argument("--sec-per-iter", type=float)
-    parser.add_argument("--formula", default="improved", help="improved (default) or legacy")
-    parser.add_argument("--no-recompute", action="store_true", help="activation recompute off (factor 3)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-# Megatron-style flag -> (settings key, config key it overrides)
-_MODEL_FLAGS = (("num_layers", "num_layers", "model.num_layers"), ("hidden_size", "hidden_size", "model.hidden_size"),
-                ("num_attention_heads", "num_attention_heads", "model.num_attention_heads"),
-                ("seq_length", "seq_length", "model.seq_length"),
-                ("global_batch_size", "global_batch_size", "training.global_batch_size"),
-                ("tensor_model_parallel_size", "tp_size", "parallel.tensor_model_parallel_size"),
-                ("pipeline_model_parallel_size", "pp_size", "parallel.pipeline_model_parallel_size"))
-
-
-def settings_from_args(args) -> dict:
-    """Settings from `--config` + `--set` (through the trainer's reader and checks) overridden by explicit flags,
-    or from the flags alone on the trainer's defaults. --vocab-size is taken as the padded size as given."""
-    if args.formula not in ("improved", "legacy"):
-        raise ValueError(f"--formula {args.formula!r}: use --formula improved or --formula legacy")
-    s = _settings_from_config_args(args) if args.config else _settings_from_flags(args)
-    s["sec_per_iter"] = args.sec_per_iter
-    s["formula"] = args.formula
-    return s
-
-
-def _settings_from_config_args(args) -> dict:
-    cfg = load_config(args.config, args.set)
-    overrides = [f"{key}={getattr(args, flag)}" for flag, _, key in _MODEL_FLAGS if getattr(args, flag) is not None]
-    if args.hidden_size is not None and args.hidden_size != cfg.model.hidden_size:
-        overrides.append(f"model.ffn_hidden_size={4 * args.hidden_size}")  # a new width: Megatron's default ffn
-    if args.vocab_size is not None:
-        overrides += [f"model.vocab_size={args.vocab_size}", "model.make_vocab_size_divisible_by=1"]
-    if args.gpus is not None:
-        overrides.append("parallel.data_parallel_size=null")  # --gpus is the world: dp is what tp x pp leave
-    if overrides:
-        cfg = config_from_dict(cfg.to_dict(), overrides)
-    p = cfg.parallel
-    gpus = args.gpus if args.gpus is not None else \
-        p.tensor_model_parallel_size * p.pipeline_model_parallel_size * (p.data_parallel_size or 1)
-    _, _, dp = cfg.check(gpus)  # the trainer's checks, as pretrain_gpt.py --dry-run runs them on this world
-    s = settings_of(cfg, dp)
-    s["gpus"] = gpus
-    s["recompute"] = "none" if args.no_recompute else s["activation_checkpointing"]
-    return s
-
-
-def _settings_from_flags(args) -> dict:
-    from gptpar.training.config import Config, config_from_dict, load_config
-
-    defaults = Config()  # the trainer's defaults for what no flag sets (precision, ZeRO, micro batch, ...)
-    s = {key: None for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
-                               "global_batch_size", "max_position_embeddings", "padded_vocab_size")}
-    s.update({k: v for k, v in settings_of(defaults).items() if k not in s and k not in ("ffn_hidden_size",)})
-    s["make_vocab_size_divisible_by"] = 1
-    for flag, key, _ in _MODEL_FLAGS:
-        if getattr(args, flag) is not None:
-            s[key] = getattr(args, flag)
-    s["ffn_hidden_size"] = 4 * s["hidden_size"] if s["hidden_size"] else None
-    if args.vocab_size is not None:
-        s["vocab_size"] = s["padded_vocab_size"] = args.vocab_size
-    s["gpus"] = args.gpus if args.gpus is not None else s["tp_size"] * s["pp_size"] * s["dp_size"]
-    # the seed logs' runs recomputed activations: factor 4 unless --no-recompute
-    s["recompute"] = "none" if args.no_recompute else "full"
-    check_tp(s)
-    return s
-
-
-def check_tp(s: dict) -> None:
-    """The flags' tp and pp: positive integers, tp splitting heads, hidden and ffn (`check_tp_divides`)."""
-    tp = s.get("tp_size") or 1
-    if not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"--tensor-model-parallel-size must be a positive integer, got {tp!r}")
-    check_tp_divides(tp, **{key: s.get(key) or None for key in ("num_attention_heads", "hidden_size",
-                                                                 "ffn_hidden_size")})
-    if s.get("pp_size") is not None and (not isinstance(s["pp_size"], int) or s["pp_size"] < 1):
-        raise ValueError(f"--pipeline-model-parallel-size must be a positive integer, got {s['pp_size']!r}")
-
-
-def require(s: dict, *keys: str) -> None:
-    """ValueError naming the flag (and the fix) for every key that is unset or not positive."""
-    for k in keys:
-        v, flag = s.get(k), "--" + _FLAG.get(k, k).replace("_", "-")
-        if v is None:
-            where = "" if k in ("gpus", "sec_per_iter") else " or a --config that sets it"
-            raise ValueError(f"missing {flag}: pass {flag}{where}")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-            raise ValueError(f"{flag} must be a positive number, got {v!r}")
-
-
-_FLAG = {"tp_size": "tensor_model_parallel_size", "pp_size": "pipeline_model_parallel_size"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,14 +266,5 @@ def _candidate(s, tp, pp, dp, mbs, gbs_req, nodes, hw) -> Optional[Candidate]:
                      score=per_req * (1 + hw.soft_rank_penalty * n_ramp), soft=soft)
 
 
-def dry_run_report(cfg: Config, dp_size: int, sec_per_iter: Optional[float] = None,
-                   meta_param_count: Optional[int] = None) -> str:
-    """The text `pretrain_gpt.py --dry-run` prints (see gptpar/planning_report.py): resolved config,
-    partition, parameters per stage and per tp rank, memory per GPU, TFLOPs the seed timings imply."""
-    from gptpar.planning_report import render_dry_run
-    return render_dry_run(cfg, dp_size, sec_per_iter, meta_param_count)
-
-
-__all__ = ["settings_of", "memory_of", "add_model_flags", "settings_from_args", "require", "check_tp", "Hardware",
-           "Candidate", "compute_rate", "predict", "predict_layout", "load_calibration", "calibrated_hardware",
-           "calibration_notes", "plan_topology", "dry_run_report"]
+__all__ = ["Hardware", "Candidate", "compute_rate", "predict", "predict_layout", "load_calibration", "calibrated_hardware",
+           "calibration_notes", "plan_topology"]
