@@ -5,12 +5,10 @@
     python pretrain_gpt.py --config configs/cpu_tiny.json --set training.train_iters=5   # one rank
     python pretrain_gpt.py --config configs/200b.json --dry-run   # the plan only: no process group, no weights
 
-Config errors (world size, divisibility, ramp-up arithmetic, unknown keys, missing data) print one message
-and exit 2 before any process group exists. A checkpoint.load that is not a whole checkpoint, a save folder
-that another job holds or that cannot take a checkpoint, and data whose token ids do not fit the model exit 2
-before the model is built, changing nothing (gptpar.training.preflight). SIGTERM / SIGUSR1 save a checkpoint
-after the current iteration and exit 0; a failed save, and a run gone NaN, exit 1. A rank whose launcher dies
-exits at once without saving (gptpar.training.launcher_watch). The run is assembled in gptpar.training.build.
+Exit codes: 0 done (SIGTERM / SIGUSR1 save after the current iteration first); 2 refused before anything changed
+(a config error before any process group; a checkpoint, save folder or data that preflight refuses before the
+model is built); 1 a failed save or a run gone NaN. A rank whose launcher dies exits at once without saving
+(gptpar.training.launcher_watch). The run is assembled in gptpar.training.build.
 """
 from __future__ import annotations
 
