@@ -16,6 +16,7 @@ from gptpar.estimate.flops import model_flops_per_iteration, params_per_stage, s
 from gptpar.estimate.memory import GIB, memory_per_gpu
 from gptpar.estimate.settings import require
 from gptpar.model.config import check_tp_divides, pad_vocab_size, recompute_mode
+from gptpar.training.schedules import rampup_split_problem
 
 
 # ---------------------------------------------------------------------------------------------
@@ -61,13 +62,6 @@ class Candidate:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def _ramp_ok(rampup, dp_mbs: int) -> bool:
-    if not rampup:
-        return True
-    start, increment = rampup[0], rampup[1]
-    return start % dp_mbs == 0 and increment % dp_mbs == 0
 
 
 def compute_rate(hw: Hardware, hidden_size: int, num_attention_heads: int, tp: int, mbs: int) -> float:
@@ -250,7 +244,8 @@ def _candidate(s, tp, pp, dp, mbs, gbs_req, nodes, hw) -> Optional[Candidate]:
     soft = []
     if gbs != gbs_req:
         soft.append(f"gbs {gbs_req}->{gbs}")
-    if not _ramp_ok(s.get("rampup_batch_size"), dp * mbs):
+    rampup = s.get("rampup_batch_size")
+    if rampup and rampup_split_problem(rampup[0], rampup[1], mbs, dp):
         soft.append("rampup")
     if (s["num_attention_heads"] // tp) * mbs % 4:
         soft.append("no fused softmax")

@@ -73,6 +73,18 @@ class LearningRateSchedule:
         return self.min_lr + coeff * (self.max_lr - self.min_lr)
 
 
+def rampup_split_problem(start: int, increment: int, micro_batch_size: int, dp_size: int) -> Optional[str]:
+    """Why a ramp-up's batches do not split into whole micro-batches on dp_size ranks, or None (the rule
+    `BatchSizeRampup` enforces and the topology planner flags)."""
+    unit = micro_batch_size * dp_size
+    for what, value in (("start", start), ("increment", increment)):
+        if value % unit:
+            return (f"training.rampup_batch_size {what} ({value}) must divide by training.micro_batch_size "
+                    f"({micro_batch_size}) x data-parallel size ({dp_size}) = {unit} so that every ramp-up batch "
+                    "splits into whole micro-batches")
+    return None
+
+
 @dataclass(frozen=True)
 class BatchSizeRampup:
     """Global batch size as a function of consumed samples (Megatron's RampupBatchsizeNumMicroBatches).
@@ -112,12 +124,9 @@ class BatchSizeRampup:
         if (self.final_batch_size - start) % increment:
             raise ValueError(f"training.rampup_batch_size: global_batch_size - start ({self.final_batch_size} - "
                              f"{start}) must divide by the increment ({increment})")
-        for what, value in (("start", start), ("increment", increment)):
-            if value % unit:
-                raise ValueError(
-                    f"training.rampup_batch_size {what} ({value}) must divide by training.micro_batch_size "
-                    f"({mbs}) x data-parallel size ({dp}) = {unit} so that every ramp-up batch splits into "
-                    "whole micro-batches")
+        problem = rampup_split_problem(start, increment, mbs, dp)
+        if problem:
+            raise ValueError(problem)
 
     @classmethod
     def from_config(cls, training, dp_size: int) -> "BatchSizeRampup":
@@ -156,4 +165,4 @@ def train_iters(training, dp_size: int) -> int:
     return BatchSizeRampup.from_config(training, dp_size).train_iters(training.train_samples)
 
 
-__all__ = ["LearningRateSchedule", "BatchSizeRampup", "train_iters"]
+__all__ = ["LearningRateSchedule", "BatchSizeRampup", "rampup_split_problem", "train_iters"]
