@@ -16,10 +16,10 @@ module in bf16), the input (s, b, h) requires grad as inside a pipeline stage, t
 output gradient; no optimizer step. Modes: `none`; `selective` (the layer recomputes its attention core);
 `full` (gptpar's tracker-aware checkpoint around the layer, as the trainer does).
 
-TFLOPs per GPU = gptpar.flops.model_flops_per_iteration for one layer and this micro-batch (no vocab), / tp,
+TFLOPs per GPU = gptpar.estimate.flops.model_flops_per_iteration for one layer and this micro-batch (no vocab), / tp,
 counting each mode's recompute as the trainer's log line does (`tflops`), and without it (`model_tflops`,
 MFU-style useful work). Times are medians of --iters forward + backward passes after --warmup, between
-device synchronisations. The JSON (--json) is the calibration file `gptpar.planning.load_calibration` reads.
+device synchronisations. The JSON (--json) is the calibration file `gptpar.estimate.planner.load_calibration` reads.
 """
 import argparse
 import json
@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gptpar.flops import model_flops_per_iteration  # noqa: E402
+from gptpar.estimate.flops import model_flops_per_iteration  # noqa: E402
 from gptpar.model.config import RECOMPUTE_MODES, GPTConfig  # noqa: E402
 from gptpar.model.gpt import TransformerLayer  # noqa: E402
 from gptpar.tensor_parallel.random import checkpoint, model_parallel_seed  # noqa: E402

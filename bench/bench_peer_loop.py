@@ -17,7 +17,7 @@ at 1.3B), and optionally `torch.compile` of the whole model. The shape comes fro
 Data are random tokens made on the device before timing (gptpar's synthetic data, in spirit). After
 --warmup iterations (the compile happens in the first), each of --iters iterations is timed between
 device synchronisations. The JSON line printed last (and written to --json) gives the median seconds per
-iteration, tokens/s and TFLOPs per GPU by gptpar's log-line formula (`gptpar.flops.tflops_per_gpu`, no
+iteration, tokens/s and TFLOPs per GPU by gptpar's log-line formula (`gptpar.estimate.flops.tflops_per_gpu`, no
 recompute, the padded vocab): the only thing taken from gptpar, so that the two loops' TFLOPs compare.
 """
 import argparse
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gptpar.flops import tflops_per_gpu  # noqa: E402 (the shared FLOP formula; nothing else from gptpar)
+from gptpar.estimate.flops import tflops_per_gpu  # noqa: E402 (the shared FLOP formula; nothing else from gptpar)
 
 
 @dataclass

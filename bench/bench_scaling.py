@@ -69,19 +69,14 @@ def train_rank(model: dict, tp: int, pp: int, dp: int, micro_batch: int, micro_b
     import torch.distributed as dist
 
     from gptpar.model.config import GPTConfig
-    from gptpar.model.gpt import GPTModel
-    from gptpar.model.pipeline import build_pipeline_model
     from gptpar.parallel import init_parallel
-    from gptpar.training.config import deepspeed_config
-    from gptpar.training.engine import build_engine
+    from gptpar.training.build import build_gpt
+    from gptpar.training.engine import build_engine, deepspeed_config
 
     cfg = run_config(model, tp, pp, dp, micro_batch, micro_batches)
     st = init_parallel(tp=tp, pp=pp, dp=dp)
     config = GPTConfig(**model)
-    if pp > 1:
-        net, _ = build_pipeline_model(config, st, partition_method="balanced", seed=1234)
-    else:
-        net = GPTModel(config, tp_group=st.tp_group, seed=1234)
+    net = build_gpt(config, st, partition_method="balanced", seed=1234)
     engine = build_engine(net, st, deepspeed_config(cfg, dp), lr=1e-4, weight_decay=0.01)
     gen = torch.Generator().manual_seed(1000 + st.dp_rank)
     times = []

@@ -15,7 +15,7 @@ The `best` columns (MFU of the best round, ratio of the fastest steps) are print
 shared machine contention only ever adds time.
 No DeepSpeed is involved, so this runs on a GPU machine without it; transformers is optional (`--no-hf`).
 
-MFU = model FLOPs per step (gptpar.flops.model_flops_per_iteration, no recompute, gptpar's padded vocab) /
+MFU = model FLOPs per step (gptpar.estimate.flops.model_flops_per_iteration, no recompute, gptpar's padded vocab) /
 step time / the measured matmul peak. That count charges full (s x s) attention; the kernels compute the
 causal half only, so the "causal" column subtracts the half they skip. `--breakdown` also times the model's
 GEMMs and its attention alone: their sum is a floor on the step time, hence a ceiling on MFU.
@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from gptpar.flops import model_flops_per_iteration  # noqa: E402
+from gptpar.estimate.flops import model_flops_per_iteration  # noqa: E402
 from gptpar.model.config import GPTConfig  # noqa: E402
 from gptpar.model.gpt import GPTModel  # noqa: E402
 from gptpar.model.kernels import make_adamw  # noqa: E402

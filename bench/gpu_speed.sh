@@ -17,7 +17,7 @@
 #    (the .json files are the planner's calibration files)
 # 3. bench/bench_single_rank.py at 1.3B bf16 with --recompute none / selective / full: tokens/s, TFLOPs and
 #    the peak GPU memory of a training step                      -> single_rank_1.3b_{none,selective,full}.*
-# 4. the planner with the calibration (arithmetic), and gptpar/memory.py's estimates for the step-3 runs
+# 4. the planner with the calibration (arithmetic), and gptpar/estimate/memory.py's estimates for the step-3 runs
 #                                                                -> plan_200b_calibrated.log, memory_estimates.log
 # summary.json / summary.txt: the figures above in one place (bench/gpu_speed_summary.py); everything else is
 # packed into gpu_speed_raw.tgz at the end (the device call returns at most 8 files).
@@ -113,7 +113,7 @@ done
 echo "== 4. the planner with the calibration; memory estimates"
 CAL=$OUT/layer_200b_tp8_mbs2.json
 if [ -f "$CAL" ]; then
-  step plan_200b_calibrated 60 $PY tools/plan_topology.py --config "$PLAN_CONFIG" --nodes 40 --calibration "$CAL"
+  step plan_200b_calibrated 60 $PY tools/plan_topology.py --config "$PLAN_CONFIG" --nodes 40 --calibration "$CAL" --measured tests/data/seed_runs.json
 fi
 step memory_estimates 60 $PY bench/gpu_speed_summary.py --memory-estimates configs/1.3b.json
 step summary 60 $PY bench/gpu_speed_summary.py --out "$OUT"

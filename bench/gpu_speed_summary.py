@@ -1,4 +1,4 @@
-"""The figures of bench/gpu_speed.sh in one place, and gptpar/memory.py's estimates beside the measured peaks.
+"""The figures of bench/gpu_speed.sh in one place, and gptpar/estimate/memory.py's estimates beside the measured peaks.
 
     python bench/gpu_speed_summary.py --out gpu_out                      # -> gpu_out/summary.{json,txt}
     python bench/gpu_speed_summary.py --memory-estimates configs/1.3b.json
@@ -17,8 +17,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gptpar.memory import GIB, memory_per_gpu  # noqa: E402
-from gptpar.planning import load_config, settings_from_config  # noqa: E402
+from gptpar.estimate.memory import GIB, memory_per_gpu  # noqa: E402
+from gptpar.estimate.settings import settings_of  # noqa: E402
+from gptpar.training.config import load_config  # noqa: E402
 
 RATIO_TARGET = 1.05   # issue 12: gptpar's tokens/s >= 1.05 x the compiled peer's
 
@@ -102,10 +103,10 @@ def summarize(out_dir: str) -> dict:
 
 
 def memory_estimates(config_path: str) -> str:
-    """gptpar/memory.py's estimate for what bench_single_rank runs (one micro-batch, fp32 parameters and AdamW:
+    """gptpar/estimate/memory.py's estimate for what bench_single_rank runs (one micro-batch, fp32 parameters and AdamW:
     16 bytes per parameter, bf16 autocast activations, fp32 logits + gradient, no CUDA context since the
     bench reads torch's allocator) and for the trainer in bf16 (18 bytes per parameter), per recompute mode."""
-    s = settings_from_config(load_config(config_path))
+    s = settings_of(load_config(config_path))
     out = []
     # bench_single_rank holds a plain torch AdamW (fp32 at ZeRO 0 in memory.py's table: 16 bytes per parameter)
     for label, precision, zero, gbs in (("bench_single_rank (fp32 params + AdamW, bf16 autocast)", "fp32", 0,

@@ -42,8 +42,8 @@ def coords_of(rank: int, tp_size: int, pp_size: int, dp_size: int) -> Tuple[int,
 def group_ranks(tp_size: int, pp_size: int, dp_size: int) -> dict:
     """Every process group of the grid as lists of global ranks, in a fixed order.
 
-    Keys: 'tp', 'pp', 'dp' (one list per group along that axis) and 'embedding' (first + last
-    pipeline stage with the same (dp, tp) coordinate: the ranks holding the tied embedding).
+    Keys: 'tp', 'pp', 'dp', one list per group along that axis. (The tied embedding's group, first + last
+    stage, is DeepSpeed's PipelineModule's to make.)
     """
     tp = [[rank_of(p, d, t, tp_size, dp_size) for t in range(tp_size)]
           for p in range(pp_size) for d in range(dp_size)]
@@ -51,8 +51,7 @@ def group_ranks(tp_size: int, pp_size: int, dp_size: int) -> dict:
           for p in range(pp_size) for t in range(tp_size)]
     pp = [[rank_of(p, d, t, tp_size, dp_size) for p in range(pp_size)]
           for d in range(dp_size) for t in range(tp_size)]
-    embedding = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in pp]
-    return {"tp": tp, "pp": pp, "dp": dp, "embedding": embedding}
+    return {"tp": tp, "pp": pp, "dp": dp}
 
 
 def resolve_sizes(world_size: int, tp: int, pp: int, dp: Optional[int] = None) -> Tuple[int, int, int]:
@@ -92,7 +91,6 @@ class ParallelState:
     dp_size: int
     dp_rank: int
     dp_group: Optional[dist.ProcessGroup]
-    embedding_group: Optional[dist.ProcessGroup]  # first + last stage; None when pp == 1
     device: torch.device
     backend: Optional[str] = None
 
@@ -103,14 +101,6 @@ class ParallelState:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
-
-    def topology(self):
-        """DeepSpeed's `PipeModelDataParallelTopology` for this grid, checked to agree with ours."""
-        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-
-        topo = PipeModelDataParallelTopology(num_pp=self.pp_size, num_mp=self.tp_size, num_dp=self.dp_size)
-        check_topology_agrees(topo, self.tp_size, self.pp_size, self.dp_size)
-        return topo
 
     def __repr__(self) -> str:
         return (f"ParallelState(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
@@ -182,8 +172,6 @@ def init_parallel(tp: int = 1, pp: int = 1, dp: Optional[int] = None, *, backend
 
     mine = {}
     for axis, lists in group_ranks(tp, pp, dp).items():
-        if axis == "embedding" and pp == 1:
-            continue
         for ranks in lists:  # every rank creates every group, in the same order
             group = dist.new_group(ranks, timeout=datetime.timedelta(minutes=timeout_minutes))  # else 30 min
             if rank in ranks:
@@ -193,7 +181,6 @@ def init_parallel(tp: int = 1, pp: int = 1, dp: Optional[int] = None, *, backend
         tp_size=tp, tp_rank=tp_rank, tp_group=mine["tp"],
         pp_size=pp, pp_rank=pp_rank, pp_group=mine["pp"],
         dp_size=dp, dp_rank=dp_rank, dp_group=mine["dp"],
-        embedding_group=mine.get("embedding"),
         device=default_device(), backend=dist.get_backend(),
     )
 
@@ -201,7 +188,7 @@ def init_parallel(tp: int = 1, pp: int = 1, dp: Optional[int] = None, *, backend
 def single_process_state(device: Optional[torch.device] = None) -> ParallelState:
     """A one-rank state without torch.distributed: every size 1, every group None."""
     return ParallelState(world_size=1, rank=0, tp_size=1, tp_rank=0, tp_group=None, pp_size=1, pp_rank=0,
-                         pp_group=None, dp_size=1, dp_rank=0, dp_group=None, embedding_group=None,
+                         pp_group=None, dp_size=1, dp_rank=0, dp_group=None,
                          device=device or torch.device("cpu"))
 
 

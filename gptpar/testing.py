@@ -49,16 +49,6 @@ def _worker(rank: int, world_size: int, port: int, threads: int, fn: Callable, a
         os._exit(0)  # skip interpreter teardown: avoids rare aborts in torch/DeepSpeed exit handlers
 
 
-def allow_fp16_on_cpu() -> None:
-    """Make DeepSpeed's CPU accelerator accept fp16 in this process (slow emulated math: tiny runs only), so
-    that fp16 tests and smoke runs do not depend on whether this CPU has AVX512-FP16 / AMX-FP16."""
-    from deepspeed.accelerator import get_accelerator
-
-    cls = type(get_accelerator())
-    cls.is_fp16_supported = lambda self: True
-    cls.supported_dtypes = lambda self: [torch.float, torch.bfloat16, torch.float16]
-
-
 def run_distributed(fn: Callable, world_size: int, args: Sequence = (), *, timeout: float = 300.0,
                     threads: Optional[int] = None, env: Optional[dict] = None) -> List[Any]:
     """Run `fn(*args)` on `world_size` spawned gloo ranks and return the per-rank results."""

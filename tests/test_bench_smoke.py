@@ -58,7 +58,7 @@ def _load_bench(name):
 
 def test_peer_loop_tiny(tmp_path):
     """The peer loop trains (finite losses) and reports TFLOPs by gptpar's formula for its own time."""
-    from gptpar.flops import tflops_per_gpu
+    from gptpar.estimate.flops import tflops_per_gpu
 
     out_json = tmp_path / "peer.json"
     out = subprocess.run([sys.executable, "bench/bench_peer_loop.py", "--tiny", "--device", "cpu", "--json",
@@ -112,8 +112,8 @@ def test_peer_model_computes_gptpar_model():
 def test_bench_layer_tiny_calibrates_the_planner(tmp_path):
     """bench_layer at a tiny shape on the CPU writes a calibration file; its TFLOPs are gptpar's count over its
     own times, and the planner turns it into a rate that reproduces the measured seconds per layer."""
-    from gptpar.flops import model_flops_per_iteration
-    from gptpar.planning import calibrated_hardware, load_calibration, predict
+    from gptpar.estimate.flops import model_flops_per_iteration
+    from gptpar.estimate.planner import calibrated_hardware, load_calibration, predict
 
     cal_path = tmp_path / "cal.json"
     out = subprocess.run([sys.executable, "bench/bench_layer.py", "--tiny", "--device", "cpu", "--json", str(cal_path)],

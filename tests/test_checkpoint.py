@@ -19,6 +19,7 @@ from gptpar.training.trainer import StopSignals
 from trainer_runs import ROOT, log_lines, write_config
 
 SCRIPT = os.path.join(ROOT, "pretrain_gpt.py")
+FAULTS = os.path.join(ROOT, "tests", "fault_injection.py")  # pretrain_gpt.py with a stall or a kill injected
 
 
 def _env(**extra):
@@ -28,14 +29,14 @@ def _env(**extra):
     return env
 
 
-def _launch(world_size, argv, **extra_env):
+def _launch(world_size, argv, script=SCRIPT, **extra_env):
     """Start `world_size` ranks of pretrain_gpt.py by hand (the launcher's environment variables)."""
     port = str(free_port())
     procs = []
     for rank in range(world_size):
         env = _env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                    LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra_env)
-        procs.append(subprocess.Popen([sys.executable, SCRIPT] + argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen([sys.executable, script] + argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     return procs
 
@@ -106,7 +107,7 @@ def test_save_killed_half_way_leaves_latest_on_the_previous_checkpoint(tmp_path)
     ck = str(tmp_path / "ck")
     cfg = write_config(tmp_path / "c.json", parallel=dict(data_parallel_size=1),
                        checkpoint=dict(save=ck, load=ck, save_interval=2))
-    codes, outs = _finish(_launch(1, ["--config", cfg], GPTPAR_TEST_KILL_IN_SAVE="4"))
+    codes, outs = _finish(_launch(1, ["--config", cfg], FAULTS, GPTPAR_TEST_KILL_IN_SAVE="4"))
     assert codes == [-signal.SIGKILL], outs[0]
     assert read_latest(ck) == "iter_0000002"
     partial = os.listdir(os.path.join(ck, "iter_0000004"))  # DeepSpeed's files, not gptpar's
@@ -120,7 +121,7 @@ def test_save_killed_half_way_leaves_latest_on_the_previous_checkpoint(tmp_path)
 
 def test_stalled_rank_ends_the_run_with_a_timeout_error(tmp_path):
     cfg = write_config(tmp_path / "c.json", parallel=dict(distributed_timeout_minutes=0.2))  # 12 s
-    procs = _launch(2, ["--config", cfg], GPTPAR_TEST_STALL="1:2")  # rank 1 hangs after iteration 2
+    procs = _launch(2, ["--config", cfg], FAULTS, GPTPAR_TEST_STALL="1:2")  # rank 1 hangs after iteration 2
     try:
         out0, _ = procs[0].communicate(timeout=150)
     finally:

@@ -5,9 +5,10 @@ import os
 
 import pytest
 
+from gptpar.data.gpt_dataset import parse_data_path, parse_split
 from gptpar.training.cli import cli_aliases, parse_args
-from gptpar.training.config import (Accelerator, ConfigError, Config, config_from_dict, deepspeed_config, load_config,
-                                    parse_data_path, parse_override, parse_split)
+from gptpar.training.config import Accelerator, ConfigError, Config, config_from_dict, load_config, parse_override
+from gptpar.training.engine import deepspeed_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -197,7 +198,7 @@ def test_cli_aliases_and_flags():
     cfg = config_from_dict(base(data={"synthetic": False}), overrides + ["training.train_iters=null",
                                                                          "training.train_samples=1000"])
     assert cfg.training.micro_batch_size == 4 and cfg.training.precision == "bf16"
-    assert parse_data_path(cfg.data.data_path) == [(0.3, "a"), (0.7, "b")]
+    assert parse_data_path(cfg.data.data_path) == (["a", "b"], [0.3, 0.7])
 
 
 def test_every_key_has_an_alias():
@@ -215,8 +216,8 @@ def test_unknown_flag_suggests():
 def test_parse_split_and_data_path():
     assert parse_split("949,50,1") == [0.949, 0.05, 0.001]
     assert parse_split("98/2") == [0.98, 0.02, 0.0]
-    assert parse_data_path("prefix") == [(1.0, "prefix")]
-    assert parse_data_path([1, "a", 3, "b"]) == [(0.25, "a"), (0.75, "b")]
+    assert parse_data_path("prefix") == (["prefix"], None)
+    assert parse_data_path([1, "a", 3, "b"]) == (["a", "b"], [1.0, 3.0])
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])

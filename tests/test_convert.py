@@ -30,14 +30,13 @@ def _micro_batches(seed):
 
 
 def _train_and_save(tp, pp, save_dir):
-    from gptpar.model.gpt import GPTModel
-    from gptpar.model.pipeline import build_pipeline_model
     from gptpar.parallel import init_parallel
+    from gptpar.training.build import build_gpt
     from gptpar.training.engine import build_engine
 
     st = init_parallel(tp=tp, pp=pp)
     config = GPTConfig(**CFG)
-    model = build_pipeline_model(config, st, seed=3)[0] if pp > 1 else GPTModel(config, tp_group=st.tp_group, seed=3)
+    model = build_gpt(config, st, seed=3)
     ds_config = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
                  "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9}
     engine = build_engine(model, st, ds_config, lr=1e-2)

@@ -1,4 +1,4 @@
-"""gptpar.flops against the seed tables (the external reference) and independent arithmetic.
+"""gptpar.estimate.flops against the seed tables (the external reference) and independent arithmetic.
 
 Every TFLOPs value of seed 003 whose inputs the seed gives is listed below with those inputs.
 Inferred inputs are marked `# inferred:` (see docs/planning.md, "Seed rows").
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from gptpar.flops import (exact_model_params, layer_params, legacy_param_count, mfu, model_flops_per_iteration,
+from gptpar.estimate.flops import (exact_model_params, layer_params, legacy_param_count, mfu, model_flops_per_iteration,
                           model_size_formula, params_per_stage, stage_layer_ranges, tflops_from_param_count,
                           tflops_per_gpu)
 

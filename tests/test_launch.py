@@ -171,11 +171,11 @@ def test_fp16_without_accelerator_support_exits_2(monkeypatch, capsys):
 
 
 def test_fp16_with_accelerator_support_passes_the_config_check(monkeypatch):
-    import pretrain_gpt
+    from gptpar.training.cli import parse
 
     _cpu_accelerator_fp16(monkeypatch, True)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    cfg, _, sizes = pretrain_gpt.parse(["--config", "configs/cpu_dp2.json", "--set", "training.precision=fp16"])
+    cfg, _, sizes = parse(["--config", "configs/cpu_dp2.json", "--set", "training.precision=fp16"])
     assert cfg.training.precision == "fp16" and sizes == (1, 1, 2) and not dist.is_initialized()
 
 

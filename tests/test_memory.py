@@ -1,10 +1,10 @@
-"""gptpar.memory against seed 000's arithmetic, independent formulas, and seed 003's measured memory columns."""
+"""gptpar.estimate.memory against seed 000's arithmetic, independent formulas, and seed 003's measured memory columns."""
 import random
 
 import pytest
 
-from gptpar.flops import params_per_stage
-from gptpar.memory import (CUDA_CONTEXT_BYTES, GIB, activation_bytes, memory_per_gpu, model_state_bytes,
+from gptpar.estimate.flops import params_per_stage
+from gptpar.estimate.memory import (CUDA_CONTEXT_BYTES, GIB, activation_bytes, memory_per_gpu, model_state_bytes,
                            state_bytes_per_param)
 
 

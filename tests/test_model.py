@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from gptpar.flops import model_size_formula, params_per_stage
+from gptpar.estimate.flops import model_size_formula, params_per_stage
 from gptpar.model.config import GPTConfig
 from gptpar.model.gpt import GPTModel
 from gptpar.model.hf import config_from_hf, from_hf_state_dict, to_hf_state_dict

@@ -7,6 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from gptpar.parallel import coords_of, group_ranks, init_parallel, rank_of, resolve_sizes, single_process_state
+from gptpar.model.pipeline import deepspeed_topology
 from gptpar.testing import run_distributed
 
 SHAPES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 2, 2), (4, 3, 2), (8, 10, 3)]
@@ -31,13 +32,6 @@ def test_grid_agrees_with_deepspeed_topology(tp, pp, dp):
     for axis in ("tp", "pp", "dp"):
         members = list(itertools.chain.from_iterable(groups[axis]))
         assert sorted(members) == list(range(tp * pp * dp))
-
-
-def test_embedding_groups_are_first_and_last_stage():
-    groups = group_ranks(2, 3, 2)  # tp, pp, dp
-    for pp_ranks, emb in zip(groups["pp"], groups["embedding"]):
-        assert emb == [pp_ranks[0], pp_ranks[-1]]
-        assert coords_of(emb[0], 2, 3, 2)[0] == 0 and coords_of(emb[1], 2, 3, 2)[0] == 2
 
 
 def test_resolve_sizes_errors_name_the_fix():
@@ -67,14 +61,13 @@ def _groups_on_ranks(tp, pp):
     me = dist.get_rank()
     assert (st.pp_rank, st.dp_rank, st.tp_rank) == coords_of(me, tp, pp, st.dp_size)
     out = {}
-    for axis, group in (("tp", st.tp_group), ("pp", st.pp_group), ("dp", st.dp_group),
-                        ("embedding", st.embedding_group)):
+    for axis, group in (("tp", st.tp_group), ("pp", st.pp_group), ("dp", st.dp_group)):
         if group is None:
             continue
         ranks = [None] * dist.get_world_size(group)
         dist.all_gather_object(ranks, me, group=group)
         out[axis] = ranks
-    st.topology()  # raises if DeepSpeed's numbering disagrees
+    deepspeed_topology(st)  # raises if DeepSpeed's numbering disagrees
     return st.pp_rank, st.dp_rank, st.tp_rank, out
 
 
@@ -85,4 +78,3 @@ def test_process_groups_on_four_ranks():
         for axis, members in groups.items():
             assert members in expected[axis], (rank, axis, members)
             assert rank in members
-        assert "embedding" in groups  # pp=2: every rank is on the first or last stage

@@ -4,8 +4,11 @@ import os
 
 import pytest
 
-from gptpar.flops import exact_model_params, params_per_stage, tflops_per_gpu
-from gptpar.planning import Hardware, dry_run_report, load_config, plan_topology, predict, settings_from_config
+from gptpar.estimate.flops import exact_model_params, params_per_stage, tflops_per_gpu
+from gptpar.estimate.planner import Hardware, plan_topology, predict
+from gptpar.estimate.report import render_dry_run
+from gptpar.estimate.settings import settings_of
+from gptpar.training.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -14,9 +17,21 @@ def config(name):
     return load_config(os.path.join(ROOT, "configs", f"{name}.json"))
 
 
+def seed_runs():
+    """The runs measured in seeds 002/003 (test data)."""
+    with open(os.path.join(ROOT, "tests", "data", "seed_runs.json")) as f:
+        return [tuple(row) for row in json.load(f)["runs"]]
+
+
+def report(cfg, **kw):
+    """The dry-run report on the world the config names (as pretrain_gpt.py --dry-run plans it), with the seeds'
+    measured runs."""
+    return render_dry_run(cfg, cfg.parallel.data_parallel_size or 1, measured=seed_runs(), **kw)
+
+
 @pytest.fixture(scope="module")
 def plan_181b():
-    s = settings_from_config(config("181b_48nodes"))
+    s = settings_of(config("181b_48nodes"))
     return s, plan_topology(s, 48, Hardware(gpus_per_node=8, gpu_mem_gib=80))
 
 
@@ -58,7 +73,7 @@ def test_soft_constraints_are_flagged_not_filtered(plan_181b):
 
 
 def test_time_model_parts():
-    s = settings_from_config(config("181b_48nodes"))
+    s = settings_of(config("181b_48nodes"))
     hw = Hardware()
     t = predict(s, 8, 12, 4, 4, 2048, hw)
     m = 2048 // (4 * 4)
@@ -82,7 +97,7 @@ def test_time_model_parts():
 
 def test_ranking_agrees_with_seed003_48_node_sweep():
     """Seed 003, 02-21, 181B, 48 nodes, TP=8: the 7 measured layouts; the planner must order them mostly right."""
-    s = settings_from_config(config("181b_48nodes"))
+    s = settings_of(config("181b_48nodes"))
     rows = [(12, 4, 1, 143.31), (12, 4, 2, 134.02), (12, 4, 4, 123.69), (12, 4, 8, 129.26), (6, 8, 1, 139.82),
             (6, 8, 2, 131.02), (6, 8, 4, 121.48)]
     pred = [predict(s, 8, pp, dp, mbs, 2048, Hardware())["sec_per_iter"] for pp, dp, mbs, _ in rows]
@@ -97,7 +112,7 @@ def test_ranking_agrees_with_seed003_48_node_sweep():
 
 
 def test_planner_errors():
-    s = settings_from_config(config("181b_48nodes"))
+    s = settings_of(config("181b_48nodes"))
     with pytest.raises(ValueError, match="--nodes"):
         plan_topology(s, 0)
     assert plan_topology(s, 1) == []       # 181B cannot fit one node: nothing, not a crash
@@ -108,10 +123,10 @@ def test_planner_errors():
 @pytest.mark.parametrize("name", ["200b", "104b", "181b_48nodes"])
 def test_dry_run_report(name):
     cfg = config(name)
-    s = settings_from_config(cfg)
+    s = settings_of(cfg)
     exact = exact_model_params(num_layers=s["num_layers"], hidden_size=s["hidden_size"], vocab_size=s["vocab_size"],
                                seq_length=s["seq_length"], tp_size=s["tp_size"])
-    text = dry_run_report(cfg, meta_param_count=exact)
+    text = report(cfg, meta_param_count=exact)
     stages = params_per_stage(num_layers=s["num_layers"], hidden_size=s["hidden_size"], vocab_size=s["vocab_size"],
                               seq_length=s["seq_length"], pp_size=s["pp_size"], tp_size=s["tp_size"],
                               partition_method=s["partition_method"])
@@ -126,14 +141,14 @@ def test_dry_run_report(name):
 
 
 def test_dry_run_reports_the_seed_tflops_for_200b():
-    text = dry_run_report(config("200b"))
+    text = report(config("200b"))
     # the 10-node bf16 log line: 853.81 s/it printed 97.82 TFLOPs (legacy formula)
     line = next(line for line in text.splitlines() if "853.81" in line)
     assert "legacy 97.82" in line
     B, s, L, h, V = 2048, 2048, 80, 14400, 250880   # Narayanan eq. 3, written out
     narayanan = 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h)) / (853.81 * 80 * 1e12)
     assert f"improved {narayanan:.2f}" in line
-    text = dry_run_report(config("200b"), sec_per_iter=200.0)
+    text = report(config("200b"), sec_per_iter=200.0)
     assert "given --sec-per-iter" in text
 
 
@@ -148,4 +163,4 @@ def test_dry_run_report_is_cheap(monkeypatch):
     monkeypatch.setattr(torch.nn.Module, "__init__", refuse)
     for factory in ("empty", "zeros", "ones", "randn", "tensor"):
         monkeypatch.setattr(torch, factory, refuse)
-    assert "TFLOPs" in dry_run_report(json.loads(json.dumps(config("200b"))))
+    assert "TFLOPs" in report(config("200b"))

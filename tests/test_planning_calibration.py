@@ -6,9 +6,10 @@ import sys
 
 import pytest
 
-from gptpar.flops import model_flops_per_iteration
-from gptpar.planning import (Hardware, calibrated_hardware, compute_rate, load_calibration, load_config,
-                             predict_layout, settings_from_config)
+from gptpar.estimate.flops import model_flops_per_iteration
+from gptpar.estimate.planner import Hardware, calibrated_hardware, compute_rate, load_calibration, predict_layout
+from gptpar.estimate.settings import settings_of
+from gptpar.training.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_200B = os.path.join(ROOT, "configs", "200b.json")
@@ -40,7 +41,7 @@ def test_a_calibration_of_the_seed_rate_reproduces_the_a100_prediction(tmp_path)
     a100 = Hardware()
     shape = _shape_200b()
     path = _write(tmp_path, "a100.json", shape, {m: _layer_seconds(shape, m, a100) for m in ("none", "full")})
-    s = settings_from_config(load_config(CONFIG_200B))
+    s = settings_of(load_config(CONFIG_200B))
     hw = calibrated_hardware(load_calibration(path), s["activation_checkpointing"])
     assert hw.achieved_tflops == pytest.approx(a100.achieved_tflops, rel=1e-12)
     assert predict_layout(s, hw)["sec_per_iter"] == pytest.approx(predict_layout(s, a100)["sec_per_iter"], rel=1e-12)
@@ -51,7 +52,7 @@ def test_measured_seconds_per_layer_drive_the_compute(tmp_path):
     as fast halves compute and bubble and leaves the communication alone."""
     shape = _shape_200b()
     sec = {"full": 0.25, "selective": 0.2, "none": 0.19}
-    s = settings_from_config(load_config(CONFIG_200B))
+    s = settings_of(load_config(CONFIG_200B))
     cal = load_calibration(_write(tmp_path, "x.json", shape, sec, gpu_mem_gib=139.8))
     hw = calibrated_hardware(cal, "full")
     assert hw.gpu_mem_gib == 139.8
@@ -88,8 +89,9 @@ def test_plan_topology_prints_calibrated_kinds_beside_the_a100(tmp_path):
     assert rows[1]["achieved_tflops"] == pytest.approx(3 * rows[0]["achieved_tflops"], rel=1e-9)
     assert rows[1]["compute_s"] == pytest.approx(rows[0]["compute_s"] / 3, rel=1e-9)
     text = subprocess.run([sys.executable, "tools/plan_topology.py", "--config", CONFIG_200B, "--nodes", "40",
-                           "--calibration", path], cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
-    assert "A100 (seed 003 fit)" in text and "fast.json" in text and "measured 207.92 s/it" in text
+                           "--calibration", path, "--measured", os.path.join("tests", "data", "seed_runs.json")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
+    assert "A100 (seed 003 fit)" in text and "fast.json" in text and "): 207.92 s/it" in text
 
 
 def test_bad_calibration_files(tmp_path):

@@ -1,6 +1,7 @@
 """The planning CLIs, run as `python tools/X.py` from the repo root, as users do."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -39,14 +40,14 @@ def test_tflops_flags_reproduce_the_20b_log_line():
 
 def test_tflops_config_with_override_reproduces_the_final_round():
     out = run_json("tflops.py", "--config", "configs/181b_48nodes.json", "--gpus", "384", "--sec-per-iter", "120.85")
-    assert abs(out["tflops"] - 133.40) <= 0.01 and out["formula"] == "improved" and out["recompute"]
+    assert abs(out["tflops"] - 133.40) <= 0.01 and out["formula"] == "improved" and out["recompute"] == "full"
     # flags override the config: seed 003's 84-layer, 13312-wide final-round model (ffn back to 4h)
     other = run_json("tflops.py", "--config", "configs/181b_48nodes.json", "--num-layers", "84", "--hidden-size",
                      "13312", "--gpus", "384", "--sec-per-iter", "122.93")
     assert abs(other["tflops"] - 132.00) <= 0.01
     no_rc = run_json("tflops.py", "--config", "configs/181b_48nodes.json", "--gpus", "384", "--sec-per-iter",
                      "120.85", "--no-recompute")
-    assert no_rc["tflops"] < out["tflops"] * 0.8 and not no_rc["recompute"]
+    assert no_rc["tflops"] < out["tflops"] * 0.8 and no_rc["recompute"] == "none"
 
 
 def test_tflops_from_a_log(tmp_path):
@@ -98,9 +99,10 @@ def test_plan_topology_tool():
     ("tflops.py", ["--num-layers", "8"], "--hidden-size"),
     ("tflops.py", ["--config", "configs/200b.json", "--gpus", "80", "--log", "no/such.log"], "--log"),
     ("memory.py", ["--config", "configs/200b.json", "--tensor-model-parallel-size", "7", "--gpus", "70"],
-     "--tensor-model-parallel-size 7"),
+     "parallel.tensor_model_parallel_size (7)"),  # the trainer's check, naming the key the flag sets
     ("memory.py", ["--config", "configs/200b.json", "--pipeline-model-parallel-size", "7"], "pipeline_model_parallel"),
-    ("model_size.py", ["--config", "configs/200b.json", "--pipeline-model-parallel-size", "100"], "pp"),
+    ("model_size.py", ["--config", "configs/200b.json", "--pipeline-model-parallel-size", "100"],
+     "pipeline_model_parallel_size (100)"),
     ("plan_topology.py", ["--config", "configs/200b.json", "--nodes", "0"], "--nodes"),
     ("plan_topology.py", ["--config", "configs/200b.json", "--nodes", "1", "--gpu-mem", "8"], "--gpu-mem"),
 ])
@@ -124,3 +126,40 @@ def test_allreduce_bench_on_two_gloo_ranks():
     for r in out["results"]:
         assert r["algbw_GBps"] == pytest.approx(r["bytes"] / (r["time_us"] * 1e-6) / 1e9)
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * 2 * (2 - 1) / 2)
+
+
+# -- one config reader: the tools print what the trainer's dry run prints ---------------------------------
+
+def _memory_figures(text, stage_row, header, heaviest):
+    """(precision, ZeRO, dp, micro batch, recompute), the per-stage GiB column and the heaviest stage."""
+    head = re.search(header, text)
+    stages = [line.split()[-1] for line in text.splitlines() if re.match(stage_row, line)]
+    worst = re.search(heaviest, text)
+    assert head and stages and worst, text
+    return head.groups(), stages, worst.groups()
+
+
+def _configs_and_one_without_the_state_keys(tmp_path):
+    paths = sorted(os.path.join("configs", name) for name in os.listdir(os.path.join(ROOT, "configs")))
+    with open(os.path.join(ROOT, "configs", "1.3b.json")) as f:
+        bare = json.load(f)
+    for key in ("precision", "zero_stage", "activation_checkpointing"):  # left to the defaults
+        bare["training"].pop(key)
+    (tmp_path / "bare.json").write_text(json.dumps(bare))
+    return paths + [str(tmp_path / "bare.json")]
+
+
+def test_memory_tool_prints_what_the_dry_run_prints(tmp_path, capsys):
+    import pretrain_gpt
+
+    for config in _configs_and_one_without_the_state_keys(tmp_path):
+        tool = _memory_figures(run("memory.py", "--config", config).stdout, r"\s*\d+\s+[\d,]+\s",
+                               r"dp=(\d+) micro batch (\d+) (\w+) ZeRO-(\d) recompute (\w+)",
+                               r"heaviest: stage (\d+), ([\d.]+) GiB")
+        assert pretrain_gpt.main(["--config", os.path.join(ROOT, config), "--dry-run"]) == 0
+        dry = _memory_figures(capsys.readouterr().out, r"\s*\d+\s+\[\d+, \d+\)",
+                              r"memory per GPU \((\w+), ZeRO-(\d) over dp=(\d+), micro batch (\d+), recompute (\w+)\)",
+                              r"heaviest stage (\d+):.* = ([\d.]+) GiB")
+        (dp, mbs, precision, zero, recompute), stages, worst = tool
+        assert (precision, zero, dp, mbs, recompute) == dry[0], config
+        assert (stages, worst) == dry[1:], config

@@ -1,8 +1,8 @@
 """Precision through DeepSpeed 0.19.8 on CPU/gloo: which optimizer each precision gets, the bytes it really
-holds (against gptpar.memory), bf16's fp32 gradient accumulation and what it buys over bf16 accumulation.
+holds (against gptpar.estimate.memory), bf16's fp32 gradient accumulation and what it buys over bf16 accumulation.
 
 fp16 needs an accelerator with fp16 support: the ranks patch DeepSpeed's CPU accelerator to say yes
-(gptpar.testing.allow_fp16_on_cpu), so these tests do not depend on the CPU they run on.
+(gptpar.training.engine.allow_fp16_on_cpu), so these tests do not depend on the CPU they run on.
 """
 import logging
 
@@ -27,11 +27,10 @@ def _config(precision, zero_stage, pp=1, dp=1, micro_batches=2, **training):
 
 def _engine(cfg, pstate, ds_edit=None):
     """The trainer's model and engine for `cfg` (ds_edit may alter the generated DeepSpeed dict)."""
-    import pretrain_gpt
-    from gptpar.training.config import deepspeed_config
-    from gptpar.training.engine import build_engine
+    from gptpar.training.build import build_model, seed_everything
+    from gptpar.training.engine import build_engine, deepspeed_config
 
-    model = pretrain_gpt.build_model(cfg, pstate, pretrain_gpt.seed_everything(cfg.training.seed, pstate))
+    model = build_model(cfg, pstate, seed_everything(cfg.training.seed, pstate))
     ds = deepspeed_config(cfg, pstate.dp_size)
     if ds_edit is not None:
         ds_edit(ds)
@@ -57,7 +56,7 @@ def _held_at_step(dp):
     """Per case: (precision plan, bytes per parameter held at the optimizer step, optimizer-state bytes per
     parameter after it)."""
     from gptpar.parallel import init_parallel
-    from gptpar.testing import allow_fp16_on_cpu
+    from gptpar.training.engine import allow_fp16_on_cpu
 
     allow_fp16_on_cpu()
     pstate = init_parallel(1, 1, dp)
@@ -96,10 +95,10 @@ def held():
 
 @pytest.mark.parametrize("precision, zero", CASES)
 def test_state_bytes_match_the_memory_estimate(held, precision, zero):
-    """gptpar.memory's bytes per parameter are what DeepSpeed's optimizers really hold at the step. bf16
+    """gptpar.estimate.memory's bytes per parameter are what DeepSpeed's optimizers really hold at the step. bf16
     (BF16_Optimizer) is exact up to the flat buffers' alignment padding; ZeRO's gradient buckets free part of
     the full gradients before the step at dp > 1, so the others are upper bounds within 15%."""
-    from gptpar.memory import state_bytes_per_param
+    from gptpar.estimate.memory import state_bytes_per_param
 
     for dp in (1, 2):
         ranks = [held[1]] if dp == 1 else held[2]
@@ -139,7 +138,7 @@ def _fp16_stage0_gradient_over_plain_gradient():
     """engine.backward's gradient / the module's own unscaled gradient, at DeepSpeed's fp16 ZeRO-0, with a
     loss scale of 1024 in force (one micro-batch: no accumulation division)."""
     from gptpar.parallel import init_parallel
-    from gptpar.testing import allow_fp16_on_cpu
+    from gptpar.training.engine import allow_fp16_on_cpu
 
     allow_fp16_on_cpu()
     pstate = init_parallel(1, 1, 1)

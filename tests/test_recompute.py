@@ -166,7 +166,7 @@ def test_config_accepts_modes_and_booleans():
 def test_flops_count_the_recomputed_work(seed):
     import random
 
-    from gptpar.flops import model_flops_per_iteration
+    from gptpar.estimate.flops import model_flops_per_iteration
 
     rng = random.Random(seed)
     a = rng.choice([4, 8, 16])
@@ -190,7 +190,7 @@ def test_flops_count_the_recomputed_work(seed):
 def test_selective_activation_memory_drops_the_attention_core(seed):
     import random
 
-    from gptpar.memory import activation_bytes
+    from gptpar.estimate.memory import activation_bytes
 
     rng = random.Random(70 + seed)
     t = rng.choice([1, 2, 4, 8])

@@ -74,6 +74,7 @@ def run_cases(d, only=None):
 
     import torch.distributed as dist
 
+    import gptpar.training.build
     import pretrain_gpt
 
     rank = dist.get_rank()
@@ -209,9 +210,9 @@ def run_cases(d, only=None):
     if rank == 0:
         _write_vocab_dataset(prefix, 1023)
     built = []
-    real_build = pretrain_gpt.build_model
+    real_build = gptpar.training.build.build_model
     oov = write_config(d / "oov.json", data=dict(synthetic=False, data_path=prefix, split="90,10,0"))
-    run("out_of_vocab", oov, patches=[(pretrain_gpt, "build_model",
+    run("out_of_vocab", oov, patches=[(gptpar.training.build, "build_model",
                                        lambda *a, **k: built.append(1) or real_build(*a, **k))])
     out["out_of_vocab_built"] = (len(built), "", None)
     return out

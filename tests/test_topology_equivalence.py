@@ -59,17 +59,12 @@ def _optimizer_state_bytes(engine):
 
 
 def _train(tp, pp, dp, sequence_parallel=False):
-    from gptpar.model.pipeline import build_pipeline_model
     from gptpar.parallel import init_parallel
+    from gptpar.training.build import build_gpt
     from gptpar.training.engine import build_engine
 
     st = init_parallel(tp=tp, pp=pp, dp=dp)
-    config = GPTConfig(**CFG)
-    if pp > 1:
-        model, _ = build_pipeline_model(config, st, partition_method="balanced", seed=SEED,
-                                        sequence_parallel=sequence_parallel)
-    else:
-        model = GPTModel(config, tp_group=st.tp_group, sequence_parallel=sequence_parallel, seed=SEED)
+    model = build_gpt(GPTConfig(**CFG), st, partition_method="balanced", seed=SEED, sequence_parallel=sequence_parallel)
     engine = build_engine(model, st, _ds_config(dp), lr=LR, weight_decay=0.01)
     # This rank's own contribution to the tied embedding's gradient at step 0, before DeepSpeed sums it
     # over the tied stages and the dp ranks.

@@ -1,7 +1,7 @@
 """fp16 dynamic loss scaling and honest skipped-iteration counting, on CPU.
 
 DeepSpeed's CPU accelerator refuses fp16; the rank processes override its `is_fp16_supported` /
-`supported_dtypes` (gptpar.testing.allow_fp16_on_cpu), after which fp16 works, slowly: the model is tiny.
+`supported_dtypes` (gptpar.training.engine.allow_fp16_on_cpu), after which fp16 works, slowly: the model is tiny.
 A huge initial loss scale overflows on purpose: each overflow must skip the step, halve the scale
 (hysteresis 1), leave the LR schedule where it was (Megatron) and be counted in the log line, at dp = 2 and
 through the pipeline engine (pp = 2, zero_stage 0 asked: fp16 runs at ZeRO-1), and the logged scale is the one

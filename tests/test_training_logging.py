@@ -36,6 +36,19 @@ def test_parse_format_round_trip_on_seed_lines(line):
     assert format_log_line(**record) == line
 
 
+def test_lenient_parse_reads_other_megatron_logs():
+    """tools/tflops.py --log reads with the trainer's parser: a field it does not know is skipped (strict mode
+    refuses it), and Megatron-LM's milliseconds become seconds."""
+    line = SEED_LINES[0]
+    other = line.replace("elapsed time per iteration (s): 769.99", "elapsed time per iteration (ms): 769990.0")
+    other = other.replace(" TFLOPs:", " curriculum seqlen: 2048 | TFLOPs:")
+    with pytest.raises(ValueError, match="unknown field"):
+        parse_log_line(other)
+    lenient, reference = parse_log_line(other, strict=False), parse_log_line(line)
+    assert lenient.pop("elapsed_s") == pytest.approx(reference.pop("elapsed_s"), rel=1e-12)
+    assert lenient == reference
+
+
 def test_loss_scale_always_and_num_zeros_omitted():
     record = dict(iteration=10, train_iters=100, consumed_samples=160, consumed_tokens=160 * 64, elapsed_s=0.1234,
                   lr=1e-3, global_batch_size=16, lm_loss=5.5, grad_norm=1.25, skipped_iterations=1,

@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from gptpar.testing import allow_fp16_on_cpu  # noqa: E402
+from gptpar.training.engine import allow_fp16_on_cpu  # noqa: E402
 
 TINY = {
     "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16,

@@ -37,7 +37,7 @@ python pretrain_gpt.py --config configs/cpu_tiny.json --set training.micro_batch
 
 Checks that involve several sections or the launched world size (world size = tp x pp x dp, batch and
 ramp-up divisibility, pipeline partitioning, data path, fp16 on CPU) run before any process group is created.
-The DeepSpeed config is generated from this one (`gptpar.training.config.deepspeed_config`).
+The DeepSpeed config is generated from this one (`gptpar.training.engine.deepspeed_config`).
 """
 
 

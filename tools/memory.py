@@ -3,9 +3,11 @@
 
     python tools/memory.py --config configs/200b.json
     python tools/memory.py --config configs/181b_48nodes.json --pipeline-model-parallel-size 12 --gpus 384
+    python tools/memory.py --config configs/cpu_tiny.json --set training.precision=bf16
 
-Micro batch, precision, ZeRO stage, checkpointing and partition come from --config (defaults: 1,
-bf16, ZeRO-1, full recompute, transformer); dp = --gpus / (tp * pp) when --gpus is given.
+The config is read and checked as pretrain_gpt.py reads it (its defaults: fp32, ZeRO-0, no recompute): the
+figures are the ones `pretrain_gpt.py --config X --dry-run` prints. dp = --gpus / (tp * pp) when --gpus is
+given, else the config's data_parallel_size (or 1).
 """
 import argparse
 import json
@@ -14,8 +16,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gptpar.memory import GIB, memory_per_gpu  # noqa: E402
-from gptpar.planning import add_model_flags, require, settings_from_args  # noqa: E402
+from gptpar.estimate.memory import GIB  # noqa: E402
+from gptpar.estimate.settings import memory_of, require  # noqa: E402
+from model_flags import add_model_flags, settings_from_args  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -29,14 +32,7 @@ def main(argv=None) -> int:
         if s["gpus"] % (s["tp_size"] * s["pp_size"]):
             raise ValueError(f"--gpus {s['gpus']} must divide by tp x pp = {s['tp_size'] * s['pp_size']}")
         dp = s["gpus"] // (s["tp_size"] * s["pp_size"])
-        mem = memory_per_gpu(num_layers=s["num_layers"], hidden_size=s["hidden_size"],
-                             num_attention_heads=s["num_attention_heads"], vocab_size=s["vocab_size"],
-                             seq_length=s["seq_length"], micro_batch_size=s["micro_batch_size"],
-                             global_batch_size=s["global_batch_size"], tp_size=s["tp_size"], pp_size=s["pp_size"],
-                             dp_size=dp, partition_method=s["partition_method"], precision=s["precision"],
-                             zero_stage=s["zero_stage"], activation_checkpointing=s["activation_checkpointing"],
-                             ffn_hidden_size=s["ffn_hidden_size"], max_position_embeddings=s["max_position_embeddings"],
-                             make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"])
+        mem = memory_of(dict(s, dp_size=dp))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

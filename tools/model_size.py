@@ -11,8 +11,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gptpar.flops import exact_model_params, model_size_formula, params_per_stage  # noqa: E402
-from gptpar.planning import add_model_flags, require, settings_from_args  # noqa: E402
+from gptpar.estimate.flops import exact_model_params, model_size_formula, params_per_stage  # noqa: E402
+from gptpar.estimate.settings import require  # noqa: E402
+from model_flags import add_model_flags, settings_from_args  # noqa: E402
 
 
 def main(argv=None) -> int:

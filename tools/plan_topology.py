@@ -19,21 +19,27 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gptpar.planning import (Hardware, calibrated_hardware, calibration_notes, load_calibration,  # noqa: E402
-                             load_config, plan_topology, predict_layout, settings_from_config)
-from gptpar.planning_report import SEED_RUNS  # noqa: E402
+from gptpar.estimate.planner import (Hardware, calibrated_hardware, calibration_notes, load_calibration,  # noqa: E402
+                                     plan_topology, predict_layout)
+from gptpar.estimate.settings import settings_of  # noqa: E402
+from gptpar.training.config import load_config  # noqa: E402
 
 TOP = 20
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="JSON config (model, training sections)")
+    parser.add_argument("--config", required=True, help="JSON config, read and checked as pretrain_gpt.py reads it")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config key, as pretrain_gpt.py --set (repeatable)")
     parser.add_argument("--nodes", type=int, required=True)
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU")
     parser.add_argument("--calibration", action="append", default=[], metavar="FILE",
                         help="a GPU kind's measured seconds per layer (bench/bench_layer.py --json); repeatable")
+    parser.add_argument("--measured", metavar="FILE",
+                        help="measured runs to print beside the config's layout (JSON with a 'runs' list of [where, "
+                             "layers, hidden, tp, pp, dp, mbs, gbs, s/it, ...], e.g. tests/data/seed_runs.json)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     try:
@@ -43,7 +49,7 @@ def main(argv=None) -> int:
             raise ValueError(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
         if args.gpu_mem <= 0:
             raise ValueError(f"--gpu-mem must be > 0 (GiB), got {args.gpu_mem}")
-        s = settings_from_config(load_config(args.config))
+        s = settings_of(load_config(args.config, args.set))
         hw = Hardware(gpus_per_node=args.gpus_per_node, gpu_mem_gib=args.gpu_mem)
         cands = plan_topology(s, args.nodes, hw)
         kinds = [("A100 (seed 003 fit)", "", hw)]
@@ -74,7 +80,7 @@ def main(argv=None) -> int:
               f"{c.sec_per_requested_batch:>7.1f} {c.compute_s:>7.1f} {c.bubble_s:>6.1f} {c.tp_comm_s:>7.1f} "
               f"{c.pp_comm_s:>7.1f} {c.dp_comm_s:>7.1f}  {', '.join(c.soft)}")
     if layouts:
-        print_layouts(s, layouts, args.nodes)
+        print_layouts(s, layouts, args.nodes, _measured_runs(args.measured))
     return 0
 
 
@@ -87,7 +93,14 @@ def _layout_row(s, name, path, hw, nodes, notes):
     return row
 
 
-def print_layouts(s, layouts, nodes):
+def _measured_runs(path):
+    if path is None:
+        return []
+    with open(path) as f:
+        return json.load(f)["runs"]
+
+
+def print_layouts(s, layouts, nodes, runs):
     L, h = s["num_layers"], s["hidden_size"]
     tp, pp, dp, mbs, gbs = s["tp_size"], s["pp_size"], s["dp_size"], s["micro_batch_size"], s["global_batch_size"]
     print(f"\nThe config's layout, tp {tp} x pp {pp} x dp {dp} ({tp * pp * dp} GPUs), micro batch {mbs}, global "
@@ -105,9 +118,9 @@ def print_layouts(s, layouts, nodes):
               f"{r['dp_comm_s']:>7.1f}  {best}")
         if r["notes"]:
             print(f"  {'':<34} calibrated at another shape: {'; '.join(r['notes'])}")
-    measured = [row for row in SEED_RUNS if row[1:8] == (L, h, tp, pp, dp, mbs, gbs)]
+    measured = [row for row in runs if tuple(row[1:8]) == (L, h, tp, pp, dp, mbs, gbs)]
     for where, *_, sec, _printed, _how in measured:
-        print(f"  seed {where}: measured {sec} s/it on A100s")
+        print(f"  measured ({where}): {sec} s/it")
     if any(not r["fits"] for r in layouts):
         print("  (! = the memory estimate exceeds that GPU's memory)")
 

@@ -6,38 +6,35 @@
         --global-batch-size 2048 --tensor-model-parallel-size 8 --gpus 8 --sec-per-iter 769.99 --formula legacy
     python tools/tflops.py --config configs/200b.json --gpus 80 --log train.log
 
---vocab-size is the padded size as given; from a config the vocab is padded for its tp.
-Defaults: the improved (Narayanan) formula, activation recompute on (factor 4).
+--vocab-size is the padded size as given; from a config the vocab is padded for its tp. The config is read and
+checked as pretrain_gpt.py reads it (--set overrides a key); recompute is the config's
+training.activation_checkpointing (the seed logs' full recompute with flags alone), --no-recompute turns it off.
+Formula: improved (Narayanan) unless --formula legacy.
 """
 import argparse
 import json
 import os
-import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gptpar.flops import model_flops_per_iteration, tflops_per_gpu  # noqa: E402
-from gptpar.planning import add_model_flags, require, settings_from_args  # noqa: E402
-
-_ITER = re.compile(r"iteration\s+(\d+)\s*/")
-_TIME = re.compile(r"elapsed time per iteration \((s|ms)\):\s*([\d.]+)")
-_GBS = re.compile(r"global batch size:\s*(\d+)")
-_TFLOPS = re.compile(r"TFLOPs:\s*([\d.]+)")
-
+from gptpar.estimate.flops import model_flops_per_iteration, tflops_per_gpu  # noqa: E402
+from gptpar.estimate.settings import require  # noqa: E402
+from model_flags import add_model_flags, settings_from_args  # noqa: E402
+from gptpar.training.logging import parse_log_line  # noqa: E402
 
 def parse_log(path: str):
-    """[(iteration, sec_per_iter, global_batch_size or None, printed TFLOPs or None)] of the log's lines."""
+    """[(iteration, sec_per_iter, global_batch_size or None, printed TFLOPs or None)] of the log's iteration lines,
+    read by the trainer's own parser (gptpar.training.logging.parse_log_line)."""
     rows = []
     with open(path, errors="replace") as f:
         for line in f:
-            it, tm = _ITER.search(line), _TIME.search(line)
-            if not (it and tm):
+            try:
+                r = parse_log_line(line, strict=False)
+            except ValueError:  # not an iteration line
                 continue
-            sec = float(tm.group(2)) / (1000.0 if tm.group(1) == "ms" else 1.0)
-            gbs, tf = _GBS.search(line), _TFLOPS.search(line)
-            rows.append((int(it.group(1)), sec, int(gbs.group(1)) if gbs else None,
-                         float(tf.group(1)) if tf else None))
+            if r["elapsed_s"] is not None:
+                rows.append((r["iteration"], r["elapsed_s"], r["global_batch_size"], r["tflops"]))
     return rows
 
 
@@ -83,8 +80,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"formula {out['formula']}, recompute {'on (factor 4)' if out['recompute'] else 'off (factor 3)'}, "
-          f"{out['gpus']} GPUs")
+    print(f"formula {out['formula']}, recompute {out['recompute']}, {out['gpus']} GPUs")
     if args.log:
         print(f"{'iteration':>9} {'s/it':>9} {'gbs':>6} {'printed':>8} {'TFLOPs':>8}")
         for r in out["iterations"]:

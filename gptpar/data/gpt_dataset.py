@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from gptpar.data.blending import BlendedDataset, build_blending_indices
+from gptpar.data.blending import BlendedDataset, build_blending_indices, normalize_weights
 from gptpar.data.indexed import DataError, IndexedDataset, index_file_path
 
 INDEX_VERSION = 1  # bump when the index construction changes, to invalidate old caches
@@ -34,7 +34,9 @@ def log(msg):
 # ----------------------------------------------------------------------------------------------- parsing
 
 def parse_data_path(data_path):
-    """'A', ['A', 'B'], ['0.3', 'A', '0.7', 'B'] or '0.3 A 0.7 B' -> (prefixes, weights or None)."""
+    """'A', ['A', 'B'], ['0.3', 'A', '0.7', 'B'] or '0.3 A 0.7 B' -> (prefixes, weights or None).
+
+    The one data-path grammar: the config check (gptpar.training.config) and the datasets both call it."""
     items = data_path.split() if isinstance(data_path, str) else [str(x) for x in data_path]
     if not items:
         raise DataError("data_path is empty")
@@ -49,7 +51,9 @@ def parse_data_path(data_path):
     if len(items) >= 2 and is_number(items[0]):
         if len(items) % 2 or not all(is_number(w) for w in items[0::2]):
             raise DataError(f"weighted data_path must alternate weight and prefix ('0.3 A 0.7 B'), got {items}")
-        return items[1::2], [float(w) for w in items[0::2]]
+        weights = [float(w) for w in items[0::2]]
+        normalize_weights(weights)  # the blend's own rule (positive, finite), checked here for the config check
+        return items[1::2], weights
     numbers = [i for i, item in enumerate(items) if is_number(item)]
     if numbers:  # a number among prefixes is a weight whose neighbours went wrong, not a dataset name
         bad = [items[i] for i in range(0, len(items), 2) if not is_number(items[i])] if len(items) % 2 == 0 \

@@ -25,6 +25,8 @@ import struct
 
 import numpy as np
 
+from gptpar.data.files import DataError, data_file_path, index_file_path  # noqa: F401 (re-exported)
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 DTYPES = {
@@ -36,21 +38,9 @@ DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
 HEADER_SIZE = len(MAGIC) + 8 + 1 + 8 + 8
 
 
-class DataError(ValueError):
-    """A data file or record is unusable; the message names the file and says how to fix it."""
-
-
 def best_dtype(vocab_size):
     """Megatron's rule: uint16 when every id fits (vocab < 65500), else int32."""
     return np.dtype(np.uint16) if vocab_size is not None and vocab_size < 65500 else np.dtype(np.int32)
-
-
-def data_file_path(prefix):
-    return prefix + ".bin"
-
-
-def index_file_path(prefix):
-    return prefix + ".idx"
 
 
 def _strip_suffix(prefix):

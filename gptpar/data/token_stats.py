@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from gptpar.data.indexed import DataError, data_file_path, index_file_path
+from gptpar.data.files import DataError, data_file_path, index_file_path
 
 STATS_VERSION = 1
 

@@ -5,7 +5,7 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Optional
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
@@ -31,6 +31,18 @@ def pad_vocab_size(vocab_size: int, tp_size: int = 1, divisible_by: int = 128) -
     """
     multiple = max(divisible_by, 1) * tp_size
     return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def check_tp_divides(tp_size: int, *, num_attention_heads: Optional[int] = None,
+                     ffn_hidden_size: Optional[int] = None, hidden_size: Optional[int] = None) -> None:
+    """The tensor-parallel split rule, in one place: tp must divide the heads, the FFN and the hidden size (each
+    one given). ValueError naming the model key; the trainer's config check, the planner and the FLOP count
+    call it."""
+    for key, size in (("num_attention_heads", num_attention_heads), ("ffn_hidden_size", ffn_hidden_size),
+                      ("hidden_size", hidden_size)):
+        if size is not None and size % tp_size:
+            raise ValueError(f"model.{key} ({size}) must divide by parallel.tensor_model_parallel_size "
+                             f"({tp_size}): change one of them")
 
 
 @dataclass
@@ -94,18 +106,8 @@ class GPTConfig:
         """Raise ValueError naming the field and the fix when the model cannot be split tp x pp ways."""
         if tp_size < 1 or pp_size < 1:
             raise ValueError(f"parallel sizes must be >= 1, got tp={tp_size} pp={pp_size}")
-        if self.num_attention_heads % tp_size:
-            raise ValueError(
-                f"model.num_attention_heads ({self.num_attention_heads}) must divide by "
-                f"parallel.tensor_model_parallel_size ({tp_size}): change one of them")
-        if self.ffn_hidden_size % tp_size:
-            raise ValueError(
-                f"model.ffn_hidden_size ({self.ffn_hidden_size}) must divide by "
-                f"parallel.tensor_model_parallel_size ({tp_size})")
-        if self.hidden_size % tp_size:
-            raise ValueError(
-                f"model.hidden_size ({self.hidden_size}) must divide by "
-                f"parallel.tensor_model_parallel_size ({tp_size})")
+        check_tp_divides(tp_size, num_attention_heads=self.num_attention_heads,
+                         ffn_hidden_size=self.ffn_hidden_size, hidden_size=self.hidden_size)
         if self.padded_vocab_size(tp_size) % tp_size:
             raise ValueError(
                 f"model.vocab_size ({self.vocab_size}) does not divide by tp={tp_size} and padding is off: "
@@ -114,11 +116,3 @@ class GPTConfig:
             raise ValueError(
                 f"parallel.pipeline_model_parallel_size ({pp_size}) exceeds model.num_layers "
                 f"({self.num_layers}): every pipeline stage needs at least one transformer layer")
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "GPTConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown model key(s) {unknown}; known keys: {sorted(known)}")
-        return cls(**d)

@@ -20,6 +20,7 @@ from gptpar.model.config import GPTConfig, recompute_mode
 from gptpar.model.gpt import FinalLayerNorm, GPTEmbedding, GPTLoss, TransformerLayer, lm_logits
 from gptpar.model.partition import (PARTITION_METHODS, PartitionPlan, StagePlan,  # noqa: F401 (re-exported)
                                     partition_layers, resolve_partition_method)
+from gptpar.parallel import check_topology_agrees
 from gptpar.tensor_parallel.random import checkpoint
 
 class EmbeddingWeightUnit(nn.Module):
@@ -58,6 +59,15 @@ def layer_specs(config: GPTConfig, *, tp_group=None, sequence_parallel: bool = F
     )
 
 
+def deepspeed_topology(pstate):
+    """DeepSpeed's `PipeModelDataParallelTopology` for `pstate`'s grid, checked to agree with ours."""
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    topo = PipeModelDataParallelTopology(num_pp=pstate.pp_size, num_mp=pstate.tp_size, num_dp=pstate.dp_size)
+    check_topology_agrees(topo, pstate.tp_size, pstate.pp_size, pstate.dp_size)
+    return topo
+
+
 def build_pipeline_model(config: GPTConfig, pstate, *, partition_method: str = "auto", embedding_weight: int = 1,
                          sequence_parallel: bool = False, rng_tracker=None, seed: int = 1234,
                          activation_checkpointing="none", dtype=None):
@@ -76,7 +86,7 @@ def build_pipeline_model(config: GPTConfig, pstate, *, partition_method: str = "
                         rng_tracker=rng_tracker, seed=seed, embedding_weight=plan.embedding_weight,
                         recompute_core_attention=recompute == "selective", device=pstate.device, dtype=dtype)
     module = PipelineModule(
-        layers=specs, loss_fn=GPTLoss(config.vocab_size, pstate.tp_group), topology=pstate.topology(),
+        layers=specs, loss_fn=GPTLoss(config.vocab_size, pstate.tp_group), topology=deepspeed_topology(pstate),
         partition_method=deepspeed_partition_method(plan),
         activation_checkpoint_interval=1 if recompute == "full" else 0,
         activation_checkpoint_func=functools.partial(checkpoint, tracker=rng_tracker),

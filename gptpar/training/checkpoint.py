@@ -21,16 +21,12 @@ Resume: what `checkpoint.load` points at is resolved and verified before trainin
 resolve_load / verify_checkpoint); the model and parallel shape stored with it must equal the current
 config's (a clear error otherwise: ZeRO shards and tp/pp slices cannot be reshaped here); every other key
 (LR, intervals, exit conditions, ...) comes from the current config.
-
-`GPTPAR_TEST_KILL_IN_SAVE=N` (test-only fault injection): rank 0 SIGKILLs itself while saving iteration N,
-after DeepSpeed wrote its files and before the gptpar files and `latest`.
 """
 from __future__ import annotations
 
 import os
 import random
 import shutil
-import signal
 from dataclasses import dataclass
 from typing import Optional
 
@@ -107,7 +103,7 @@ class Checkpointer:
     device: object = "cpu"  # where the all-reduces' flag lives (a GPU under NCCL)
 
     # -- save ----------------------------------------------------------------------------------
-    def save(self, ds_engine, iteration: int, client_state: dict, tracker) -> str:
+    def save(self, engine, iteration: int, client_state: dict, tracker) -> str:
         """Write checkpoint `iter_{iteration}` on every rank, then move `latest` to it. Returns the path."""
         tag = tag_of(iteration)
         path = os.path.join(self.save_dir, tag)
@@ -119,9 +115,7 @@ class Checkpointer:
         # joined from here, so the others wait there until the launcher or the process-group timeout ends
         # them. `latest` does not move either way.
         with self._failures(tag):
-            ds_engine.save_checkpoint(self.save_dir, tag=tag, client_state={"gptpar_iteration": iteration},
-                                      save_latest=False)
-        _fault_point(iteration, self.rank)
+            engine.save_checkpoint(self.save_dir, tag, {"gptpar_iteration": iteration})
         with self._failures(tag, defer=True) as failed:
             state = dict(client_state, version=FORMAT_VERSION, shape=self.shape, rng=rng_states(tracker))
             torch.save(state, os.path.join(path, state_file(self.rank)))
@@ -149,7 +143,7 @@ class Checkpointer:
             shutil.rmtree(os.path.join(self.save_dir, tag_of(i)), ignore_errors=True)
 
     # -- load ----------------------------------------------------------------------------------
-    def load(self, ds_engine, tracker) -> Optional[dict]:
+    def load(self, engine, tracker) -> Optional[dict]:
         """Restore `load_target` (verified before training); its client state, or None to start fresh."""
         target = self.load_target
         if target is None:
@@ -157,8 +151,7 @@ class Checkpointer:
         path = target.path
         state = torch.load(os.path.join(path, state_file(self.rank)), weights_only=False)
         check_shape(state["shape"], self.shape, path)
-        loaded, _ = ds_engine.load_checkpoint(target.directory, tag=target.tag)
-        if loaded is None:
+        if not engine.load_checkpoint(target.directory, target.tag):
             raise CheckpointError(f"DeepSpeed could not load {path}")
         set_rng_states(state["rng"], tracker)
         self.log(f"resumed from {path}: iteration {state['iteration']}, "
@@ -221,12 +214,6 @@ def _iterations(directory: str):
     if not os.path.isdir(directory):
         return []
     return [int(m.group(1)) for m in map(TAG_RE.match, os.listdir(directory)) if m]
-
-
-def _fault_point(iteration: int, rank: int) -> None:
-    target = os.environ.get("GPTPAR_TEST_KILL_IN_SAVE")
-    if target is not None and int(target) == iteration and rank == 0:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 __all__ = ["Checkpointer", "CheckpointError", "CheckpointSaveError", "LoadTarget", "LATEST", "read_latest",

@@ -1,4 +1,5 @@
-"""pretrain_gpt.py's command line: `--config FILE`, `--set section.key=value`, and Megatron-style aliases.
+"""pretrain_gpt.py's command line: `--config FILE`, `--set section.key=value`, and Megatron-style aliases;
+`parse` turns it into a checked `Config` and the (tp, pp, dp) grid, before any process group exists.
 
 Every config key also has a flag `--key-with-dashes VALUE` (e.g. `--micro-batch-size 4`) when its name is
 unique across sections; a few Megatron flags (`--fp16`, `--checkpoint-activations`, ...) map to values.
@@ -7,11 +8,12 @@ All of them become `section.key=value` overrides applied by `gptpar.training.con
 from __future__ import annotations
 
 import json
+import os
 import typing
 from dataclasses import fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from gptpar.training.config import SECTIONS, ConfigError, _suggest
+from gptpar.training.config import SECTIONS, Config, ConfigError, _suggest, load_config
 
 
 # Flags that are not `--<key-with-dashes>` of a unique key.
@@ -115,6 +117,37 @@ def parse_args(argv: Sequence[str]) -> Tuple[Optional[str], List[str], Dict[str,
     return config_path, overrides, flags
 
 
+def launched_world_size() -> Optional[int]:
+    """The world size the launcher (or a test harness's process group) gave this process; None for a plain
+    `python script.py`."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+
+
+def parse(argv: Sequence[str]) -> Tuple[Optional[Config], Dict[str, Any], Optional[Tuple[int, int, int]]]:
+    """(config, flags, (tp, pp, dp)) from a command line; raises ConfigError before anything distributed happens."""
+    config_path, overrides, flags = parse_args(argv)
+    if flags["help"]:
+        return None, flags, None
+    if config_path is None:
+        raise ConfigError("no config given: pass --config configs/<name>.json")
+    cfg = load_config(config_path, overrides)
+    p = cfg.parallel
+    world = launched_world_size()
+    if world is None:  # one rank, or the dry run's planned grid
+        world = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * (p.data_parallel_size or 1) \
+            if flags["dry_run"] else 1
+    accelerator = None
+    if cfg.training.precision == "fp16" and not flags["dry_run"]:  # a dry run plans for GPUs
+        from gptpar.training.engine import detect_accelerator
+
+        accelerator = detect_accelerator()
+    return cfg, flags, cfg.check(world, accelerator)
+
+
 def _json_or_str(value: str) -> Any:
     try:
         return json.loads(value)
@@ -122,4 +155,4 @@ def _json_or_str(value: str) -> Any:
         return value
 
 
-__all__ = ["parse_args", "cli_aliases", "USAGE"]
+__all__ = ["parse", "parse_args", "cli_aliases", "launched_world_size", "USAGE"]

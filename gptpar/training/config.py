@@ -1,8 +1,8 @@
-"""The one config source: JSON sections as validated dataclasses, `--set` overrides, the DeepSpeed dict.
+"""The one config source: JSON sections as validated dataclasses and `--set` overrides.
 
     cfg = load_config("configs/cpu_tiny.json", ["training.micro_batch_size=4"])
     tp, pp, dp = cfg.check(world_size)          # cross-section checks, before any process group
-    ds_config = deepspeed_config(cfg, dp)        # generated, never kept by hand beside the JSON
+    ds_config = gptpar.training.engine.deepspeed_config(cfg, dp)  # generated from it, in the DeepSpeed module
 
 Sections and keys use Megatron's names: `model` (gptpar.model.config.GPTConfig), `parallel`, `training`,
 `data`, `checkpoint`, `logging`. Each field's meaning lives in its `metadata["doc"]`; docs/config.md is
@@ -21,7 +21,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 from gptpar.model.config import RECOMPUTE_MODES, GPTConfig, recompute_mode
 from gptpar.model.partition import partition_layers, resolve_partition_method
 from gptpar.parallel import resolve_sizes
-from gptpar.training.schedules import BatchSizeRampup
+from gptpar.training.schedules import BatchSizeRampup, LearningRateSchedule
 
 
 class ConfigError(ValueError):
@@ -264,24 +264,15 @@ class TrainingConfig:
                     raise ConfigError(f"training.{name} is iteration-based but training.train_samples is set: "
                                       f"use training.{name.replace('iters', 'samples')} instead")
             warmup, decay, unit = self.lr_warmup_samples, self.lr_decay_samples or self.train_samples, "samples"
-        if warmup >= decay:  # Megatron's AnnealingLR asserts warmup_steps < decay_steps
+        try:  # the schedule's own rule (Megatron's AnnealingLR asserts warmup_steps < decay_steps)
+            LearningRateSchedule.from_config(self)
+        except ValueError:
             raise ConfigError(f"training.lr_warmup_{unit} ({warmup}) must be below the decay length "
-                              f"(lr_decay_{unit} or train_{unit}: {decay}): shorten the warmup")
-        if self.rampup_batch_size is not None:
-            if len(self.rampup_batch_size) != 3:
-                raise ConfigError("training.rampup_batch_size must be [start, increment, samples], got "
-                                  f"{self.rampup_batch_size}")
-            start, increment, samples = self.rampup_batch_size
-            if start < 1 or increment < 1 or samples < 0:
-                raise ConfigError(f"training.rampup_batch_size {self.rampup_batch_size}: start and increment "
-                                  "must be > 0 and samples >= 0")
-            if start >= self.global_batch_size:
-                raise ConfigError(f"training.rampup_batch_size start ({start}) must be below "
-                                  f"training.global_batch_size ({self.global_batch_size}): lower it, or set "
-                                  "rampup_batch_size to null for a constant batch size")
-            if (self.global_batch_size - start) % increment:
-                raise ConfigError(f"training.rampup_batch_size: global_batch_size - start ({self.global_batch_size} "
-                                  f"- {start}) must divide by the increment ({increment})")
+                              f"(lr_decay_{unit} or train_{unit}: {decay}): shorten the warmup") from None
+        if self.rampup_batch_size is not None and len(self.rampup_batch_size) != 3:
+            raise ConfigError("training.rampup_batch_size must be [start, increment, samples], got "
+                              f"{self.rampup_batch_size}")
+        # the batch arithmetic (ramp-up included) needs the data-parallel size: Config.check runs it
 
     @property
     def zero_stage_note(self) -> Optional[str]:
@@ -318,45 +309,24 @@ class DataConfig:
         if self.synthetic and self.data_path is not None:
             raise ConfigError("data.synthetic=true and data.data_path are both set: set data.data_path=null "
                               "for synthetic data, or data.synthetic=false to read the dataset")
-        if isinstance(self.data_path, list):
-            parse_data_path(self.data_path)
-        elif self.data_path == "":
+        if self.data_path == "":
             raise ConfigError("data.data_path is empty: give a dataset prefix or null")
-        parse_split(self.split)
+        _check_data(self.data_path, self.split)
         if self.loss_on_targets_only and not self.prefix_lm:
             raise ConfigError("data.loss_on_targets_only needs data.prefix_lm=true (targets follow the prefix)")
 
 
-def parse_data_path(data_path: Union[str, Sequence]) -> List[Tuple[Optional[float], str]]:
-    """Megatron's data path as [(weight, prefix)], weights normalised to sum 1 (None for an unweighted list of
-    several prefixes, which the datasets blend by their token counts).
+def _check_data(data_path, split) -> None:
+    """The data pipeline's own parsers (gptpar.data.gpt_dataset: the path grammar and the blend weights'
+    rule, the split), so a data path or split the config accepts is one the datasets read the same way."""
+    from gptpar.data.gpt_dataset import DataError, parse_data_path, parse_split
 
-    Parsed with the data pipeline's own grammar (`gptpar.data.gpt_dataset.parse_data_path`), so a path the
-    config accepts is one the datasets read the same way; only the weights' range is checked here.
-    """
-    from gptpar.data.gpt_dataset import DataError, parse_data_path as parse
-
-    try:
-        prefixes, weights = parse(data_path)
-    except DataError as e:
-        raise ConfigError(f"data.data_path: {e}") from None
-    if weights is None:
-        return [(1.0 if len(prefixes) == 1 else None, p) for p in prefixes]
-    if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
-        raise ConfigError(f"data.data_path weights {weights} must be finite, >= 0 and not all 0")
-    total = sum(weights)
-    return [(w / total, p) for w, p in zip(weights, prefixes)]
-
-
-def parse_split(split: str) -> List[float]:
-    """Megatron's `--split "949,50,1"` as three normalised fractions (train, valid, test), by the data
-    pipeline's own parser."""
-    from gptpar.data.gpt_dataset import DataError, parse_split as parse
-
-    try:
-        return parse(split)
-    except DataError as e:
-        raise ConfigError(f"data.split: {e}") from None
+    for key, parse, value in (("data_path", parse_data_path, data_path), ("split", parse_split, split)):
+        if value is not None:
+            try:
+                parse(value)
+            except DataError as e:
+                raise ConfigError(f"data.{key}: {e}") from None
 
 
 @dataclass
@@ -492,19 +462,10 @@ class Config:
             raise ConfigError(f"parallel.sequence_parallel needs model.seq_length ({m.seq_length}) to divide by "
                               f"tensor_model_parallel_size ({tp})")
 
-        unit = t.micro_batch_size * dp
-        if t.global_batch_size % unit:
-            raise ConfigError(
-                f"training.global_batch_size ({t.global_batch_size}) must divide by training.micro_batch_size "
-                f"({t.micro_batch_size}) x data-parallel size ({dp}) = {unit}: change the batch sizes")
-        if t.rampup_batch_size is not None:
-            start, increment, _ = t.rampup_batch_size
-            for what, value in (("start", start), ("increment", increment)):
-                if value % unit:
-                    raise ConfigError(
-                        f"training.rampup_batch_size {what} ({value}) must divide by training.micro_batch_size "
-                        f"({t.micro_batch_size}) x data-parallel size ({dp}) = {unit} so that every ramp-up "
-                        "batch splits into whole micro-batches")
+        try:
+            BatchSizeRampup.from_config(t, dp)  # the batch arithmetic's one home (gptpar.training.schedules)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
         if self.data.data_path is None and not self.data.synthetic:
             raise ConfigError("data.data_path is not set: give a preprocessed dataset prefix, or set "
@@ -598,51 +559,6 @@ def parse_override(item: str) -> Tuple[str, str, Any]:
     return section, key, value
 
 
-# ---------------------------------------------------------------------------------------------
-# DeepSpeed
-# ---------------------------------------------------------------------------------------------
-
-def deepspeed_config(cfg: Config, dp_size: int, consumed_samples: int = 0) -> dict:
-    """The DeepSpeed config dict generated from `cfg` for `dp_size` data-parallel ranks.
-
-    The batch size is the one in force at `consumed_samples` (the ramp-up start for a fresh run). There is
-    no "optimizer" block: the engine is given a client torch.optim.AdamW (DeepSpeed's FusedAdam would
-    JIT-compile on CPU), and no "scheduler": the trainer sets the LR from `LearningRateSchedule`.
-    """
-    t = cfg.training
-    rampup = BatchSizeRampup.from_config(t, dp_size)
-    gbs = rampup.global_batch_size(consumed_samples)
-    ds = {
-        "train_batch_size": gbs,
-        "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": rampup.num_micro_batches(consumed_samples),
-        "gradient_clipping": t.clip_grad,
-        "zero_optimization": {"stage": t.zero_stage},
-        "bf16": {"enabled": t.precision == "bf16"},
-        "fp16": {"enabled": t.precision == "fp16"},
-        "steps_per_print": 2 ** 31 - 1,  # gptpar prints its own log line
-        "wall_clock_breakdown": False,
-    }
-    if t.precision == "bf16":
-        # Without it DeepSpeed 0.19.8 sums bf16 gradients over the micro-batches (ZeRO-1 picks its bf16 ZeRO
-        # optimizer; the pipeline at stage 0 warns "not safe numerically"). fp32 selects BF16_Optimizer: bf16
-        # weights, an fp32 gradient buffer each micro-batch is added into, fp32 master weights and Adam state
-        # partitioned over dp - what BLOOM trained with. (zero_stage is 1 here: TrainingConfig promotes 0.)
-        ds["data_types"] = {"grad_accum_dtype": "fp32"}
-        # Add each bf16 gradient into the fp32 buffer as soon as autograd produces it and free it, instead of
-        # keeping every bf16 gradient alive until the end of backward: 2 bytes per parameter less at the peak.
-        ds["bf16"]["immediate_grad_update"] = True
-    if t.precision == "fp16":
-        ds["fp16"].update({
-            "loss_scale": t.loss_scale,  # 0 = dynamic
-            "initial_scale_power": int(round(math.log2(t.initial_loss_scale))),
-            "loss_scale_window": t.loss_scale_window,
-            "hysteresis": t.hysteresis,
-            "min_loss_scale": t.min_loss_scale,
-        })
-    return ds
-
-
 __all__ = ["ConfigError", "Accelerator", "Config", "ParallelConfig", "TrainingConfig", "DataConfig", "CheckpointConfig",
            "LoggingConfig", "GPTConfig", "SECTIONS", "MODEL_DOCS", "load_config", "config_from_dict",
-           "parse_override", "parse_data_path", "parse_split", "deepspeed_config"]
+           "parse_override"]

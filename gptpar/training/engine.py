@@ -1,7 +1,12 @@
-"""The GPT under a DeepSpeed engine: ZeRO-1, gradient accumulation, clipping, fp32/bf16/fp16.
+"""DeepSpeed behind one module: the GPT under a DeepSpeed engine (ZeRO-1, gradient accumulation, clipping,
+fp32/bf16/fp16), the generated DeepSpeed config, checkpoint calls, zero counting and the accelerator.
+
+Nothing else in gptpar/ imports DeepSpeed except the pipeline-stage builder (gptpar/model/pipeline.py:
+`PipelineModule`, `LayerSpec`, the topology); tests/test_package_structure.py keeps it so. The trainer and the
+checkpointer talk to `TrainEngine`, never to the DeepSpeed engine it holds.
 
 `build_engine` takes the model (a plain `GPTModel` for pp = 1, a `PipelineModule` for pp > 1), a client
-AdamW (so DeepSpeed does not JIT-build its CPU FusedAdam) and a generated DeepSpeed config dict.
+AdamW (so DeepSpeed does not JIT-build its CPU FusedAdam) and the dict `deepspeed_config` generates.
 `TrainEngine.train_step(micro_batches)` runs one optimizer step over the micro-batches of this
 data-parallel rank, the same way for both kinds of model, and exposes what the log line needs.
 
@@ -15,11 +20,30 @@ Precision (DeepSpeed 0.19.8, chosen by the generated config, reported by `precis
     bf16        BF16_Optimizer: bf16 weights, fp32 gradient accumulation buffer, fp32 master weights and Adam
                 state partitioned over dp (`data_types.grad_accum_dtype = fp32`, ZeRO stage 1)
     fp16        dynamic loss scaling; ZeRO-0: FP16_(Unfused)Optimizer, ZeRO-1: DeepSpeedZeroOptimizer
+
+DeepSpeed 0.19.8 internals relied on (beyond `deepspeed.initialize` and the engine's public methods), and the
+test that breaks when one changes:
+    `data_types.grad_accum_dtype = fp32` selects BF16_Optimizer        test_precision.py::test_bf16_accumulates_in_fp32_through_bf16_optimizer,
+                                                                        ::test_precision_plans_name_the_real_optimizers
+    the wrapper's `.optimizer` (the client AdamW) and its buffers      test_precision.py::test_state_bytes_match_the_memory_estimate,
+      (`precision_plan`, `held_state_bytes`, `ZeroCounter`)             ::test_zero1_shards_the_optimizer_state
+    `engine.clip_fp32_gradients` replaced and `engine._global_grad_norm` test_trainer.py::test_pipeline_without_zero_clips_by_the_same_norm,
+      written (fp32 without ZeRO)                                       test_topology_equivalence.py (grad norms against serial)
+    ZeRO's `groups_padding` / `group_paddings` (ZeroCounter)           test_trainer.py::test_log_line_and_metrics_fields_recomputed (num zeros)
+    the fp16 scale in `loss_scale_config.cur_scale` / `cur_scale`      test_trainer_fp16.py::test_overflow_skips_halve_the_scale_and_hold_the_lr,
+      (`fp16_loss_scale`), and in the optimizer shards'                 test_precision.py::test_deepspeed_fp16_stage0_does_not_scale_the_loss
+      `optimizer_state_dict.loss_scaler` (`checkpoint_loss_scale`)
+    the CPU accelerator's `is_fp16_supported` / `supported_dtypes`     test_precision.py (every fp16 case runs through allow_fp16_on_cpu)
+      (`detect_accelerator`, patched by `allow_fp16_on_cpu`)
+    `set_gradient_accumulation_boundary` after a ramp-up changes the   test_trainer.py::test_log_line_and_metrics_fields_recomputed (the ramp run)
+      number of micro-batches
+    `save_checkpoint(..., save_latest=False)` / `load_checkpoint`      test_trainer.py::test_exact_resume
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import time
 from collections import defaultdict
 from typing import Dict, List, Optional
@@ -28,7 +52,8 @@ import torch
 import torch.distributed as dist
 
 from gptpar.model.kernels import make_adamw
-from gptpar.training.config import Accelerator
+from gptpar.training.config import Accelerator, Config
+from gptpar.training.schedules import BatchSizeRampup
 
 
 def detect_accelerator() -> Accelerator:
@@ -177,6 +202,20 @@ class TrainEngine:
         """Follow a batch-size ramp-up: the engine's accumulation steps and train batch size."""
         self.ds.set_train_batch_size(num_micro_batches * micro_batch_size * self.pstate.dp_size)
 
+    # -- what the trainer and the checkpointer need --------------------------------------------
+    def parameters(self):
+        """This rank's model parameters (its tp shard of its pipeline stage)."""
+        return self.ds.module.parameters()
+
+    def save_checkpoint(self, save_dir: str, tag: str, client_state: dict) -> None:
+        """DeepSpeed's part of checkpoint `tag` (model and optimizer shards); `latest` is gptpar's to move."""
+        self.ds.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
+
+    def load_checkpoint(self, directory: str, tag: str) -> bool:
+        """Restore DeepSpeed's part of checkpoint `tag`; False when DeepSpeed found nothing to load."""
+        loaded, _ = self.ds.load_checkpoint(directory, tag=tag)
+        return loaded is not None
+
     # -- what the log line needs ---------------------------------------------------------------
     @property
     def loss_scale(self) -> float:
@@ -207,7 +246,7 @@ class TrainEngine:
 
     def held_state_bytes(self) -> dict:
         """Bytes this rank holds for parameters, gradients and the optimizer wrapper's buffers and state (each
-        storage counted once, under the first of those it is found in): what gptpar.memory estimates."""
+        storage counted once, under the first of those it is found in): what gptpar.estimate.memory estimates."""
         seen, out = set(), {"parameters": 0, "gradients": 0, "optimizer": 0}
 
         def add(kind, t):
@@ -355,3 +394,108 @@ def _clip_and_keep_norm(engine, pstate) -> None:
         p.grad.detach().mul_(coef)
     engine._global_grad_norm = float(norm)
 
+
+class ZeroCounter:
+    """Counts zero entries in the gradients the optimizer is about to step on (after clipping).
+
+    A step-pre-hook on the client optimizer: under ZeRO-1 it sees this dp rank's flat fp32 partition
+    (alignment padding subtracted), otherwise the full gradients. `total()` sums over the ranks that hold
+    different parameters (a collective). Under ZeRO the flat partitions no longer say which parameter is a
+    replica, so tensor-parallel replicas (LayerNorms, row-parallel biases) count once per tp rank and the
+    pipeline's tied embedding once per stage holding it.
+    """
+
+    def __init__(self, engine: "TrainEngine", pstate, partitioned: bool):
+        self.ds_opt, self.pstate, self.partitioned = engine.ds.optimizer, pstate, partitioned
+        inner = getattr(self.ds_opt, "optimizer", self.ds_opt)
+        self.local: Optional[int] = None
+        self._handle = inner.register_step_pre_hook(self._count)
+
+    def reset(self) -> None:
+        """Before each iteration (ZeRO steps the inner optimizer once per parameter group)."""
+        self.local = None
+
+    def _count(self, optimizer, args, kwargs) -> None:
+        if self.local is None:  # the partitions' alignment padding is zero but not part of the model
+            padding = getattr(self.ds_opt, "groups_padding", None) or getattr(self.ds_opt, "group_paddings", None)
+            self.local = -(sum(padding) if self.partitioned and padding else 0)
+        self.local += sum(int((p.grad == 0).sum()) for g in optimizer.param_groups for p in g["params"]
+                          if p.grad is not None)
+
+    def total(self, step_applied: bool) -> Optional[float]:
+        """Zeros over the whole model at the last step; None when it was skipped (an overflow is agreed by
+        all ranks, so either every rank enters the all-reduces or none does)."""
+        if not step_applied or self.local is None:
+            return None
+        count = torch.tensor([self.local], dtype=torch.float64, device=self.pstate.device)
+        groups = [self.pstate.tp_group, self.pstate.pp_group] + ([self.pstate.dp_group] if self.partitioned else [])
+        for group in groups:
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(count, group=group)
+        return float(count.item())
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+# ---------------------------------------------------------------------------------------------
+# The DeepSpeed config
+# ---------------------------------------------------------------------------------------------
+
+def deepspeed_config(cfg: Config, dp_size: int, consumed_samples: int = 0) -> dict:
+    """The DeepSpeed config dict generated from `cfg` for `dp_size` data-parallel ranks.
+
+    The batch size is the one in force at `consumed_samples` (the ramp-up start for a fresh run). There is
+    no "optimizer" block: the engine is given a client torch.optim.AdamW (DeepSpeed's FusedAdam would
+    JIT-compile on CPU), and no "scheduler": the trainer sets the LR from `LearningRateSchedule`.
+    """
+    t = cfg.training
+    rampup = BatchSizeRampup.from_config(t, dp_size)
+    gbs = rampup.global_batch_size(consumed_samples)
+    ds = {
+        "train_batch_size": gbs,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": rampup.num_micro_batches(consumed_samples),
+        "gradient_clipping": t.clip_grad,
+        "zero_optimization": {"stage": t.zero_stage},
+        "bf16": {"enabled": t.precision == "bf16"},
+        "fp16": {"enabled": t.precision == "fp16"},
+        "steps_per_print": 2 ** 31 - 1,  # gptpar prints its own log line
+        "wall_clock_breakdown": False,
+    }
+    if t.precision == "bf16":
+        # Without it DeepSpeed 0.19.8 sums bf16 gradients over the micro-batches (ZeRO-1 picks its bf16 ZeRO
+        # optimizer; the pipeline at stage 0 warns "not safe numerically"). fp32 selects BF16_Optimizer: bf16
+        # weights, an fp32 gradient buffer each micro-batch is added into, fp32 master weights and Adam state
+        # partitioned over dp - what BLOOM trained with. (zero_stage is 1 here: TrainingConfig promotes 0.)
+        ds["data_types"] = {"grad_accum_dtype": "fp32"}
+        # Add each bf16 gradient into the fp32 buffer as soon as autograd produces it and free it, instead of
+        # keeping every bf16 gradient alive until the end of backward: 2 bytes per parameter less at the peak.
+        ds["bf16"]["immediate_grad_update"] = True
+    if t.precision == "fp16":
+        ds["fp16"].update({
+            "loss_scale": t.loss_scale,  # 0 = dynamic
+            "initial_scale_power": int(round(math.log2(t.initial_loss_scale))),
+            "loss_scale_window": t.loss_scale_window,
+            "hysteresis": t.hysteresis,
+            "min_loss_scale": t.min_loss_scale,
+        })
+    return ds
+
+def quiet_deepspeed_log() -> None:
+    """DeepSpeed's own log at WARNING: its INFO lines would drown gptpar's log line."""
+    import logging
+
+    from deepspeed.utils import logger as ds_logger
+
+    ds_logger.setLevel(logging.WARNING)
+
+
+def allow_fp16_on_cpu() -> None:
+    """Make DeepSpeed's CPU accelerator accept fp16 in this process (slow emulated math: tiny runs only), so
+    that fp16 tests and smoke runs do not depend on whether this CPU has AVX512-FP16 / AMX-FP16."""
+    from deepspeed.accelerator import get_accelerator
+
+    cls = type(get_accelerator())
+    cls.is_fp16_supported = lambda self: True
+    cls.supported_dtypes = lambda self: [torch.float, torch.bfloat16, torch.float16]

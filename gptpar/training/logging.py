@@ -64,8 +64,11 @@ def format_log_line(*, iteration: int, train_iters: int, consumed_samples: int, 
     return line
 
 
-def parse_log_line(line: str) -> Dict[str, object]:
-    """A log line (anything before ' iteration' is ignored) back into a record; omitted fields are None."""
+def parse_log_line(line: str, strict: bool = True) -> Dict[str, object]:
+    """A log line (anything before ' iteration' is ignored) back into a record; omitted fields are None.
+
+    `strict=False` reads other Megatron logs (tools/tflops.py --log): fields it does not know are skipped, and
+    Megatron-LM's `elapsed time per iteration (ms)` is read into elapsed_s."""
     m = re.search(r"iteration\s+(\d+)/\s*(\d+)\s*\|(.*)$", line.rstrip("\n"))
     if m is None:
         raise ValueError(f"not a training log line: {line!r}")
@@ -77,9 +80,15 @@ def parse_log_line(line: str) -> Dict[str, object]:
         if not part:
             continue
         label, _, value = part.rpartition(":")
-        key = by_label.get(label.strip())
+        label = label.strip()
+        if label == "elapsed time per iteration (ms)" and not strict:
+            record["elapsed_s"] = float(value) / 1000.0
+            continue
+        key = by_label.get(label)
         if key is None:
-            raise ValueError(f"unknown field {label.strip()!r} in log line")
+            if strict:
+                raise ValueError(f"unknown field {label!r} in log line")
+            continue
         record[key] = int(value) if key in _INT_KEYS else float(value)
     return record
 

@@ -73,6 +73,18 @@ class LearningRateSchedule:
         return self.min_lr + coeff * (self.max_lr - self.min_lr)
 
 
+def rampup_split_problem(start: int, increment: int, micro_batch_size: int, dp_size: int) -> Optional[str]:
+    """Why a ramp-up's batches do not split into whole micro-batches on dp_size ranks, or None (the rule
+    `BatchSizeRampup` enforces and the topology planner flags)."""
+    unit = micro_batch_size * dp_size
+    for what, value in (("start", start), ("increment", increment)):
+        if value % unit:
+            return (f"training.rampup_batch_size {what} ({value}) must divide by training.micro_batch_size "
+                    f"({micro_batch_size}) x data-parallel size ({dp_size}) = {unit} so that every ramp-up batch "
+                    "splits into whole micro-batches")
+    return None
+
+
 @dataclass(frozen=True)
 class BatchSizeRampup:
     """Global batch size as a function of consumed samples (Megatron's RampupBatchsizeNumMicroBatches).
@@ -90,14 +102,31 @@ class BatchSizeRampup:
     samples: int = 0
 
     def __post_init__(self):
-        unit = self.micro_batch_size * self.dp_size
-        sizes = [self.final_batch_size] + ([] if self.start is None else [self.start, self.increment])
-        if unit < 1 or any(s < 1 or s % unit for s in sizes):
-            raise ValueError(f"batch sizes {sizes} must be positive multiples of micro_batch_size x dp = {unit}")
-        if self.start is not None and ((self.final_batch_size - self.start) % self.increment
-                                       or self.start >= self.final_batch_size or self.samples < 0):
-            raise ValueError(f"ramp-up start {self.start}, increment {self.increment}, samples {self.samples} "
-                             f"does not reach global batch size {self.final_batch_size}")
+        # The one home of the batch arithmetic: Config.check calls this before any process group exists, so
+        # the messages name the config keys.
+        mbs, dp, unit = self.micro_batch_size, self.dp_size, self.micro_batch_size * self.dp_size
+        if mbs < 1 or dp < 1:
+            raise ValueError(f"training.micro_batch_size ({mbs}) and the data-parallel size ({dp}) must be >= 1")
+        if self.final_batch_size < 1 or self.final_batch_size % unit:
+            raise ValueError(
+                f"training.global_batch_size ({self.final_batch_size}) must divide by training.micro_batch_size "
+                f"({mbs}) x data-parallel size ({dp}) = {unit}: change the batch sizes")
+        if self.start is None:
+            return
+        start, increment, samples = self.start, self.increment, self.samples
+        if start < 1 or increment < 1 or samples < 0:
+            raise ValueError(f"training.rampup_batch_size {[start, increment, samples]}: start and increment "
+                             "must be > 0 and samples >= 0")
+        if start >= self.final_batch_size:
+            raise ValueError(f"training.rampup_batch_size start ({start}) must be below training.global_batch_size "
+                             f"({self.final_batch_size}): lower it, or set rampup_batch_size to null for a constant "
+                             "batch size")
+        if (self.final_batch_size - start) % increment:
+            raise ValueError(f"training.rampup_batch_size: global_batch_size - start ({self.final_batch_size} - "
+                             f"{start}) must divide by the increment ({increment})")
+        problem = rampup_split_problem(start, increment, mbs, dp)
+        if problem:
+            raise ValueError(problem)
 
     @classmethod
     def from_config(cls, training, dp_size: int) -> "BatchSizeRampup":
@@ -136,4 +165,4 @@ def train_iters(training, dp_size: int) -> int:
     return BatchSizeRampup.from_config(training, dp_size).train_iters(training.train_samples)
 
 
-__all__ = ["LearningRateSchedule", "BatchSizeRampup", "train_iters"]
+__all__ = ["LearningRateSchedule", "BatchSizeRampup", "rampup_split_problem", "train_iters"]

@@ -15,12 +15,11 @@ the optimizer step (evaluation and checkpoint saves are not in it); samples/s an
 The log line is printed by the last pipeline stage's first data-parallel rank (tp rank 0); the same record
 goes to the metrics JSONL, TensorBoard and wandb (gptpar.training.logging). Skipped iterations are counted
 from the engine's `step_applied`, NaN iterations from the loss, num zeros from the gradients the optimizer
-steps on (only with logging.log_num_zeros, else omitted), TFLOPs from gptpar.flops.
+steps on (only with logging.log_num_zeros, else omitted), TFLOPs from gptpar.estimate.flops.
 """
 from __future__ import annotations
 
 import math
-import os
 import signal
 import time
 from dataclasses import asdict, dataclass
@@ -29,7 +28,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from gptpar.flops import tflops_per_gpu
+from gptpar.estimate.flops import tflops_per_gpu
+from gptpar.training.engine import ZeroCounter
 from gptpar.training.logging import (IntervalStats, MetricsWriter, TensorBoardWriter, WandbWriter,
                                      format_eval_block, format_log_line, format_timers_line)
 from gptpar.training.schedules import BatchSizeRampup, LearningRateSchedule, train_iters
@@ -74,49 +74,6 @@ class StopSignals:
         self.received = signum
 
 
-class ZeroCounter:
-    """Counts zero entries in the gradients the optimizer is about to step on (after clipping).
-
-    A step-pre-hook on the client optimizer: under ZeRO-1 it sees this dp rank's flat fp32 partition
-    (alignment padding subtracted), otherwise the full gradients. `total()` sums over the ranks that hold
-    different parameters (a collective). Under ZeRO the flat partitions no longer say which parameter is a
-    replica, so tensor-parallel replicas (LayerNorms, row-parallel biases) count once per tp rank and the
-    pipeline's tied embedding once per stage holding it.
-    """
-
-    def __init__(self, ds_engine, pstate, partitioned: bool):
-        self.ds_opt, self.pstate, self.partitioned = ds_engine.optimizer, pstate, partitioned
-        inner = getattr(self.ds_opt, "optimizer", self.ds_opt)
-        self.local: Optional[int] = None
-        self._handle = inner.register_step_pre_hook(self._count)
-
-    def reset(self) -> None:
-        """Before each iteration (ZeRO steps the inner optimizer once per parameter group)."""
-        self.local = None
-
-    def _count(self, optimizer, args, kwargs) -> None:
-        if self.local is None:  # the partitions' alignment padding is zero but not part of the model
-            padding = getattr(self.ds_opt, "groups_padding", None) or getattr(self.ds_opt, "group_paddings", None)
-            self.local = -(sum(padding) if self.partitioned and padding else 0)
-        self.local += sum(int((p.grad == 0).sum()) for g in optimizer.param_groups for p in g["params"]
-                          if p.grad is not None)
-
-    def total(self, step_applied: bool) -> Optional[float]:
-        """Zeros over the whole model at the last step; None when it was skipped (an overflow is agreed by
-        all ranks, so either every rank enters the all-reduces or none does)."""
-        if not step_applied or self.local is None:
-            return None
-        count = torch.tensor([self.local], dtype=torch.float64, device=self.pstate.device)
-        groups = [self.pstate.tp_group, self.pstate.pp_group] + ([self.pstate.dp_group] if self.partitioned else [])
-        for group in groups:
-            if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(count, group=group)
-        return float(count.item())
-
-    def remove(self) -> None:
-        self._handle.remove()
-
-
 class Trainer:
     """Runs the loop for one process; every method is called on every rank (they hold collectives)."""
 
@@ -138,7 +95,7 @@ class Trainer:
         self.nan_streak = 0  # consecutive iterations with a NaN/Inf loss (the same on every rank: the loss is)
         self.is_log_rank = pstate.is_last_stage and pstate.dp_rank == 0 and pstate.tp_rank == 0
         partitioned = t.zero_stage >= 1  # bf16 without ZeRO keeps full gradients on every dp rank
-        self.zeros = ZeroCounter(engine.ds, pstate, partitioned) if cfg.logging.log_num_zeros else None
+        self.zeros = ZeroCounter(engine, pstate, partitioned) if cfg.logging.log_num_zeros else None
         self.metrics = self.tensorboard = self.wandb = None
         if cfg.logging.timers:
             engine.time_phases()
@@ -278,7 +235,6 @@ class Trainer:
     def stop_reason(self) -> Optional[str]:
         """Why to stop after this iteration, agreed by all ranks (one all-reduce MAX), or None."""
         t = self.cfg.training
-        _test_stall(self.pstate.rank, self.counters.iteration)
         minutes = (time.time() - self.start_time) / 60.0
         flags = torch.tensor([self.signals.received or 0, t.exit_duration_in_mins is not None
                               and minutes > t.exit_duration_in_mins], dtype=torch.float64, device=self.pstate.device)
@@ -313,13 +269,13 @@ class Trainer:
             self._say(f"warning: {message}")
             return
         start = time.time()
-        path = self.checkpointer.save(self.engine.ds, self.counters.iteration, self.client_state(), self.tracker)
+        path = self.checkpointer.save(self.engine, self.counters.iteration, self.client_state(), self.tracker)
         self.saved_at = self.counters.iteration
         self._say(f"saved checkpoint {path} in {time.time() - start:.2f} s")
 
     def weights_finite(self) -> bool:
         """Whether every rank's weights are finite (one all-reduce MAX of a flag)."""
-        bad = any(not bool(torch.isfinite(p).all()) for p in self.engine.ds.module.parameters())
+        bad = any(not bool(torch.isfinite(p).all()) for p in self.engine.parameters())
         flag = torch.tensor([float(bad)], device=self.pstate.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -347,7 +303,7 @@ class Trainer:
         """Load the checkpoint `checkpoint.load` points at (if any) and continue its counters."""
         if self.checkpointer is None:
             return
-        state = self.checkpointer.load(self.engine.ds, self.tracker)
+        state = self.checkpointer.load(self.engine, self.tracker)
         if state is not None:
             self.counters = Counters(**{k: state[k] for k in asdict(Counters())})
             self.saved_at = self.counters.iteration
@@ -370,12 +326,4 @@ class Trainer:
                 writer.close()
 
 
-def _test_stall(rank: int, iteration: int) -> None:
-    """Test-only: `GPTPAR_TEST_STALL=RANK:ITERATION` makes that rank hang before the stop all-reduce, so
-    the others must end with the process-group timeout (parallel.distributed_timeout_minutes)."""
-    spec = os.environ.get("GPTPAR_TEST_STALL")
-    if spec and tuple(map(int, spec.split(":"))) == (rank, iteration):
-        time.sleep(3600)
-
-
-__all__ = ["Trainer", "NonFiniteError", "Counters", "StopSignals", "ZeroCounter", "STOP_SIGNALS"]
+__all__ = ["Trainer", "NonFiniteError", "Counters", "StopSignals", "STOP_SIGNALS"]

@@ -1,48 +1,36 @@
 """The dry-run report: what a config means before any GPU is touched.
 
-`render_dry_run(config_dict)` is pure formulas (gptpar.flops, gptpar.memory): the resolved config,
-the pipeline partition, parameters per stage and per tp rank, memory per GPU, and the TFLOPs that
-the seconds per iteration measured in the seed tables would mean for this shape. The trainer's
-`--dry-run` prints it, adding the exact count of the real model built on the meta device.
+`render_dry_run(config, dp_size)` is pure formulas (gptpar.estimate.flops / memory): the resolved config,
+the pipeline partition, parameters per stage and per tp rank, memory per GPU, and the TFLOPs that given
+seconds per iteration (or measured runs of the same shape) would mean. The trainer's `--dry-run` prints it,
+adding the exact count of the real model built on the meta device.
 """
 from __future__ import annotations
 
 import json
-from typing import List, Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
-from gptpar.flops import (exact_model_params, model_size_formula, params_per_stage, resolve_partition_method,
-                          stage_layer_ranges, tflops_per_gpu)
-from gptpar.memory import GIB, memory_per_gpu
+from gptpar.estimate.flops import (exact_model_params, model_size_formula, params_per_stage, resolve_partition_method,
+                                   stage_layer_ranges, tflops_per_gpu)
+from gptpar.estimate.memory import GIB
+from gptpar.estimate.settings import memory_of, settings_of
 from gptpar.model.config import pad_vocab_size
-from gptpar.planning import settings_from_config
-
-# Runs measured in seeds 002/003: (where, layers, hidden, tp, pp, dp, mbs, gbs, sec/it, printed TFLOPs, formula).
-SEED_RUNS: List[Tuple] = [
-    ("003 fp16 10 nodes (log line)", 80, 14400, 8, 10, 1, 1, 2048, 844.81, 98.87, "legacy"),
-    ("003 fp16 20 nodes (log line)", 80, 14400, 8, 10, 2, 1, 2048, 430.21, 97.07, "legacy"),
-    ("003 bf16 10 nodes (log line)", 80, 14400, 8, 10, 1, 1, 2048, 853.81, 97.82, "legacy"),
-    ("003 bf16 20 nodes (log line)", 80, 14400, 8, 10, 2, 1, 2048, 434.14, 96.19, "legacy"),
-    ("003 3D topology, 40 nodes", 80, 14400, 8, 10, 4, 1, 2048, 221.21, 94.39, "legacy"),
-    ("003 3D topology, 40 nodes", 80, 14400, 8, 10, 4, 2, 2048, 207.92, 100.43, "legacy"),
-    ("003 3D topology, 40 nodes", 80, 14400, 8, 10, 4, 4, 2048, 208.18, 100.30, "legacy"),
-    ("003 3D topology, 40 nodes", 80, 14400, 8, 10, 4, 8, 2048, 229.69, 90.91, "legacy"),
-    ("003 final round 02-23", 72, 14336, 8, 12, 4, 4, 2048, 123.79, 130.24, "improved"),
-    ("003 final round 02-23", 72, 14336, 8, 6, 8, 4, 2048, 120.85, 133.40, "improved"),
-    ("003 GBS variations 02-25", 72, 14336, 8, 6, 8, 4, 2048, 114.11, 141.27, "improved"),
-    ("003 GBS variations 02-25", 72, 14336, 8, 12, 4, 4, 2048, 117.07, 137.70, "improved"),
-    ("003 TP variations 02-25", 72, 14336, 4, 12, 8, 2, 2048, 110.48, 145.92, "improved"),
-    ("002 104B baseline, main branch (V100)", 64, 11600, 4, 32, 1, 1, 2048, 696.0, 39.17, "seed 002 one-liner"),
-    ("002 104B baseline, big-science branch", 64, 11600, 4, 32, 1, 1, 2048, 706.0, 38.6, "seed 002 one-liner"),
-]
+from gptpar.training.config import Config
 
 
 def _fmt(n: float) -> str:
     return f"{n:,.0f}"
 
 
-def render_dry_run(cfg: dict, sec_per_iter: Optional[float] = None, meta_param_count: Optional[int] = None) -> str:
-    """The report; meta_param_count (the real model's unique parameters on the meta device) is compared."""
-    s = settings_from_config(cfg)
+def render_dry_run(config: Config, dp_size: int, sec_per_iter: Optional[float] = None,
+                   meta_param_count: Optional[int] = None, measured: Sequence[Tuple] = ()) -> str:
+    """The report for `config` on dp_size data-parallel ranks; meta_param_count (the real model's unique
+    parameters on the meta device) is compared. `measured`: rows (where, layers, hidden, tp, pp, dp, mbs, gbs,
+    sec/it, printed TFLOPs, formula) of runs whose TFLOPs to recompute when their shape is this model's
+    (tests/data/seed_runs.json holds the seeds' runs)."""
+    s = settings_of(config, dp_size)
+    cfg = config.to_dict()
+    cfg["parallel"]["data_parallel_size"] = dp_size
     L, h, tp, pp, dp = s["num_layers"], s["hidden_size"], s["tp_size"], s["pp_size"], s["dp_size"]
     v, v_pad, seq = s["vocab_size"], s["padded_vocab_size"], s["seq_length"]
     mbs, gbs = s["micro_batch_size"], s["global_batch_size"]
@@ -63,13 +51,7 @@ def render_dry_run(cfg: dict, sec_per_iter: Optional[float] = None, meta_param_c
     method = resolve_partition_method(s["partition_method"], L, pp, s["embedding_weight"])
     unique = params_per_stage(**shape)
     per_rank = params_per_stage(**shape, per_tp_rank=True)
-    mem = memory_per_gpu(num_layers=L, hidden_size=h, num_attention_heads=s["num_attention_heads"], vocab_size=v,
-                         seq_length=seq, micro_batch_size=mbs, global_batch_size=gbs, tp_size=tp, pp_size=pp,
-                         dp_size=dp, partition_method=s["partition_method"], precision=s["precision"],
-                         embedding_weight=s["embedding_weight"],
-                         zero_stage=s["zero_stage"], activation_checkpointing=s["activation_checkpointing"],
-                         ffn_hidden_size=s["ffn_hidden_size"], max_position_embeddings=s["max_position_embeddings"],
-                         make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"])
+    mem = memory_of(s)
     lines += ["", f"== pipeline partition ({method}, from {s['partition_method']!r}) and parameters ==",
               f"{'stage':>5} {'blocks':>11} {'extra':<28} {'params':>17} {'per tp rank':>15} {'mem/GPU GiB':>11}"]
     for i, ((a, b), u, r, m) in enumerate(zip(ranges, unique, per_rank, mem["stages"])):
@@ -100,11 +82,11 @@ def render_dry_run(cfg: dict, sec_per_iter: Optional[float] = None, meta_param_c
               f"{worst['total'] / GIB:.1f} GiB"]
 
     lines += ["", "== TFLOPs per GPU that measured seconds/iteration imply (recompute on; padded vocab) =="]
-    runs = [r for r in SEED_RUNS if (r[1], r[2]) == (L, h)]
+    runs = [tuple(r) for r in measured if (r[1], r[2]) == (L, h)]
     if sec_per_iter:
         runs.insert(0, ("given --sec-per-iter", L, h, tp, pp, dp, mbs, gbs, sec_per_iter, None, ""))
     if not runs:
-        lines.append("no seed measurement for this shape (pass sec_per_iter)")
+        lines.append("no measured run of this shape given (pass sec_per_iter)")
     for where, _, _, rtp, rpp, rdp, rmbs, rgbs, sec, printed, how in runs:
         kw = dict(num_layers=L, hidden_size=h, seq_length=seq, global_batch_size=rgbs, sec_per_iter=sec,
                   num_gpus=rtp * rpp * rdp, tp_size=rtp, ffn_hidden_size=s["ffn_hidden_size"])
@@ -117,4 +99,4 @@ def render_dry_run(cfg: dict, sec_per_iter: Optional[float] = None, meta_param_c
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["SEED_RUNS", "render_dry_run"]
+__all__ = ["render_dry_run"]

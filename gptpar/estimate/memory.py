@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from gptpar.flops import params_per_stage, stage_layer_ranges
+from gptpar.estimate.flops import params_per_stage, stage_layer_ranges
 from gptpar.model.config import pad_vocab_size, recompute_mode
 
 GIB = 1024 ** 3

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
-from gptpar.model.config import pad_vocab_size, recompute_mode
+from gptpar.model.config import check_tp_divides, pad_vocab_size, recompute_mode
 from gptpar.model.partition import PARTITION_METHODS, partition_layers, resolve_partition_method  # noqa: F401
 
 FORMULAS = ("improved", "legacy")
@@ -38,8 +38,7 @@ def layer_params(hidden_size: int, ffn_hidden_size: Optional[int] = None, tp_siz
     h, f = hidden_size, ffn_hidden_size or 4 * hidden_size
     split = (3 * h * h + 3 * h) + h * h + (h * f + f) + f * h   # QKV, proj weight, fc1, fc2 weight
     replicated = 2 * h + 2 * h + h + h                           # two LayerNorms, proj and fc2 biases
-    if split % tp_size:
-        raise ValueError(f"hidden/ffn sizes ({h}/{f}) do not split evenly over tp={tp_size}")
+    check_tp_divides(tp_size, hidden_size=h, ffn_hidden_size=f)
     return split // tp_size + replicated
 
 

@@ -1,4 +1,4 @@
-"""3D-topology planning: settings from a config file and/or Megatron-style flags, and the planner.
+"""3D-topology planning: the time model and the search over (tp, pp, dp, micro batch).
 
 The planner enumerates (tp, pp, dp, micro batch) for a model on `nodes x gpus_per_node` GPUs, drops what
 cannot run (hard constraints), flags what runs badly or breaks the batch ramp-up (soft constraints),
@@ -12,116 +12,11 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import List, Optional
 
-from gptpar.flops import model_flops_per_iteration, params_per_stage, stage_layer_ranges
-from gptpar.memory import GIB, memory_per_gpu
-from gptpar.model.config import pad_vocab_size, recompute_mode
-
-
-# ---------------------------------------------------------------------------------------------
-# Settings: the config sections the tools need, flattened, with CLI overrides
-# ---------------------------------------------------------------------------------------------
-
-def load_config(path: str) -> dict:
-    """json.load a config file; ValueError naming --config and the fix when it is missing or bad."""
-    if not path or not os.path.isfile(path):
-        raise ValueError(f"--config {path!r}: no such file (pass a JSON file such as configs/200b.json)")
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--config {path}: not valid JSON ({e}); fix the file") from None
-    if not isinstance(cfg, dict) or "model" not in cfg:
-        raise ValueError(f"--config {path}: needs a 'model' section (see configs/200b.json)")
-    return cfg
-
-
-def settings_from_config(cfg: dict) -> dict:
-    """Flatten the sections the planning tools read; missing keys get Megatron's defaults."""
-    m, p, t = cfg.get("model", {}), cfg.get("parallel", {}), cfg.get("training", {})
-    h = m.get("hidden_size")
-    tp = p.get("tensor_model_parallel_size", 1)
-    s = {
-        "num_layers": m.get("num_layers"), "hidden_size": h, "num_attention_heads": m.get("num_attention_heads"),
-        "ffn_hidden_size": m.get("ffn_hidden_size") or (4 * h if h else None),
-        "seq_length": m.get("seq_length"), "max_position_embeddings": m.get("max_position_embeddings"),
-        "vocab_size": m.get("vocab_size"), "make_vocab_size_divisible_by": m.get("make_vocab_size_divisible_by", 128),
-        "activation": m.get("activation", "gelu"),
-        "tp_size": tp, "pp_size": p.get("pipeline_model_parallel_size", 1),
-        "dp_size": p.get("data_parallel_size", 1), "partition_method": p.get("partition_method", "auto"),
-        "embedding_weight": p.get("embedding_weight") or 1,
-        "micro_batch_size": t.get("micro_batch_size", 1), "global_batch_size": t.get("global_batch_size"),
-        "precision": t.get("precision", "bf16"), "zero_stage": t.get("zero_stage", 1),
-        "activation_checkpointing": recompute_mode(t.get("activation_checkpointing", True)),
-        "rampup_batch_size": t.get("rampup_batch_size"),
-    }
-    if s["vocab_size"]:
-        s["padded_vocab_size"] = pad_vocab_size(s["vocab_size"], tp, s["make_vocab_size_divisible_by"])
-    return s
-
-
-def add_model_flags(parser) -> None:
-    """The Megatron-style flags shared by tools/model_size.py, tflops.py and memory.py."""
-    parser.add_argument("--config", help="JSON config (configs/*.json); flags below override it")
-    for flag in ("num-layers", "hidden-size", "num-attention-heads", "seq-length", "vocab-size",
-                 "global-batch-size", "tensor-model-parallel-size", "pipeline-model-parallel-size", "gpus"):
-        parser.add_argument(f"--{flag}", type=int)
-    parser.add_argument("--sec-per-iter", type=float)
-    parser.add_argument("--formula", default="improved", help="improved (default) or legacy")
-    parser.add_argument("--no-recompute", action="store_true", help="activation recompute off (factor 3)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def settings_from_args(args) -> dict:
-    """Config (if any) overridden by explicit flags. --vocab-size is taken as the padded size as given."""
-    s = settings_from_config(load_config(args.config)) if args.config else settings_from_config({})
-    config_hidden = s["hidden_size"]
-    for flag, key in (("num_layers", "num_layers"), ("hidden_size", "hidden_size"),
-                      ("num_attention_heads", "num_attention_heads"), ("seq_length", "seq_length"),
-                      ("global_batch_size", "global_batch_size"), ("tensor_model_parallel_size", "tp_size"),
-                      ("pipeline_model_parallel_size", "pp_size")):
-        if getattr(args, flag) is not None:
-            s[key] = getattr(args, flag)
-    if args.hidden_size is not None and args.hidden_size != config_hidden:
-        s["ffn_hidden_size"] = 4 * args.hidden_size   # a new width: Megatron's default ffn, not the config's
-    if args.vocab_size is not None:
-        s["vocab_size"] = s["padded_vocab_size"] = args.vocab_size
-        s["make_vocab_size_divisible_by"] = 1
-    elif s.get("vocab_size"):
-        s["padded_vocab_size"] = pad_vocab_size(s["vocab_size"], s["tp_size"], s["make_vocab_size_divisible_by"])
-    s["gpus"] = args.gpus if args.gpus is not None else s["tp_size"] * s["pp_size"] * s["dp_size"]
-    s["sec_per_iter"] = args.sec_per_iter
-    if args.formula not in ("improved", "legacy"):
-        raise ValueError(f"--formula {args.formula!r}: use --formula improved or --formula legacy")
-    s["formula"], s["recompute"] = args.formula, not args.no_recompute
-    check_tp(s)
-    return s
-
-
-def check_tp(s: dict) -> None:
-    """ValueError naming --tensor-model-parallel-size when it does not divide heads, hidden or ffn."""
-    tp = s.get("tp_size") or 1
-    if not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"--tensor-model-parallel-size must be a positive integer, got {tp!r}")
-    for key in ("num_attention_heads", "hidden_size", "ffn_hidden_size"):
-        if s.get(key) and s[key] % tp:
-            raise ValueError(f"--tensor-model-parallel-size {tp} must divide {key} ({s[key]}): "
-                             f"pick a tp that divides heads, hidden and ffn sizes")
-    if s.get("pp_size") is not None and (not isinstance(s["pp_size"], int) or s["pp_size"] < 1):
-        raise ValueError(f"--pipeline-model-parallel-size must be a positive integer, got {s['pp_size']!r}")
-
-
-def require(s: dict, *keys: str) -> None:
-    """ValueError naming the flag (and the fix) for every key that is unset or not positive."""
-    for k in keys:
-        v, flag = s.get(k), "--" + _FLAG.get(k, k).replace("_", "-")
-        if v is None:
-            where = "" if k in ("gpus", "sec_per_iter") else " or a --config that sets it"
-            raise ValueError(f"missing {flag}: pass {flag}{where}")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-            raise ValueError(f"{flag} must be a positive number, got {v!r}")
-
-
-_FLAG = {"tp_size": "tensor_model_parallel_size", "pp_size": "pipeline_model_parallel_size"}
+from gptpar.estimate.flops import model_flops_per_iteration, params_per_stage, stage_layer_ranges
+from gptpar.estimate.memory import GIB, memory_per_gpu
+from gptpar.estimate.settings import require
+from gptpar.model.config import check_tp_divides, pad_vocab_size, recompute_mode
+from gptpar.training.schedules import rampup_split_problem
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,13 +62,6 @@ class Candidate:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def _ramp_ok(rampup, dp_mbs: int) -> bool:
-    if not rampup:
-        return True
-    start, increment = rampup[0], rampup[1]
-    return start % dp_mbs == 0 and increment % dp_mbs == 0
 
 
 def compute_rate(hw: Hardware, hidden_size: int, num_attention_heads: int, tp: int, mbs: int) -> float:
@@ -318,7 +206,9 @@ def plan_topology(s: dict, nodes: int, hw: Hardware = Hardware(), mbs_choices=(1
     total = nodes * hw.gpus_per_node
     out = []
     for tp in range(1, hw.gpus_per_node + 1):
-        if heads % tp or h % tp or s["ffn_hidden_size"] % tp:
+        try:
+            check_tp_divides(tp, num_attention_heads=heads, hidden_size=h, ffn_hidden_size=s["ffn_hidden_size"])
+        except ValueError:
             continue
         for pp in range(1, L + 1):
             try:
@@ -354,7 +244,8 @@ def _candidate(s, tp, pp, dp, mbs, gbs_req, nodes, hw) -> Optional[Candidate]:
     soft = []
     if gbs != gbs_req:
         soft.append(f"gbs {gbs_req}->{gbs}")
-    if not _ramp_ok(s.get("rampup_batch_size"), dp * mbs):
+    rampup = s.get("rampup_batch_size")
+    if rampup and rampup_split_problem(rampup[0], rampup[1], mbs, dp):
         soft.append("rampup")
     if (s["num_attention_heads"] // tp) * mbs % 4:
         soft.append("no fused softmax")
@@ -370,14 +261,5 @@ def _candidate(s, tp, pp, dp, mbs, gbs_req, nodes, hw) -> Optional[Candidate]:
                      score=per_req * (1 + hw.soft_rank_penalty * n_ramp), soft=soft)
 
 
-def dry_run_report(config_dict: dict, sec_per_iter: Optional[float] = None,
-                   meta_param_count: Optional[int] = None) -> str:
-    """The text `pretrain_gpt.py --dry-run` prints (see gptpar/planning_report.py): resolved config,
-    partition, parameters per stage and per tp rank, memory per GPU, TFLOPs the seed timings imply."""
-    from gptpar.planning_report import render_dry_run
-    return render_dry_run(config_dict, sec_per_iter, meta_param_count)
-
-
-__all__ = ["load_config", "settings_from_config", "add_model_flags", "settings_from_args", "require", "check_tp", "Hardware",
-           "Candidate", "compute_rate", "predict", "predict_layout", "load_calibration", "calibrated_hardware",
-           "calibration_notes", "plan_topology", "dry_run_report"]
+__all__ = ["Hardware", "Candidate", "compute_rate", "predict", "predict_layout", "load_calibration", "calibrated_hardware",
+           "calibration_notes", "plan_topology"]

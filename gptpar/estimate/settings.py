@@ -1,0 +1,63 @@
+"""What the estimates read: the trainer's `Config` flattened into one dict of sizes, and the memory call.
+
+`settings_of(cfg)` is the only bridge from the config to the formulas (gptpar.estimate.flops / memory), the
+planner and the dry-run report, so every estimate sees the trainer's defaults and checks.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from gptpar.estimate.memory import memory_per_gpu
+from gptpar.model.config import recompute_mode
+from gptpar.training.config import Config
+
+
+def settings_of(cfg: Config, dp_size: Optional[int] = None) -> dict:
+    """The keys the estimates read, from the trainer's `Config` (gptpar.training.config: the one config reader,
+    so precision, ZeRO stage and recompute default as they do for the run). `dp_size` overrides the config's
+    data_parallel_size (None there = 1)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    tp = p.tensor_model_parallel_size
+    return {
+        "num_layers": m.num_layers, "hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads,
+        "ffn_hidden_size": m.ffn_hidden_size, "seq_length": m.seq_length,
+        "max_position_embeddings": m.max_position_embeddings, "vocab_size": m.vocab_size,
+        "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by, "activation": m.activation,
+        "padded_vocab_size": m.padded_vocab_size(tp),
+        "tp_size": tp, "pp_size": p.pipeline_model_parallel_size, "dp_size": dp_size or p.data_parallel_size or 1,
+        "partition_method": p.partition_method, "embedding_weight": p.embedding_weight or 1,
+        "micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size,
+        "precision": t.precision, "zero_stage": t.zero_stage,
+        "activation_checkpointing": recompute_mode(t.activation_checkpointing),
+        "rampup_batch_size": t.rampup_batch_size,
+    }
+
+
+def memory_of(s: dict) -> dict:
+    """gptpar.estimate.memory.memory_per_gpu for settings `s`: the figures tools/memory.py and the dry run both print."""
+    return memory_per_gpu(num_layers=s["num_layers"], hidden_size=s["hidden_size"],
+                          num_attention_heads=s["num_attention_heads"], vocab_size=s["vocab_size"],
+                          seq_length=s["seq_length"], micro_batch_size=s["micro_batch_size"],
+                          global_batch_size=s["global_batch_size"], tp_size=s["tp_size"], pp_size=s["pp_size"],
+                          dp_size=s["dp_size"], partition_method=s["partition_method"],
+                          embedding_weight=s["embedding_weight"], precision=s["precision"],
+                          zero_stage=s["zero_stage"], activation_checkpointing=s["activation_checkpointing"],
+                          ffn_hidden_size=s["ffn_hidden_size"], max_position_embeddings=s["max_position_embeddings"],
+                          make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"])
+
+
+def require(s: dict, *keys: str) -> None:
+    """ValueError naming the flag (and the fix) for every key that is unset or not positive."""
+    for k in keys:
+        v, flag = s.get(k), "--" + _FLAG.get(k, k).replace("_", "-")
+        if v is None:
+            where = "" if k in ("gpus", "sec_per_iter") else " or a --config that sets it"
+            raise ValueError(f"missing {flag}: pass {flag}{where}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise ValueError(f"{flag} must be a positive number, got {v!r}")
+
+
+_FLAG = {"tp_size": "tensor_model_parallel_size", "pp_size": "pipeline_model_parallel_size"}
+
+
+__all__ = ["settings_of", "memory_of", "require"]

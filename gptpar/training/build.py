@@ -1,0 +1,105 @@
+"""The run assembled from a checked `Config`: environment, seeds, model, engine, data, checkpointer, trainer.
+
+pretrain_gpt.py calls these in order (parse -> build -> train); tests and benches build from here too, so
+the pp = 1 / pp > 1 dispatch lives in one place (`build_gpt`).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import random
+
+import numpy as np
+import torch
+
+from gptpar.training.config import Config
+
+
+def setup_environment() -> None:
+    """DeepSpeed's CPU accelerator when there is no CUDA; one share of the cores per local rank."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        if "OMP_NUM_THREADS" not in os.environ:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+    if os.environ.get("GPTPAR_DEEPSPEED_LOG", "warning").lower() != "info":
+        from gptpar.training.engine import quiet_deepspeed_log
+
+        quiet_deepspeed_log()
+
+
+def seed_everything(seed: int, pstate):
+    """Python, numpy and torch seeds, and the tensor-parallel RNG streams (returned tracker)."""
+    from gptpar.tensor_parallel.random import model_parallel_seed
+
+    random.seed(seed)
+    np.random.seed(seed)
+    return model_parallel_seed(seed, pstate.tp_rank, pstate.pp_rank, pstate.device)
+
+
+def build_gpt(config, pstate, *, partition_method: str = "auto", embedding_weight: int = 1, **kw):
+    """A `GPTModel` for pp = 1, DeepSpeed's `PipelineModule` (this rank's stage) for pp > 1. `kw`: the keyword
+    arguments both take (sequence_parallel, rng_tracker, seed, activation_checkpointing, dtype)."""
+    if pstate.pp_size == 1:
+        from gptpar.model.gpt import GPTModel
+
+        return GPTModel(config, tp_group=pstate.tp_group, **kw)
+    from gptpar.model.pipeline import build_pipeline_model
+
+    model, _ = build_pipeline_model(config, pstate, partition_method=partition_method,
+                                    embedding_weight=embedding_weight, **kw)
+    return model
+
+
+def build_model(cfg: Config, pstate, tracker):
+    """The run's model on this rank (see `build_gpt`)."""
+    return build_gpt(cfg.model, pstate, partition_method=cfg.parallel.partition_method,
+                     embedding_weight=cfg.parallel.embedding_weight or 1,
+                     sequence_parallel=cfg.parallel.sequence_parallel, rng_tracker=tracker, seed=cfg.training.seed,
+                     activation_checkpointing=cfg.training.activation_checkpointing)
+
+
+def checkpoint_shape(cfg: Config, pstate) -> dict:
+    """What a checkpoint must share with this run to be resumed (gptpar.training.checkpoint.shape_of)."""
+    from gptpar.training.checkpoint import shape_of
+
+    return shape_of(cfg.to_dict(), pstate.tp_size, pstate.pp_size, pstate.dp_size,
+                    cfg.model.padded_vocab_size(pstate.tp_size), cfg.resolved_partition_method(pstate.pp_size))
+
+
+def build_trainer(cfg: Config, pstate, log, load_target):
+    """Seeds, model, data sources, DeepSpeed engine and checkpointer, under one `Trainer`."""
+    from gptpar.training.checkpoint import Checkpointer
+    from gptpar.training.data import build_sources
+    from gptpar.training.engine import build_engine, deepspeed_config
+    from gptpar.training.schedules import train_iters
+    from gptpar.training.trainer import Trainer
+
+    t, ck = cfg.training, cfg.checkpoint
+    tracker = seed_everything(t.seed, pstate)
+    model = build_model(cfg, pstate, tracker)
+    train_source, valid_source = build_sources(
+        cfg, pstate, train_samples=t.train_samples or train_iters(t, pstate.dp_size) * t.global_batch_size,
+        eval_samples=t.eval_iters * t.global_batch_size if t.eval_interval else 0, log=log)
+    engine = build_engine(model, pstate, deepspeed_config(cfg, pstate.dp_size), lr=t.lr,
+                          weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                          has_attention_mask=train_source.masks.has_attention_mask)
+    checkpointer = Checkpointer(ck.save, load_target, ck.keep_last, pstate.rank, pstate.world_size,
+                                checkpoint_shape(cfg, pstate), cfg.to_json(), log=log, device=pstate.device)
+    return Trainer(cfg, pstate, engine, train_source, valid_source, checkpointer, tracker,
+                   log=functools.partial(print, flush=True))
+
+
+def dry_run(cfg: Config, tp: int, pp: int, dp: int) -> str:
+    """The --dry-run report: formulas and a meta-device build, no process group."""
+    from gptpar.estimate.report import render_dry_run
+    from gptpar.model.pipeline import model_parameter_count, partition_layers, stage_report
+
+    plan = partition_layers(cfg.model.num_layers, pp, cfg.resolved_partition_method(pp),
+                            cfg.parallel.embedding_weight or 1)
+    report = render_dry_run(cfg, dp, meta_param_count=model_parameter_count(cfg.model, tp))
+    return report + "\n== stages of the real model (meta device) ==\n" + stage_report(cfg.model, plan, tp)
+
+
+__all__ = ["setup_environment", "seed_everything", "build_gpt", "build_model", "checkpoint_shape", "build_trainer",
+           "dry_run"]

@@ -1,0 +1,66 @@
+"""Package structure: DeepSpeed stays behind gptpar/training/engine.py (and the pipeline-stage builder), and
+gptpar/ has no import circle. Both read every import statement, function-local ones included, with `ast`."""
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "gptpar")
+# The one DeepSpeed module, and the builder of DeepSpeed's PipelineModule (its layer specs and topology).
+DEEPSPEED_ALLOWED = {"gptpar/training/engine.py", "gptpar/model/pipeline.py"}
+
+
+def package_files():
+    for folder, _, names in os.walk(PACKAGE):
+        for name in sorted(names):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                yield os.path.relpath(path, ROOT).replace(os.sep, "/"), path
+
+
+def imported_modules(path):
+    """Every module an import statement anywhere in the file names (`from a import b` gives a and a.b), and
+    string arguments of importlib.import_module / __import__."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            yield node.module
+            yield from (f"{node.module}.{alias.name}" for alias in node.names)
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None))
+              in ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant)):
+            yield str(node.args[0].value)
+
+
+def module_name(rel):
+    name = rel[:-3].replace("/", ".")
+    return name[:-len(".__init__")] if name.endswith(".__init__") else name
+
+
+def test_only_the_deepspeed_module_and_the_pipeline_builder_import_deepspeed():
+    offenders = {rel: sorted({m for m in imported_modules(path) if m.split(".")[0] == "deepspeed"})
+                 for rel, path in package_files() if rel not in DEEPSPEED_ALLOWED}
+    assert {rel: mods for rel, mods in offenders.items() if mods} == {}
+
+
+def test_no_import_circle_in_the_package():
+    modules = {module_name(rel): path for rel, path in package_files()}
+    graph = {name: sorted({m for m in imported_modules(path) if m in modules and m != name})
+             for name, path in modules.items()}
+    circles, state = [], {}  # state: 1 = on the current path, 2 = done
+
+    def visit(name, path):
+        state[name] = 1
+        for dep in graph[name]:
+            if state.get(dep) == 1:
+                circles.append(path[path.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    # gptpar/__init__.py re-exporting its submodules, which import gptpar.x (never gptpar itself), is no circle
+    assert [c for c in circles if "gptpar" not in c] == []
