@@ -1,8 +1,11 @@
-"""What every data module shares: the error type and the names of a dataset's files (MMIDIDX `.bin` / `.idx`).
+"""What every data module shares: the error type, the names of a dataset's files (MMIDIDX `.bin` / `.idx`) and
+their checksum.
 
 Its own module so that indexed.py (which writes the token statistics while building) and token_stats.py (which
 reads the files) both import it without importing each other.
 """
+
+import hashlib
 
 
 class DataError(ValueError):
@@ -17,4 +20,13 @@ def index_file_path(prefix):
     return prefix + ".idx"
 
 
-__all__ = ["DataError", "data_file_path", "index_file_path"]
+def file_sha1(path) -> str:
+    """SHA-1 of a file's bytes, read in 16 MiB blocks (the caches beside a dataset key on it)."""
+    h = hashlib.sha1()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()
+
+
+__all__ = ["DataError", "data_file_path", "index_file_path", "file_sha1"]

@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from gptpar.data.blending import BlendedDataset, build_blending_indices, normalize_weights
+from gptpar.data.files import file_sha1
 from gptpar.data.indexed import DataError, IndexedDataset, index_file_path
 
 INDEX_VERSION = 1  # bump when the index construction changes, to invalidate old caches
@@ -156,14 +157,6 @@ def _compact(a):
 
 # ------------------------------------------------------------------------------------------- datasets
 
-def _file_digest(path):
-    h = hashlib.sha1()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
-
 class GPTDataset:
     """Samples of `seq_length + 1` token ids from one MMIDIDX dataset's document range.
 
@@ -183,7 +176,7 @@ class GPTDataset:
 
     def _load_or_build(self, documents, seed, num_samples, cache_dir):
         # The .idx digest (not its name or mtime) keys the cache: re-preprocessing under the same name rebuilds.
-        key = dict(version=INDEX_VERSION, idx=_file_digest(index_file_path(self.indexed.prefix)),
+        key = dict(version=INDEX_VERSION, idx=file_sha1(index_file_path(self.indexed.prefix)),
                    docs=hashlib.sha1(documents.tobytes()).hexdigest(), seq_length=self.seq_length, seed=seed,
                    groups=num_epoch_groups(max(int(self.indexed.sizes[documents].sum()), 1), self.seq_length,
                                            num_samples))

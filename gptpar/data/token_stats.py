@@ -16,21 +16,13 @@ import os
 
 import numpy as np
 
-from gptpar.data.files import DataError, data_file_path, index_file_path
+from gptpar.data.files import DataError, data_file_path, file_sha1, index_file_path
 
 STATS_VERSION = 1
 
 
 def stats_path(prefix):
     return prefix + ".stats.json"
-
-
-def _sha1_file(path):
-    h = hashlib.sha1()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _bin_identity(prefix):
@@ -55,7 +47,7 @@ def scan(ds, chunk_tokens=1 << 24):
 
 def write_stats(prefix, stats):
     """Cache `stats` (scan's keys) for the current .idx/.bin of `prefix`; quietly skipped on a read-only folder."""
-    record = dict(version=STATS_VERSION, idx_sha1=_sha1_file(index_file_path(prefix)), **_bin_identity(prefix),
+    record = dict(version=STATS_VERSION, idx_sha1=file_sha1(index_file_path(prefix)), **_bin_identity(prefix),
                   **stats)
     tmp = f"{stats_path(prefix)}.tmp-{os.getpid()}"
     try:
@@ -81,7 +73,7 @@ def token_stats(ds, log=print):
     first recorded with this .idx."""
     prefix = ds.prefix
     cached = read_stats(prefix)
-    idx_sha1 = _sha1_file(index_file_path(prefix))
+    idx_sha1 = file_sha1(index_file_path(prefix))
     if cached is not None and cached.get("idx_sha1") == idx_sha1 and \
             all(cached.get(k) == v for k, v in _bin_identity(prefix).items()):
         return cached
