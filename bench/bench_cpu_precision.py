@@ -23,6 +23,8 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from gptpar.training.logging import read_metrics  # noqa: E402
+
 SHAPE = ["model.num_layers=4", "model.hidden_size=256", "model.num_attention_heads=4", "model.seq_length=256",
          "model.max_position_embeddings=256", "model.vocab_size=2048", "training.micro_batch_size=4",
          "training.global_batch_size=8", "training.lr_warmup_iters=2", "logging.log_interval=1"]
@@ -47,8 +49,7 @@ def run(precision: str, iters: int, out: str, override_fp16: bool) -> dict:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"))
     if proc.returncode != 0:
         return {"precision": precision, "exit": proc.returncode, "error": proc.stderr.strip().splitlines()[-1:]}
-    with open(metrics) as f:
-        rows = [r for r in (json.loads(line) for line in f if line.strip()) if "elapsed_s" in r]
+    rows = [r for r in read_metrics(metrics) if "elapsed_s" in r]  # train records, not eval ones
     losses = [r["lm_loss"] for r in rows if r["lm_loss"] is not None]
     timed = [r["elapsed_s"] for r in rows[4:]]  # after warm-up
     return {"precision": precision, "exit": 0, "s_per_iteration": statistics.median(timed),

@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gptpar.estimate.memory import GIB, memory_per_gpu  # noqa: E402
 from gptpar.estimate.settings import settings_of  # noqa: E402
 from gptpar.training.config import load_config  # noqa: E402
+from gptpar.training.logging import read_metrics  # noqa: E402
 
 RATIO_TARGET = 1.05   # issue 12: gptpar's tokens/s >= 1.05 x the compiled peer's
 
@@ -35,8 +36,7 @@ def _load(path):
 def trainer_figures(path, skip=2):
     """Median seconds per iteration, samples/s and TFLOPs of the trainer's metrics file (train records only)."""
     try:
-        with open(path) as f:
-            recs = [json.loads(line) for line in f if line.strip()]
+        recs = read_metrics(path)
     except OSError:
         return None
     recs = [r for r in recs if not r.get("eval")]

@@ -32,6 +32,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from gptpar.training.logging import read_metrics  # noqa: E402
+
 ITERS, SPLIT = 16, 12
 # bf16 losses of two runs of the same math on a GPU (atomics, recompute, split-K GEMMs): relative agreement
 LOSS_TOLERANCE = 2e-2
@@ -74,8 +76,7 @@ def records(out, name):
     path = os.path.join(out, f"{name}.jsonl")
     if not os.path.exists(path):
         return [], []
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    rows = read_metrics(path)
     return [r for r in rows if not r.get("timers") and not r.get("eval")], [r for r in rows if r.get("timers")]
 
 
