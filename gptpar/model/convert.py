@@ -108,6 +108,25 @@ def load_universal(path: str, tag: Optional[str] = None) -> Tuple[StateDict, GPT
     return full, config, run_config
 
 
+def is_hf_model_dir(path: str) -> bool:
+    """A local Hugging Face model directory: its config.json names a `model_type` (gptpar's names `model`)."""
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return False
+    with open(config) as f:
+        return "model_type" in json.load(f)
+
+
+def read_weights(path: str, tag: Optional[str] = None) -> Tuple[StateDict, GPTConfig]:
+    """Full (tp = 1) weights with the real vocab rows, and the model config, from whatever `path` holds:
+    a gptpar checkpoint (any tp x pp; a checkpoint directory or the save directory holding `latest`) or a
+    local Hugging Face model directory. The one reader for every tool that starts from existing weights."""
+    if os.path.isdir(path) and is_hf_model_dir(path):
+        return load_hf(path)
+    state, config, _ = load_universal(path, tag)
+    return state, config
+
+
 def save_hf(state: StateDict, config: GPTConfig, out_dir: str) -> None:
     """Write a Hugging Face GPT2LMHeadModel directory (config.json + weights) loadable offline."""
     try:
