@@ -25,7 +25,9 @@ SPECIAL_ALIASES = {
     "--recompute-activations": "training.activation_checkpointing=selective",  # Megatron-LM: selective
     "--log-num-zeros-in-grad": "logging.log_num_zeros=true",
 }
-LIST_ALIASES = {"--data-path": None, "--rampup-batch-size": 3}  # nargs: None = one or more
+LIST_ALIASES = {"--data-path": None, "--rampup-batch-size": 3,  # nargs: None = one or more
+                "--skip-train-iteration-range": None}  # Megatron-DeepSpeed: --skip-train-iteration-range 5-7 9-9
+STRING_LISTS = ("--data-path", "--skip-train-iteration-range")  # items kept as strings ("0.3", "5-7")
 
 USAGE = """usage: pretrain_gpt.py --config CONFIG.json [--set section.key=value ...] [--dry-run]
                        [Megatron-style aliases, e.g. --micro-batch-size 4 --train-iters 100 --bf16]
@@ -95,7 +97,7 @@ def parse_args(argv: Sequence[str]) -> Tuple[Optional[str], List[str], Dict[str,
                 overrides.append(f"{target}={values[0]}")
             else:
                 parsed = [_json_or_str(v) for v in values]
-                if flag == "--data-path":
+                if flag in STRING_LISTS:
                     parsed = [str(v) for v in values]
                 overrides.append(f"{target}={json.dumps(parsed)}")
         elif flag in aliases:
