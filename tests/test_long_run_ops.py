@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from gptpar.testing import run_distributed
 from gptpar.training.config import ConfigError, config_from_dict
-from trainer_runs import (ROOT, TINY, cosine_lr, log_lines, megatron_rampup, read_jsonl, run_mains,
-                          write_config)
+from trainer_runs import (ROOT, TINY, cosine_lr, log_lines, megatron_rampup, read_jsonl, read_tensorboard,
+                          run_mains, write_config)
 
 GBS, SEQ, SKIP = 8, 16, (5, 7)
 RAMP = dict(start=4, increment=4, ramp_samples=24, final=12)
@@ -209,10 +209,8 @@ def test_megatron_tensorboard_tags_read_back(runs):
     """The ramp run's event files hold Megatron-DeepSpeed's tags, each value at its iteration and at its
     consumed samples / tokens, exactly the metrics file's numbers; skipped iterations are absent."""
     pytest.importorskip("tensorboard")
-    from test_training_logging import _read_tensorboard
-
     d, _, _ = runs
-    scalars = _read_tensorboard(d / "tb")
+    scalars = read_tensorboard(d / "tb")
     records = read_jsonl(d / "ramp.jsonl")
     train, evals = _train(records), [r for r in records if r.get("eval")]
     for tag, key in (("lm-loss-training/lm loss", "lm_loss"), ("learning-rate/learning-rate", "lr"),
@@ -238,7 +236,6 @@ def test_named_validation_sets_each_equal_a_single_set_evaluation(runs):
     from gptpar.data.gpt_dataset import build_train_valid_test_datasets
     from gptpar.model.config import GPTConfig
     from gptpar.model.gpt import GPTModel
-    from test_training_logging import _read_tensorboard
 
     d, out, (code, prose) = runs
     evals = [r for r in read_jsonl(d / "valid.jsonl") if r.get("eval")]
@@ -263,7 +260,7 @@ def test_named_validation_sets_each_equal_a_single_set_evaluation(runs):
         assert f" validation loss of {name} at iteration 1 | lm loss value: {by_set[name]['lm_loss']:.6E} |" \
             in out[0]["valid"][1]
         tag = f"lm-loss-validation/{name}/lm loss validation"
-        assert _read_tensorboard(d / "tb_valid")[tag] == [(1, pytest.approx(by_set[name]["lm_loss"], rel=1e-6))]
+        assert read_tensorboard(d / "tb_valid")[tag] == [(1, pytest.approx(by_set[name]["lm_loss"], rel=1e-6))]
 
 
 @pytest.mark.parametrize("section, values, message", [
@@ -273,13 +270,15 @@ def test_named_validation_sets_each_equal_a_single_set_evaluation(runs):
     ("training", {"skip_train_iteration_range": ["10-20", "5-10"]}, 'ranges 5-10 and 10-20 overlap: merge them'),
     ("training", {"kill_switch_path": ""}, "training.kill_switch_path is an empty string"),
     ("data", {"synthetic": True, "valid_data_path": {"en": "x"}}, "data.valid_data_path names datasets but"),
-    ("data", {"synthetic": False, "data_path": "x", "valid_data_path": {"a/b": "x"}}, "data.valid_data_path: validation set name 'a/b'"),
-    ("data", {"synthetic": False, "data_path": "x", "valid_data_path": ["EN: 1 0.5:0.2 x"]}, "needs 0 <= START < END <= 1"),
-    ("data", {"synthetic": False, "data_path": "x", "valid_data_path": ["EN: 1 0:1 x", "y"]}, "mixes weighted split paths"),
-    ("data", {"synthetic": False, "data_path": "x", "valid_data_path": {"en": ["0.3", "x", "y"]}}, "set 'en': weighted data_path"),
+    ("data", {"valid_data_path": {"a/b": "x"}}, "data.valid_data_path: validation set name 'a/b'"),
+    ("data", {"valid_data_path": ["EN: 1 0.5:0.2 x"]}, "needs 0 <= START < END <= 1"),
+    ("data", {"valid_data_path": ["EN: 1 0:1 x", "y"]}, "mixes weighted split paths"),
+    ("data", {"valid_data_path": {"en": ["0.3", "x", "y"]}}, "set 'en': weighted data_path"),
     ("logging", {"tensorboard_tags": "tb"}, "logging.tensorboard_tags must be one of ['megatron', 'gptpar']"),
 ])
 def test_bad_values_are_config_errors(section, values, message):
+    if section == "data" and "synthetic" not in values:
+        values = dict(values, synthetic=False, data_path="x")
     with pytest.raises(ConfigError) as e:
         config_from_dict(dict(TINY, **{section: dict(TINY[section], **values)}))
     assert message in str(e.value)

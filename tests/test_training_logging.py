@@ -6,6 +6,7 @@ import pytest
 from gptpar.training.logging import (METRIC_KEYS, IntervalStats, MetricsWriter, TensorBoardWriter, eval_record,
                                      format_eval_block, format_eval_line, format_log_line, parse_log_line,
                                      read_metrics)
+from trainer_runs import read_tensorboard
 
 # Quoted verbatim from /work/shared/seeds/003_c1a2cf81af8065a2.txt (Megatron-DeepSpeed output, fp16 and bf16).
 SEED_LINES = [
@@ -83,7 +84,8 @@ def test_eval_line_megatron_format():
     assert "lm loss value: NAN | lm loss PPL: NAN |" in format_eval_line(7, float("nan"))
     # Named validation sets: one line each, then the total as the plain line, all between the rules.
     block = format_eval_block(100, 2.5, {"en": 2.0, "fr": 3.0}).split("\n")
-    assert block[1:4] == [format_eval_line(100, 2.0, "en"), format_eval_line(100, 3.0, "fr"), format_eval_line(100, 2.5)]
+    assert block[1:4] == [format_eval_line(100, 2.0, "en"), format_eval_line(100, 3.0, "fr"),
+                          format_eval_line(100, 2.5)]
     assert block[1].startswith(" validation loss of en at iteration 100 | lm loss value: 2.000000E+00 |")
     assert block[0] == block[4] == "-" * (len(block[2]) + 1)
 
@@ -118,15 +120,6 @@ def test_metrics_writer_full_precision_and_append(tmp_path):
     MetricsWriter(None).write(record)  # no file: a no-op
 
 
-def _read_tensorboard(log_dir):
-    """{tag: [(step, value)]} of every scalar in the event files under log_dir."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(log_dir))
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
 def test_tensorboard_tags_gptpar(tmp_path):
     pytest.importorskip("tensorboard")
     record = dict(zip(METRIC_KEYS, [3, 10, 48, 48 * 64, 0.5, 1e-3, 16, 4.5, 1.0, 2.0, None, 0, 0, 32.0, 0.0]))
@@ -135,7 +128,7 @@ def test_tensorboard_tags_gptpar(tmp_path):
     tb.add_eval(eval_record(3, 48, 48 * 64, 4.0))
     tb.add_eval(eval_record(3, 48, 48 * 64, 3.0, "en"))
     tb.close()
-    scalars = _read_tensorboard(tmp_path)
+    scalars = read_tensorboard(tmp_path)
     expected = {f"train/{k}" for k in METRIC_KEYS if k not in ("iteration", "train_iters", "num_zeros")}
     assert expected | {"train/lm_loss_vs_samples", "eval/lm_loss", "eval/ppl", "eval/en/lm_loss",
                        "eval/en/ppl"} == set(scalars)
@@ -155,10 +148,11 @@ def test_tensorboard_tags_megatron(tmp_path):
     tb.add_eval(eval_record(3, 48, 48 * 64, 4.0))
     tb.add_eval(eval_record(3, 48, 48 * 64, 3.0, "en"))
     tb.close()
-    scalars = _read_tensorboard(tmp_path)
+    scalars = read_tensorboard(tmp_path)
     it, samples, tokens = 3, 48, 48 * 64
     both = ("", " vs samples", " vs tokens")
-    expected = {"steps-vs-samples/y=steps,x=samples": [(samples, it)], "steps-vs-samples/y=samples,x=steps": [(it, samples)],
+    expected = {"steps-vs-samples/y=steps,x=samples": [(samples, it)],
+                "steps-vs-samples/y=samples,x=steps": [(it, samples)],
                 "steps-vs-tokens/y=steps,x=tokens": [(tokens, it)], "steps-vs-tokens/y=tokens,x=steps": [(it, tokens)],
                 "batch-size/batch-size": [(it, 16)], "batch-size/batch-size vs samples": [(samples, 16)]}
     for tag, value in (("learning-rate/learning-rate", 1e-3), ("lm-loss-training/lm loss", 4.5),

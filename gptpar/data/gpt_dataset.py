@@ -115,7 +115,7 @@ def _whole(path, where):
         prefixes, weights = parse_data_path(path)
     except DataError as e:
         raise DataError(f"{where + ': ' if where else ''}{e}") from None
-    return [(p, None if weights is None else w, (0.0, 1.0)) for p, w in zip(prefixes, weights or [None] * len(prefixes))]
+    return [(p, w, (0.0, 1.0)) for p, w in zip(prefixes, weights or [None] * len(prefixes))]
 
 
 def _split_path_entry(name, entry):

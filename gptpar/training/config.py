@@ -317,8 +317,8 @@ class DataConfig:
         None, "A preprocessed dataset prefix (`path/name_text_document`, without .bin/.idx) or Megatron's "
               "weighted blend `[\"0.3\", \"prefixA\", \"0.7\", \"prefixB\"]`. null needs data.synthetic=true.")
     valid_data_path: Optional[Union[str, List[Union[str, float]], Dict[str, Union[str, List[Union[str, float]]]]]] = _f(
-        None, "Named validation sets, each evaluated and logged on its own (lm loss and ppl per set, then their "
-              "mean over the tokens evaluated, every set reading eval_iters global batches): a dict `{\"en\": "
+        None, "Named validation sets, each evaluated and logged on its own (lm loss and ppl per set, then the "
+              "total: their mean, as every set reads the same eval_iters global batches): a dict `{\"en\": "
               "\"data/en_text_document\", \"fr\": [\"0.5\", \"A\", \"0.5\", \"B\"]}` (each value a prefix or "
               "a blend in data.data_path's grammar; all of its documents are validation), or Megatron-DeepSpeed's "
               "weighted split paths `[\"EN: 1.0 0.95:1 data/en_text_document\", \"FR: 0.7 0.9:1 A, 0.3 0.9:1 B\"]` "

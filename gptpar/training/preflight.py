@@ -7,8 +7,8 @@ Order, so that a refused run changes nothing in checkpoint.save (not even a modi
     1. another live job holds checkpoint.save?          (read-only)  gptpar.training.save_folder.peek_lock
     2. checkpoint.load resolved and verified             (read-only)  gptpar.training.checkpoint_files
     3. checkpoint.save holding another run's checkpoints (read-only)
-    4. every dataset's (data_path's and valid_data_path's) largest token id and the tokenizer's vocabulary < model.vocab_size (caches beside
-       the data, gptpar.data.token_stats)
+    4. every dataset's largest token id (data_path's and valid_data_path's) and the tokenizer's vocabulary
+       < model.vocab_size (caches beside the data, gptpar.data.token_stats)
     5. checkpoint.save: lock, probe, leftovers, free space          gptpar.training.save_folder
 """
 from __future__ import annotations
