@@ -292,3 +292,7 @@ def test_megatron_flags_and_forms_are_accepted():
     cfg = config_from_dict(dict(TINY, data={"data_path": "x", "valid_data_path": sets}), overrides)
     assert cfg.training.skip_train_iteration_range == ["101-200", "5-7"]
     assert json.loads(cfg.to_json())["data"]["valid_data_path"] == sets  # saved with checkpoints as given
+    groups = ["EN: 1.0 0.95:1 data/en", "FR: 0.7 0.9:1 data/fr, 0.3 0.9:1 data/fr2"]
+    _, overrides, _ = parse_args(["--valid-weighted-split-paths", *groups])
+    cfg = config_from_dict(dict(TINY, data={"data_path": "x"}), overrides)
+    assert cfg.data.valid_data_path == groups

@@ -24,10 +24,12 @@ SPECIAL_ALIASES = {
     "--checkpoint-activations": "training.activation_checkpointing=true",
     "--recompute-activations": "training.activation_checkpointing=selective",  # Megatron-LM: selective
     "--log-num-zeros-in-grad": "logging.log_num_zeros=true",
+    "--valid-weighted-split-paths": "data.valid_data_path",  # Megatron-DeepSpeed: "EN: 1.0 0.95:1 PREFIX" ...
 }
 LIST_ALIASES = {"--data-path": None, "--rampup-batch-size": 3,  # nargs: None = one or more
-                "--skip-train-iteration-range": None}  # Megatron-DeepSpeed: --skip-train-iteration-range 5-7 9-9
-STRING_LISTS = ("--data-path", "--skip-train-iteration-range")  # items kept as strings ("0.3", "5-7")
+                "--skip-train-iteration-range": None,  # Megatron-DeepSpeed: --skip-train-iteration-range 5-7 9-9
+                "--valid-weighted-split-paths": None}
+STRING_LISTS = ("--data-path", "--skip-train-iteration-range", "--valid-weighted-split-paths")  # kept as strings
 
 USAGE = """usage: pretrain_gpt.py --config CONFIG.json [--set section.key=value ...] [--dry-run]
                        [Megatron-style aliases, e.g. --micro-batch-size 4 --train-iters 100 --bf16]
