@@ -230,10 +230,14 @@ def test_megatron_tensorboard_tags_read_back(runs):
 
 def test_named_validation_sets_each_equal_a_single_set_evaluation(runs):
     """Each set's loss == the serial model (the same seed; lr 0 keeps it at init) on that set's first eval_iters
-    global batches, read with the plain single-dataset reader (split 0,1,0 = every document; 50,50,0 = the
-    second half, as "0.5:1" says); the total is their mean; both sets reach the log, the metrics file and
-    TensorBoard under their names."""
-    from gptpar.data.gpt_dataset import build_train_valid_test_datasets
+    global batches, read alone: `code` with the plain single-dataset reader (split 0,1,0 = every document),
+    `prose` ("0.5:1") as one GPTDataset of documents [round(0.5 D), D) (Megatron-DeepSpeed's get_split_by_range_
+    rounding, written out); the total is their mean; both sets reach the log, the metrics file and TensorBoard
+    under their names."""
+    import numpy as np
+
+    from gptpar.data.gpt_dataset import GPTDataset, build_train_valid_test_datasets
+    from gptpar.data.indexed import IndexedDataset
     from gptpar.model.config import GPTConfig
     from gptpar.model.gpt import GPTModel
 
@@ -245,8 +249,12 @@ def test_named_validation_sets_each_equal_a_single_set_evaluation(runs):
     model = GPTModel(GPTConfig(num_layers=m["num_layers"], hidden_size=m["hidden_size"],
                                num_attention_heads=m["num_attention_heads"], seq_length=SEQ, vocab_size=256,
                                make_vocab_size_divisible_by=128), seed=TINY["training"]["seed"]).eval()
-    for name, prefix, split in (("code", code, "0,1,0"), ("prose", prose, "50,50,0")):
-        _, valid, _ = build_train_valid_test_datasets(prefix, split, SEQ, TINY["training"]["seed"], (0, 2 * GBS, 0))
+    seed, ref = TINY["training"]["seed"], str(d / "reference_cache")  # its own index cache, not the run's
+    _, code_alone, _ = build_train_valid_test_datasets(code, "0,1,0", SEQ, seed, (0, 2 * GBS, 0), cache_dir=ref)
+    prose_docs = IndexedDataset(prose).num_documents
+    prose_alone = GPTDataset(IndexedDataset(prose), np.arange(int(round(0.5 * prose_docs)), prose_docs), SEQ, seed,
+                             2 * GBS, cache_dir=ref)
+    for name, valid in (("code", code_alone), ("prose", prose_alone)):
         losses = []
         with torch.no_grad():
             for k in range(2):
