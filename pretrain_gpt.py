@@ -5,7 +5,8 @@
     python pretrain_gpt.py --config configs/cpu_tiny.json --set training.train_iters=5   # one rank
     python pretrain_gpt.py --config configs/200b.json --dry-run   # the plan only: no process group, no weights
 
-Exit codes: 0 done (SIGTERM / SIGUSR1 save after the current iteration first); 2 refused before anything changed
+Exit codes: 0 done (SIGTERM / SIGUSR1 / the kill switch file save after the current iteration first; a kill
+switch file present at launch exits before building anything); 2 refused before anything changed
 (a config error before any process group; a checkpoint, save folder or data that preflight refuses before the
 model is built); 1 a failed save or a run gone NaN. A rank whose launcher dies exits at once without saving
 (gptpar.training.launcher_watch). The run is assembled in gptpar.training.build.
@@ -61,6 +62,9 @@ def main(argv=None) -> int:
     try:
         # check what load, save and the data mean before anything is built (rank 0 decides for all)
         preflight = run_preflight(cfg, pstate, checkpoint_shape(cfg, pstate), functools.partial(log, flush=True))
+        if preflight.stop:
+            log(preflight.stop, flush=True)
+            return 0
         # build
         trainer = build_trainer(cfg, pstate, log, preflight.load_target)
         if cfg.training.zero_stage_note:

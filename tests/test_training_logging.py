@@ -3,9 +3,10 @@ import math
 
 import pytest
 
-from gptpar.training.logging import (METRIC_KEYS, IntervalStats, MetricsWriter, TensorBoardWriter,
+from gptpar.training.logging import (METRIC_KEYS, IntervalStats, MetricsWriter, TensorBoardWriter, eval_record,
                                      format_eval_block, format_eval_line, format_log_line, parse_log_line,
                                      read_metrics)
+from trainer_runs import read_tensorboard
 
 # Quoted verbatim from /work/shared/seeds/003_c1a2cf81af8065a2.txt (Megatron-DeepSpeed output, fp16 and bf16).
 SEED_LINES = [
@@ -81,6 +82,12 @@ def test_eval_line_megatron_format():
     assert f"{math.exp(20):.6E}" in block[1]  # Megatron caps the perplexity exponent at 20
     # A NaN loss is a NaN perplexity, not the cap (min(20, nan) is 20).
     assert "lm loss value: NAN | lm loss PPL: NAN |" in format_eval_line(7, float("nan"))
+    # Named validation sets: one line each, then the total as the plain line, all between the rules.
+    block = format_eval_block(100, 2.5, {"en": 2.0, "fr": 3.0}).split("\n")
+    assert block[1:4] == [format_eval_line(100, 2.0, "en"), format_eval_line(100, 3.0, "fr"),
+                          format_eval_line(100, 2.5)]
+    assert block[1].startswith(" validation loss of en at iteration 100 | lm loss value: 2.000000E+00 |")
+    assert block[0] == block[4] == "-" * (len(block[2]) + 1)
 
 
 def test_interval_stats():
@@ -99,10 +106,13 @@ def test_metrics_writer_full_precision_and_append(tmp_path):
                                     3.14159265358979, 1.0, 0.987654321, None, 0, 0, 129.870129870, 1.2e-6]))
     MetricsWriter(str(path)).write(record)
     writer = MetricsWriter(str(path))  # a resumed run appends
-    writer.write_eval(5, 80, 3.0)
+    writer.write_eval(eval_record(5, 80, 80 * 64, 3.0))
+    writer.write_eval(eval_record(5, 80, 80 * 64, 2.0, "en"))
     objects = read_metrics(str(path))
     assert objects[0] == record and list(objects[0]) == list(METRIC_KEYS)
-    assert objects[1] == {"eval": True, "iteration": 5, "consumed_samples": 80, "lm_loss": 3.0, "ppl": math.exp(3.0)}
+    assert objects[1] == {"eval": True, "iteration": 5, "consumed_samples": 80, "consumed_tokens": 80 * 64,
+                          "lm_loss": 3.0, "ppl": math.exp(3.0)}
+    assert objects[2] == dict(objects[1], lm_loss=2.0, ppl=math.exp(2.0), valid_set="en")
     line = parse_log_line(format_log_line(**record))
     assert line["lm_loss"] == float(f"{record['lm_loss']:.6E}")  # the line rounds, the file does not
     with pytest.raises(ValueError, match="missing"):
@@ -110,20 +120,49 @@ def test_metrics_writer_full_precision_and_append(tmp_path):
     MetricsWriter(None).write(record)  # no file: a no-op
 
 
-def test_tensorboard_tags(tmp_path):
+def test_tensorboard_tags_gptpar(tmp_path):
     pytest.importorskip("tensorboard")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     record = dict(zip(METRIC_KEYS, [3, 10, 48, 48 * 64, 0.5, 1e-3, 16, 4.5, 1.0, 2.0, None, 0, 0, 32.0, 0.0]))
-    tb = TensorBoardWriter(str(tmp_path))
+    tb = TensorBoardWriter(str(tmp_path), tags="gptpar")
     tb.add_metrics(record)
-    tb.add_eval(3, 4.0)
+    tb.add_eval(eval_record(3, 48, 48 * 64, 4.0))
+    tb.add_eval(eval_record(3, 48, 48 * 64, 3.0, "en"))
     tb.close()
-    acc = EventAccumulator(str(tmp_path))
-    acc.Reload()
-    tags = set(acc.Tags()["scalars"])
+    scalars = read_tensorboard(tmp_path)
     expected = {f"train/{k}" for k in METRIC_KEYS if k not in ("iteration", "train_iters", "num_zeros")}
-    assert expected | {"train/lm_loss_vs_samples", "eval/lm_loss", "eval/ppl"} == tags
-    assert acc.Scalars("train/lm_loss")[0].value == pytest.approx(4.5)
-    assert acc.Scalars("train/lm_loss_vs_samples")[0].step == 48
+    assert expected | {"train/lm_loss_vs_samples", "eval/lm_loss", "eval/ppl", "eval/en/lm_loss",
+                       "eval/en/ppl"} == set(scalars)
+    assert scalars["train/lm_loss"] == [(3, pytest.approx(4.5))]
+    assert scalars["train/lm_loss_vs_samples"][0][0] == 48
+    assert scalars["eval/en/ppl"] == [(3, pytest.approx(math.exp(3.0)))]
     TensorBoardWriter(None).add_metrics(record)  # no directory: a no-op
+
+
+def test_tensorboard_tags_megatron(tmp_path):
+    """Megatron-DeepSpeed's tags (megatron/training.py training_log and evaluate_and_print_results, written out
+    here): each value at step = iteration, and its `vs samples` / `vs tokens` twins at the consumed counts."""
+    pytest.importorskip("tensorboard")
+    record = dict(zip(METRIC_KEYS, [3, 10, 48, 48 * 64, 0.5, 1e-3, 16, 4.5, 8.0, 2.0, 7.0, 0, 0, 32.0, 0.0]))
+    tb = TensorBoardWriter(str(tmp_path))  # megatron is the default
+    tb.add_metrics(record)
+    tb.add_eval(eval_record(3, 48, 48 * 64, 4.0))
+    tb.add_eval(eval_record(3, 48, 48 * 64, 3.0, "en"))
+    tb.close()
+    scalars = read_tensorboard(tmp_path)
+    it, samples, tokens = 3, 48, 48 * 64
+    both = ("", " vs samples", " vs tokens")
+    expected = {"steps-vs-samples/y=steps,x=samples": [(samples, it)],
+                "steps-vs-samples/y=samples,x=steps": [(it, samples)],
+                "steps-vs-tokens/y=steps,x=tokens": [(tokens, it)], "steps-vs-tokens/y=tokens,x=steps": [(it, tokens)],
+                "batch-size/batch-size": [(it, 16)], "batch-size/batch-size vs samples": [(samples, 16)]}
+    for tag, value in (("learning-rate/learning-rate", 1e-3), ("lm-loss-training/lm loss", 4.5),
+                       ("loss-scale/loss-scale", 8.0), ("grad-norm/grad-norm", 2.0), ("num-zeros/num-zeros", 7.0),
+                       ("iteration-time/iteration-time", 0.5), ("lm-loss-validation/lm loss validation", 4.0),
+                       ("lm-loss-validation/lm loss validation ppl", math.exp(4.0)),
+                       ("lm-loss-validation/en/lm loss validation", 3.0),
+                       ("lm-loss-validation/en/lm loss validation ppl", math.exp(3.0))):
+        for suffix, step in zip(both, (it, samples, tokens)):
+            expected[tag + suffix] = [(step, value)]
+    assert set(scalars) == set(expected)
+    for tag, points in expected.items():
+        assert scalars[tag] == [(step, pytest.approx(value, rel=1e-6)) for step, value in points], tag

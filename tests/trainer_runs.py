@@ -69,6 +69,15 @@ def read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+def read_tensorboard(log_dir):
+    """{tag: [(step, value)]} of every scalar in the TensorBoard event files under log_dir."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
 def synthetic_sample(seed, index, vocab_size, seq_length):
     """The contract's synthetic sample i, written out: randint(0, V, s + 1) seeded by (seed, i)."""
     import torch

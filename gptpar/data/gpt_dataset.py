@@ -15,6 +15,7 @@ The three index arrays (document order, sample starts, shuffle) are built with v
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 
@@ -65,6 +66,76 @@ def parse_data_path(data_path):
         raise DataError(f"data_path {items}: {what}; a weighted blend alternates number and prefix "
                         "('0.3 A 0.7 B'), an unweighted one lists prefixes only")
     return items, None
+
+
+_SET_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+_SPLIT_PATHS_GROUP = re.compile(r"\s*([^\s:]+)\s*:\s+(.*)", re.S)
+
+
+def parse_valid_data_path(valid_data_path):
+    """data.valid_data_path -> {set name or None: [(prefix, weight or None, (start, end)), ...]}.
+
+    Three forms, each set's datasets read from document fraction `start` to `end` of every prefix:
+      - a prefix or a blend in data_path's grammar: one unnamed set, all documents, {None: [...]};
+      - a dict {name: prefix or blend}: named sets, all documents of each;
+      - Megatron-DeepSpeed's weighted split paths, a list of (or one) "NAME: W1 S1:E1 PREFIX1, W2 S2:E2 PREFIX2"
+        (its --valid-weighted-split-paths): named sets, each a blend of document ranges.
+    """
+    if isinstance(valid_data_path, dict):
+        if not valid_data_path:
+            raise DataError("valid_data_path is an empty dict: name at least one set, e.g. {\"en\": \"data/en\"}")
+        return {_set_name(name): _whole(path, f"set {name!r}") for name, path in valid_data_path.items()}
+    groups = [valid_data_path] if isinstance(valid_data_path, str) else list(valid_data_path)
+    is_group = [isinstance(g, str) and _SPLIT_PATHS_GROUP.fullmatch(g) is not None for g in groups]
+    if not any(is_group):
+        return {None: _whole(valid_data_path, "")}
+    if not all(is_group):
+        raise DataError(f"valid_data_path {groups}: mixes weighted split paths (\"NAME: WEIGHT START:END PREFIX, "
+                        "...\") with other items; write every set in that form, or use a dict {name: prefix}")
+    sets = {}
+    for group in groups:
+        name, body = _SPLIT_PATHS_GROUP.fullmatch(group).groups()
+        name = _set_name(name)
+        if name in sets:
+            raise DataError(f"valid_data_path names the set {name!r} twice: give each set its own name")
+        sets[name] = [_split_path_entry(name, entry) for entry in body.split(",")]
+        normalize_weights([w for _, w, _ in sets[name]])
+    return sets
+
+
+def _set_name(name):
+    if not isinstance(name, str) or not _SET_NAME.fullmatch(name):
+        raise DataError(f"validation set name {name!r} must be letters, digits, '_', '.' or '-' (it names "
+                        "TensorBoard tags and metrics records)")
+    return name
+
+
+def _whole(path, where):
+    try:
+        prefixes, weights = parse_data_path(path)
+    except DataError as e:
+        raise DataError(f"{where + ': ' if where else ''}{e}") from None
+    return [(p, w, (0.0, 1.0)) for p, w in zip(prefixes, weights or [None] * len(prefixes))]
+
+
+def _split_path_entry(name, entry):
+    """'WEIGHT START:END PREFIX' -> (prefix, weight, (start, end))."""
+    fields = entry.split()
+    problem = None
+    if len(fields) != 3 or fields[1].count(":") != 1:
+        problem = "must be WEIGHT START:END PREFIX"
+    else:
+        try:
+            weight, (start, end) = float(fields[0]), map(float, fields[1].split(":"))
+        except ValueError:
+            problem = "WEIGHT, START and END must be numbers"
+        else:
+            if not 0.0 <= start < end <= 1.0:
+                problem = "needs 0 <= START < END <= 1 (fractions of the prefix's documents)"
+    if problem:
+        raise DataError(f"valid_data_path set {name!r}: {entry.strip()!r} {problem}, e.g. \"1.0 0.95:1 "
+                        "data/en_text_document\"")
+    return fields[2], weight, (start, end)
 
 
 def parse_split(split):
@@ -282,13 +353,41 @@ def build_train_valid_test_datasets(data_path, split, seq_length, seed, num_samp
             if len(docs) == 0:
                 raise DataError(f"{ds.prefix}: the {name} split {split!r} leaves it no documents; with several "
                                 f"datasets every one needs documents in every used split")
-        w = weights if weights is not None else [int(ds.sizes[_sequences(ds, d)].sum()) for ds, d in parts]
-        dataset_index, sample_index = _cache_blend(prefixes, w, name, n, cache_dir)
-        counts = np.bincount(dataset_index, minlength=len(parts))
-        members = [GPTDataset(ds, _sequences(ds, docs), seq_length, seed, max(int(c), 1), name, cache_dir)
-                   for (ds, docs), c in zip(parts, counts)]
-        results.append(BlendedDataset(members, w, n, dataset_index, sample_index))
+        results.append(_blend(parts, weights, name, n, seq_length, seed, cache_dir))
     return tuple(results)
+
+
+def _blend(parts, weights, name, num_samples, seq_length, seed, cache_dir):
+    """A BlendedDataset of (IndexedDataset, documents) parts; weights None = by their tokens (concatenation)."""
+    w = weights if weights is not None else [int(ds.sizes[_sequences(ds, d)].sum()) for ds, d in parts]
+    dataset_index, sample_index = _cache_blend([ds.prefix for ds, _ in parts], w, name, num_samples, cache_dir)
+    counts = np.bincount(dataset_index, minlength=len(parts))
+    members = [GPTDataset(ds, _sequences(ds, docs), seq_length, seed, max(int(c), 1), name, cache_dir)
+               for (ds, docs), c in zip(parts, counts)]
+    return BlendedDataset(members, w, num_samples, dataset_index, sample_index)
+
+
+def build_valid_datasets(valid_data_path, seq_length, seed, num_samples, cache_dir=None):
+    """{set name or None: dataset of num_samples} for data.valid_data_path (see parse_valid_data_path): each
+    prefix's document range [round(start * D), round(end * D)), blended by the weights as data_path is."""
+    out = {}
+    for set_name, entries in parse_valid_data_path(valid_data_path).items():
+        name = "valid" if set_name is None else f"valid-{set_name}"  # distinct index caches per set
+        parts = []
+        for prefix, _, (start, end) in entries:
+            ds = IndexedDataset(prefix)
+            docs = np.arange(int(round(start * ds.num_documents)), int(round(end * ds.num_documents)))
+            if len(docs) == 0:
+                raise DataError(f"{prefix}: validation set {set_name or name!r} reads documents {start}:{end} of "
+                                f"{ds.num_documents}, which is none; widen the range")
+            parts.append((ds, docs))
+        weights = None if entries[0][1] is None else [w for _, w, _ in entries]
+        if len(parts) == 1:
+            ds, docs = parts[0]
+            out[set_name] = GPTDataset(ds, _sequences(ds, docs), seq_length, seed, num_samples, name, cache_dir)
+        else:
+            out[set_name] = _blend(parts, weights, name, num_samples, seq_length, seed, cache_dir)
+    return out
 
 
 def _sequences(ds, documents):

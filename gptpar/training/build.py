@@ -78,7 +78,7 @@ def build_trainer(cfg: Config, pstate, log, load_target):
     t, ck = cfg.training, cfg.checkpoint
     tracker = seed_everything(t.seed, pstate)
     model = build_model(cfg, pstate, tracker)
-    train_source, valid_source = build_sources(
+    train_source, valid_sources = build_sources(
         cfg, pstate, train_samples=t.train_samples or train_iters(t, pstate.dp_size) * t.global_batch_size,
         eval_samples=t.eval_iters * t.global_batch_size if t.eval_interval else 0, log=log)
     engine = build_engine(model, pstate, deepspeed_config(cfg, pstate.dp_size), lr=t.lr,
@@ -86,7 +86,7 @@ def build_trainer(cfg: Config, pstate, log, load_target):
                           has_attention_mask=train_source.masks.has_attention_mask)
     checkpointer = Checkpointer(ck.save, load_target, ck.keep_last, pstate.rank, pstate.world_size,
                                 checkpoint_shape(cfg, pstate), cfg.to_json(), log=log, device=pstate.device)
-    return Trainer(cfg, pstate, engine, train_source, valid_source, checkpointer, tracker,
+    return Trainer(cfg, pstate, engine, train_source, valid_sources, checkpointer, tracker,
                    log=functools.partial(print, flush=True))
 
 

@@ -24,8 +24,12 @@ SPECIAL_ALIASES = {
     "--checkpoint-activations": "training.activation_checkpointing=true",
     "--recompute-activations": "training.activation_checkpointing=selective",  # Megatron-LM: selective
     "--log-num-zeros-in-grad": "logging.log_num_zeros=true",
+    "--valid-weighted-split-paths": "data.valid_data_path",  # Megatron-DeepSpeed: "EN: 1.0 0.95:1 PREFIX" ...
 }
-LIST_ALIASES = {"--data-path": None, "--rampup-batch-size": 3}  # nargs: None = one or more
+LIST_ALIASES = {"--data-path": None, "--rampup-batch-size": 3,  # nargs: None = one or more
+                "--skip-train-iteration-range": None,  # Megatron-DeepSpeed: --skip-train-iteration-range 5-7 9-9
+                "--valid-weighted-split-paths": None}
+STRING_LISTS = ("--data-path", "--skip-train-iteration-range", "--valid-weighted-split-paths")  # kept as strings
 
 USAGE = """usage: pretrain_gpt.py --config CONFIG.json [--set section.key=value ...] [--dry-run]
                        [Megatron-style aliases, e.g. --micro-batch-size 4 --train-iters 100 --bf16]
@@ -95,7 +99,7 @@ def parse_args(argv: Sequence[str]) -> Tuple[Optional[str], List[str], Dict[str,
                 overrides.append(f"{target}={values[0]}")
             else:
                 parsed = [_json_or_str(v) for v in values]
-                if flag == "--data-path":
+                if flag in STRING_LISTS:
                     parsed = [str(v) for v in values]
                 overrides.append(f"{target}={json.dumps(parsed)}")
         elif flag in aliases:

@@ -16,12 +16,12 @@ import json
 import math
 import typing
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from gptpar.model.config import RECOMPUTE_MODES, GPTConfig, recompute_mode
 from gptpar.model.partition import partition_layers, resolve_partition_method
 from gptpar.parallel import resolve_sizes
-from gptpar.training.schedules import BatchSizeRampup, LearningRateSchedule
+from gptpar.training.schedules import BatchSizeRampup, LearningRateSchedule, SkipRanges
 
 
 class ConfigError(ValueError):
@@ -62,6 +62,9 @@ def _type_ok(value: Any, tp: Any) -> bool:
     if origin in (list, List):
         (item,) = typing.get_args(tp) or (Any,)
         return isinstance(value, list) and all(_type_ok(v, item) for v in value)
+    if origin in (dict, Dict):
+        key, item = typing.get_args(tp) or (Any, Any)
+        return isinstance(value, dict) and all(_type_ok(k, key) and _type_ok(v, item) for k, v in value.items())
     if tp is bool:
         return isinstance(value, bool)
     if tp is int:
@@ -87,6 +90,8 @@ def _type_name(tp: Any) -> str:
         return "null"
     if typing.get_origin(tp) in (list, List):
         return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    if typing.get_origin(tp) in (dict, Dict):
+        return "{" + " : ".join(_type_name(a) for a in typing.get_args(tp)) + "}"
     return {bool: "bool", int: "int", float: "float", str: "string"}.get(tp, str(tp))
 
 
@@ -217,6 +222,18 @@ class TrainingConfig:
                                                    "of nan iterations`); null = never. Independently of it, a "
                                                    "checkpoint is never saved while the weights hold NaN/Inf: "
                                                    "the save is refused and `latest` keeps the last finite one.")
+    skip_train_iteration_range: Optional[List[str]] = _f(
+        None, "Megatron-DeepSpeed's --skip-train-iteration-range: a list of `\"START-END\"` iteration ranges (1-based, "
+              "both ends included, e.g. `[\"101-200\"]`) whose global batches are drawn and discarded, as after a "
+              "loss spike: the iteration number, consumed samples/tokens and the LR schedule advance as if they had "
+              "trained, with no forward, backward or optimizer step; logged as skipped data (one line per range, "
+              "`\"skipped_data\": true` records in the metrics file), not as `number of skipped iterations`. "
+              "Applies again after a resume that lands before or inside a range. null = none.")
+    kill_switch_path: Optional[str] = _f(
+        None, "Megatron-DeepSpeed's --kill-switch-path: when this file exists, every rank stops after the current "
+              "iteration (agreed through the per-iteration exit all-reduce), saves a checkpoint (with "
+              "checkpoint.save) and exits 0. If it exists at launch the run exits 0 before building the model. "
+              "Remove the file to resume. null = off.")
 
     def __post_init__(self):
         s = "training"
@@ -269,6 +286,12 @@ class TrainingConfig:
         except ValueError:
             raise ConfigError(f"training.lr_warmup_{unit} ({warmup}) must be below the decay length "
                               f"(lr_decay_{unit} or train_{unit}: {decay}): shorten the warmup") from None
+        try:
+            SkipRanges.parse(self.skip_train_iteration_range)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.kill_switch_path == "":
+            raise ConfigError("training.kill_switch_path is an empty string: give a file path or null")
         if self.rampup_batch_size is not None and len(self.rampup_batch_size) != 3:
             raise ConfigError("training.rampup_batch_size must be [start, increment, samples], got "
                               f"{self.rampup_batch_size}")
@@ -293,6 +316,14 @@ class DataConfig:
     data_path: Optional[Union[str, List[Union[str, float]]]] = _f(
         None, "A preprocessed dataset prefix (`path/name_text_document`, without .bin/.idx) or Megatron's "
               "weighted blend `[\"0.3\", \"prefixA\", \"0.7\", \"prefixB\"]`. null needs data.synthetic=true.")
+    valid_data_path: Optional[Union[str, List[Union[str, float]], Dict[str, Union[str, List[Union[str, float]]]]]] = _f(
+        None, "Named validation sets, each evaluated and logged on its own (lm loss and ppl per set, then the "
+              "total: their mean, as every set reads the same eval_iters global batches): a dict `{\"en\": "
+              "\"data/en_text_document\", \"fr\": [\"0.5\", \"A\", \"0.5\", \"B\"]}` (each value a prefix or "
+              "a blend in data.data_path's grammar; all of its documents are validation), or Megatron-DeepSpeed's "
+              "weighted split paths `[\"EN: 1.0 0.95:1 data/en_text_document\", \"FR: 0.7 0.9:1 A, 0.3 0.9:1 B\"]` "
+              "(per set `NAME: WEIGHT START:END PREFIX, ...`, START:END the fraction of each prefix's documents). A "
+              "plain prefix or blend is one set named `valid`. null = the validation split of data.data_path.")
     tokenizer_model: Optional[str] = _f(None, "SentencePiece model used to preprocess the data (for "
                                               "end-of-document ids and decoding).")
     split: str = _f("949,50,1", "Train, validation, test proportions of each dataset (Megatron's --split).")
@@ -312,6 +343,10 @@ class DataConfig:
         if self.data_path == "":
             raise ConfigError("data.data_path is empty: give a dataset prefix or null")
         _check_data(self.data_path, self.split)
+        if self.valid_data_path is not None and self.synthetic:
+            raise ConfigError("data.valid_data_path names datasets but data.synthetic=true: set data.valid_data_path="
+                              "null (synthetic runs validate on synthetic samples) or data.synthetic=false")
+        _check_valid_data_path(self.valid_data_path)
         if self.loss_on_targets_only and not self.prefix_lm:
             raise ConfigError("data.loss_on_targets_only needs data.prefix_lm=true (targets follow the prefix)")
 
@@ -327,6 +362,17 @@ def _check_data(data_path, split) -> None:
                 parse(value)
             except DataError as e:
                 raise ConfigError(f"data.{key}: {e}") from None
+
+
+def _check_valid_data_path(valid_data_path) -> None:
+    """The validation-sets grammar's one home is gptpar.data.gpt_dataset.parse_valid_data_path."""
+    from gptpar.data.gpt_dataset import DataError, parse_valid_data_path
+
+    if valid_data_path is not None:
+        try:
+            parse_valid_data_path(valid_data_path)
+        except DataError as e:
+            raise ConfigError(f"data.valid_data_path: {e}") from None
 
 
 @dataclass
@@ -371,6 +417,12 @@ class LoggingConfig:
                                          "tokens).", choices=("improved", "legacy"))
     log_num_zeros: bool = _f(False, "Count zero gradient entries for the `num zeros` field; false omits the "
                                     "field.")
+    tensorboard_tags: str = _f("megatron", "TensorBoard tag names: `megatron` writes Megatron-DeepSpeed's (`lm-loss-"
+                                           "training/lm loss`, its `vs samples` / `vs tokens` twins, `learning-rate/"
+                                           "learning-rate`, `lm-loss-validation/lm loss validation`, per named "
+                                           "validation set `lm-loss-validation/NAME/lm loss validation`, ...: "
+                                           "docs/reliability.md#tensorboard-tags); `gptpar` the older `train/<key>`, "
+                                           "`eval/lm_loss`, `eval/NAME/lm_loss`.", choices=("megatron", "gptpar"))
     wandb_project: Optional[str] = _f(None, "Also log to this Weights & Biases project (needs wandb "
                                             "installed); null = off.")
     timers: bool = _f(False, "After each log line, print where an iteration's time went (Megatron's `time (ms)` "

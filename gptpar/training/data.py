@@ -3,8 +3,10 @@
 Train samples are addressed by their global index (consumed samples + position in the global batch, see
 gptpar.training.batches), so a resumed run continues at the same sample. Synthetic data (data.synthetic)
 draws sample i from a generator seeded by (training.seed, i); its validation set uses seed + 1, so it
-never repeats a training sample. Evaluation always reads the first `eval_iters` global batches of the
-validation split, so successive evaluations are comparable.
+never repeats a training sample. Evaluation always reads the first `eval_iters` global batches of each
+validation set, so successive evaluations are comparable. The validation sets are data.valid_data_path's
+(named sets, gptpar.data.gpt_dataset.parse_valid_data_path) or else the validation split of data.data_path
+(one unnamed set, key None).
 """
 from __future__ import annotations
 
@@ -71,7 +73,8 @@ class BatchSource:
 
 
 def build_sources(cfg, pstate, train_samples: int, eval_samples: int, log=print):
-    """(train BatchSource, valid BatchSource or None) for the config's data section.
+    """(train BatchSource, {validation set name or None: BatchSource}) for the config's data section; the dict
+    is empty when there is nothing to validate on.
 
     Real data: rank 0 builds (and caches) the sample indices first, the other ranks then read the cache.
     """
@@ -90,26 +93,33 @@ def build_sources(cfg, pstate, train_samples: int, eval_samples: int, log=print)
     def source(dataset):
         return BatchSource(dataset, t.micro_batch_size, pstate.dp_rank, pstate.dp_size, masks, t.seed)
 
-    return source(train), (source(valid) if valid is not None else None)
+    if not isinstance(valid, dict):
+        valid = {} if valid is None else {None: valid}
+    return source(train), {name: source(dataset) for name, dataset in valid.items()}
 
 
 def _real_datasets(cfg, pstate, train_samples: int, eval_samples: int, log):
-    from gptpar.data.gpt_dataset import build_train_valid_test_datasets
+    from gptpar.data.gpt_dataset import build_train_valid_test_datasets, build_valid_datasets
 
     d, m = cfg.data, cfg.model
 
     def build():
-        return build_train_valid_test_datasets(d.data_path, d.split, m.seq_length, cfg.training.seed,
-                                               (train_samples, eval_samples, 0))
+        named = d.valid_data_path is not None
+        train, valid, _ = build_train_valid_test_datasets(d.data_path, d.split, m.seq_length, cfg.training.seed,
+                                                          (train_samples, 0 if named else eval_samples, 0))
+        if named and eval_samples:
+            valid = build_valid_datasets(d.valid_data_path, m.seq_length, cfg.training.seed, eval_samples)
+        return train, valid
 
     if pstate.rank == 0:
-        log(f"building datasets from {d.data_path} (split {d.split}): {train_samples} train and "
-            f"{eval_samples} validation samples of {m.seq_length} tokens")
-        train, valid, _ = build()
+        where = f"data.valid_data_path {d.valid_data_path}" if d.valid_data_path is not None else f"split {d.split}"
+        log(f"building datasets from {d.data_path} (split {d.split}): {train_samples} train samples, and "
+            f"{eval_samples} validation samples from {where}, of {m.seq_length} tokens")
+        train, valid = build()
     if dist.is_initialized():
         dist.barrier()
     if pstate.rank != 0:
-        train, valid, _ = build()
+        train, valid = build()
     return train, valid
 
 

@@ -2,7 +2,8 @@
 
 One logged iteration is one *record*: a dict with exactly `METRIC_KEYS`. The same record is printed as
 the log line (`format_log_line(**record)`), appended to the metrics file at full precision and sent to
-TensorBoard under `train/<key>`, so the three never disagree.
+TensorBoard (Megatron-DeepSpeed's tags, or `train/<key>` with logging.tensorboard_tags=gptpar), so they never
+disagree. One evaluation of one validation set is one *eval record* (`eval_record`), written the same way.
 
 The line is Megatron-DeepSpeed's `training_log` output: each field is ' name: value |', in this order,
 with these formats (the iteration field is ' iteration {:8d}/{:8d} |'):
@@ -98,17 +99,32 @@ def format_timers_line(phases_ms: Dict[str, float]) -> str:
     return " time (ms) |" + "".join(f" {name}: {ms:.2f} |" for name, ms in phases_ms.items())
 
 
-def format_eval_line(iteration: int, lm_loss: float) -> str:
-    """Megatron's validation line (`evaluate_and_print_results`); PPL = exp(min(20, loss))."""
-    return (f" validation loss at iteration {iteration} | lm loss value: {lm_loss:.6E} | "
+def format_eval_line(iteration: int, lm_loss: float, valid_set: Optional[str] = None) -> str:
+    """Megatron's validation line (`evaluate_and_print_results`); PPL = exp(min(20, loss)). A named validation
+    set says its name (`validation loss of en at iteration ...`)."""
+    of = f" of {valid_set}" if valid_set is not None else ""
+    return (f" validation loss{of} at iteration {iteration} | lm loss value: {lm_loss:.6E} | "
             f"lm loss PPL: {perplexity(lm_loss):.6E} | ")
 
 
-def format_eval_block(iteration: int, lm_loss: float) -> str:
-    """The validation line between two rules of dashes, as Megatron prints it."""
-    line = format_eval_line(iteration, lm_loss)
-    rule = "-" * (len(line) + 1)
-    return f"{rule}\n{line}\n{rule}"
+def format_eval_block(iteration: int, lm_loss: float, per_set: Optional[Dict[str, float]] = None) -> str:
+    """The validation lines between two rules of dashes, as Megatron prints them: one per named set, then the
+    total (the plain line)."""
+    lines = [format_eval_line(iteration, loss, name) for name, loss in (per_set or {}).items()]
+    lines.append(format_eval_line(iteration, lm_loss))
+    rule = "-" * (max(map(len, lines)) + 1)
+    return "\n".join([rule, *lines, rule])
+
+
+def eval_record(iteration: int, consumed_samples: int, consumed_tokens: int, lm_loss: float,
+                valid_set: Optional[str] = None) -> dict:
+    """One evaluation of one validation set (`valid_set` None: the only set, or the total over named sets), as
+    the metrics file, TensorBoard and wandb take it."""
+    record = {"eval": True, "iteration": iteration, "consumed_samples": consumed_samples,
+              "consumed_tokens": consumed_tokens, "lm_loss": lm_loss, "ppl": perplexity(lm_loss)}
+    if valid_set is not None:
+        record["valid_set"] = valid_set
+    return record
 
 
 def perplexity(lm_loss: float) -> float:
@@ -154,7 +170,9 @@ class IntervalStats:
 
 
 class MetricsWriter:
-    """Appends JSONL records: one per logged iteration (exactly METRIC_KEYS), eval records with "eval": true.
+    """Appends JSONL records: one per logged iteration (exactly METRIC_KEYS), eval records with "eval": true
+    (`eval_record`; a named validation set's with its "valid_set"), one per iteration of discarded data with
+    "skipped_data": true (training.skip_train_iteration_range), timers with "timers": true.
 
     Floats are written with `json`'s shortest round-trip repr (full precision); NaN/inf as NaN/Infinity,
     which Python's json reads back. `path` None makes every call a no-op.
@@ -175,9 +193,14 @@ class MetricsWriter:
     def write_timers(self, iteration: int, phases_ms: Dict[str, float]) -> None:
         self._append({"timers": True, "iteration": iteration, "ms_per_iteration": phases_ms})
 
-    def write_eval(self, iteration: int, consumed_samples: int, lm_loss: float) -> None:
-        self._append({"eval": True, "iteration": iteration, "consumed_samples": consumed_samples,
-                      "lm_loss": lm_loss, "ppl": perplexity(lm_loss)})
+    def write_eval(self, record: dict) -> None:
+        self._append(record)
+
+    def write_skipped_data(self, iteration: int, consumed_samples: int, consumed_tokens: int,
+                           global_batch_size: int, lr: float) -> None:
+        """An iteration whose global batch was drawn and discarded (the counters after it)."""
+        self._append({"skipped_data": True, "iteration": iteration, "consumed_samples": consumed_samples,
+                      "consumed_tokens": consumed_tokens, "global_batch_size": global_batch_size, "lr": lr})
 
     def _append(self, obj: dict) -> None:
         if self.path is None:
@@ -192,38 +215,91 @@ def read_metrics(path: str) -> list:
         return [json.loads(line) for line in f if line.strip()]
 
 
+# Megatron-DeepSpeed's training tags (megatron/training.py, training_log): record key -> (tag, the extra
+# x-axes it also writes as "<tag> vs samples" / "<tag> vs tokens"). The plain tag's step is the iteration.
+MEGATRON_TRAIN_TAGS = {
+    "lr": ("learning-rate/learning-rate", ("samples", "tokens")),
+    "global_batch_size": ("batch-size/batch-size", ("samples",)),
+    "lm_loss": ("lm-loss-training/lm loss", ("samples", "tokens")),
+    "loss_scale": ("loss-scale/loss-scale", ("samples", "tokens")),
+    "grad_norm": ("grad-norm/grad-norm", ("samples", "tokens")),
+    "num_zeros": ("num-zeros/num-zeros", ("samples", "tokens")),
+    "elapsed_s": ("iteration-time/iteration-time", ("samples", "tokens")),
+}
+
+
+def megatron_train_scalars(record: Dict[str, object]) -> list:
+    """(tag, value, step) for one training record, as Megatron-DeepSpeed names them."""
+    it, x = record["iteration"], {"samples": record["consumed_samples"], "tokens": record["consumed_tokens"]}
+    out = [("steps-vs-samples/y=steps,x=samples", it, x["samples"]),
+           ("steps-vs-samples/y=samples,x=steps", x["samples"], it),
+           ("steps-vs-tokens/y=steps,x=tokens", it, x["tokens"]),
+           ("steps-vs-tokens/y=tokens,x=steps", x["tokens"], it)]
+    for key, (tag, axes) in MEGATRON_TRAIN_TAGS.items():
+        if record.get(key) is not None:
+            out.append((tag, record[key], it))
+            out.extend((f"{tag} vs {axis}", record[key], x[axis]) for axis in axes)
+    return out
+
+
+def megatron_eval_scalars(record: Dict[str, object]) -> list:
+    """(tag, value, step) for one eval record: `lm-loss-validation/lm loss validation` (+ ppl, each also vs
+    samples and vs tokens); a named set's under `lm-loss-validation/NAME/...` (newer Megatron-DeepSpeed's
+    per data group tags)."""
+    base = "lm-loss-validation/" + (f"{record['valid_set']}/" if record.get("valid_set") else "")
+    out = []
+    for tag, value in ((f"{base}lm loss validation", record["lm_loss"]),
+                       (f"{base}lm loss validation ppl", record["ppl"])):
+        out += [(tag, value, record["iteration"]), (f"{tag} vs samples", value, record["consumed_samples"]),
+                (f"{tag} vs tokens", value, record["consumed_tokens"])]
+    return out
+
+
+def gptpar_train_scalars(record: Dict[str, object]) -> list:
+    """(tag, value, step): `train/<key>` per METRIC_KEYS (step = iteration), `train/lm_loss_vs_samples`."""
+    out = [(f"train/{key}", record[key], record["iteration"]) for key in METRIC_KEYS
+           if key not in ("iteration", "train_iters") and record.get(key) is not None]
+    if record.get("lm_loss") is not None:
+        out.append(("train/lm_loss_vs_samples", record["lm_loss"], record["consumed_samples"]))
+    return out
+
+
+def gptpar_eval_scalars(record: Dict[str, object]) -> list:
+    """(tag, value, step): `eval/lm_loss`, `eval/ppl`; a named set's `eval/NAME/lm_loss`, `eval/NAME/ppl`."""
+    base = "eval/" + (f"{record['valid_set']}/" if record.get("valid_set") else "")
+    return [(f"{base}lm_loss", record["lm_loss"], record["iteration"]),
+            (f"{base}ppl", record["ppl"], record["iteration"])]
+
+
+TAG_STYLES = {"megatron": (megatron_train_scalars, megatron_eval_scalars),
+              "gptpar": (gptpar_train_scalars, gptpar_eval_scalars)}
+
+
 class TensorBoardWriter:
-    """Scalars under stable tags: `train/<key>` per METRIC_KEYS (step = iteration),
-    `train/lm_loss_vs_samples` (step = consumed samples), `eval/lm_loss` and `eval/ppl`.
+    """Scalars of the training and eval records under logging.tensorboard_tags' names (`TAG_STYLES`).
 
     Imports TensorBoard only when `log_dir` is given; `log_dir` None makes every call a no-op.
     """
 
-    SKIP = ("iteration", "train_iters")
-
-    def __init__(self, log_dir: Optional[str]):
+    def __init__(self, log_dir: Optional[str], tags: str = "megatron"):
         self.writer = None
+        self.train_scalars, self.eval_scalars = TAG_STYLES[tags]
         if log_dir is not None:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
             self.writer = SummaryWriter(log_dir=log_dir)
 
     def add_metrics(self, record: Dict[str, object]) -> None:
-        if self.writer is None:
-            return
-        step = record["iteration"]
-        for key in METRIC_KEYS:
-            if key not in self.SKIP and record.get(key) is not None:
-                self.writer.add_scalar(f"train/{key}", record[key], step)
-        if record.get("lm_loss") is not None:
-            self.writer.add_scalar("train/lm_loss_vs_samples", record["lm_loss"], record["consumed_samples"])
-        self.writer.flush()
+        self._add(self.train_scalars(record))
 
-    def add_eval(self, iteration: int, lm_loss: float) -> None:
+    def add_eval(self, record: Dict[str, object]) -> None:
+        self._add(self.eval_scalars(record))
+
+    def _add(self, scalars: list) -> None:
         if self.writer is None:
             return
-        self.writer.add_scalar("eval/lm_loss", lm_loss, iteration)
-        self.writer.add_scalar("eval/ppl", perplexity(lm_loss), iteration)
+        for tag, value, step in scalars:
+            self.writer.add_scalar(tag, value, step)
         self.writer.flush()
 
     def close(self) -> None:
@@ -249,14 +325,16 @@ class WandbWriter:
         if self.run is not None:
             self.run.log({f"train/{k}": v for k, v in record.items() if v is not None}, step=record["iteration"])
 
-    def add_eval(self, iteration: int, lm_loss: float) -> None:
+    def add_eval(self, record: Dict[str, object]) -> None:
         if self.run is not None:
-            self.run.log({"eval/lm_loss": lm_loss, "eval/ppl": perplexity(lm_loss)}, step=iteration)
+            self.run.log({tag: value for tag, value, _ in gptpar_eval_scalars(record)}, step=record["iteration"])
 
     def close(self) -> None:
         if self.run is not None:
             self.run.finish()
 
 
-__all__ = ["METRIC_KEYS", "format_log_line", "parse_log_line", "format_eval_line", "format_eval_block",
-           "perplexity", "IntervalStats", "MetricsWriter", "read_metrics", "TensorBoardWriter", "WandbWriter"]
+__all__ = ["METRIC_KEYS", "format_log_line", "parse_log_line", "format_eval_line", "format_eval_block", "eval_record",
+           "perplexity", "IntervalStats", "MetricsWriter", "read_metrics", "MEGATRON_TRAIN_TAGS", "TAG_STYLES",
+           "megatron_train_scalars", "megatron_eval_scalars", "gptpar_train_scalars", "gptpar_eval_scalars",
+           "TensorBoardWriter", "WandbWriter"]

@@ -3,11 +3,12 @@ whether checkpoint.save can take this run. Rank 0 checks, every rank gets the ou
 so all ranks stop with the same message or go on with the same checkpoint to load.
 
 Order, so that a refused run changes nothing in checkpoint.save (not even a modification time):
+    0. training.kill_switch_path exists?                 -> stop: exit 0 before anything is built
     1. another live job holds checkpoint.save?          (read-only)  gptpar.training.save_folder.peek_lock
     2. checkpoint.load resolved and verified             (read-only)  gptpar.training.checkpoint_files
     3. checkpoint.save holding another run's checkpoints (read-only)
-    4. every dataset's largest token id and the tokenizer's vocabulary < model.vocab_size (caches beside
-       the data, gptpar.data.token_stats)
+    4. every dataset's largest token id (data_path's and valid_data_path's) and the tokenizer's vocabulary
+       < model.vocab_size (caches beside the data, gptpar.data.token_stats)
     5. checkpoint.save: lock, probe, leftovers, free space          gptpar.training.save_folder
 """
 from __future__ import annotations
@@ -29,10 +30,12 @@ from gptpar.training.save_folder import (JobLock, check_free_space, checkpoint_b
 
 @dataclass
 class Preflight:
-    """What rank 0 found: the checkpoint to load (None = fresh) and, on rank 0, the save folder's lock."""
+    """What rank 0 found: the checkpoint to load (None = fresh) and, on rank 0, the save folder's lock; or
+    `stop`, why the run must end now without training (the kill switch file exists)."""
 
     load_target: Optional[LoadTarget]
     lock: Optional[JobLock] = None
+    stop: Optional[str] = None
 
     def release(self) -> None:
         if self.lock is not None:
@@ -44,8 +47,13 @@ def run_preflight(cfg, pstate, shape: dict, log: Callable[[str], None]) -> Prefl
     outcome, lock = None, None
     if pstate.rank == 0:
         try:
-            target, lock = check_on_rank0(cfg, pstate.world_size, pstate.tp_size, pstate.pp_size, shape, log)
-            outcome = ("ok", target)
+            kill = cfg.training.kill_switch_path
+            if kill is not None and os.path.exists(kill):  # as Megatron-DeepSpeed: exit 0 before training
+                outcome = ("stop", f"kill switch {kill} exists (training.kill_switch_path): exiting before "
+                                   "training; remove the file to start or resume the run")
+            else:
+                target, lock = check_on_rank0(cfg, pstate.world_size, pstate.tp_size, pstate.pp_size, shape, log)
+                outcome = ("ok", target)
         except (CheckpointError, DataError) as e:
             outcome = (type(e).__name__, str(e))
         except Exception as e:  # noqa: BLE001 - any surprise must still reach the other ranks, not hang them
@@ -57,6 +65,8 @@ def run_preflight(cfg, pstate, shape: dict, log: Callable[[str], None]) -> Prefl
     kind, value = outcome
     if kind == "ok":
         return Preflight(value, lock)
+    if kind == "stop":
+        return Preflight(None, stop=value)
     raise {"DataError": DataError, "RuntimeError": RuntimeError}.get(kind, CheckpointError)(value)
 
 
@@ -109,7 +119,7 @@ def check_data(cfg, log) -> None:
     d, vocab = cfg.data, cfg.model.vocab_size
     if d.synthetic or d.data_path is None:
         return
-    from gptpar.data.gpt_dataset import parse_data_path
+    from gptpar.data.gpt_dataset import parse_data_path, parse_valid_data_path
     from gptpar.data.indexed import IndexedDataset
     from gptpar.data.token_stats import token_stats
 
@@ -121,7 +131,10 @@ def check_data(cfg, log) -> None:
             raise DataError(f"data.tokenizer_model {d.tokenizer_model} has {tokenizer_vocab} pieces but "
                             f"model.vocab_size is {vocab}: set model.vocab_size={tokenizer_vocab} (or more)")
     prefixes, _ = parse_data_path(d.data_path)
-    for prefix in prefixes:
+    if d.valid_data_path is not None:
+        prefixes += [prefix for entries in parse_valid_data_path(d.valid_data_path).values()
+                     for prefix, _, _ in entries]
+    for prefix in dict.fromkeys(prefixes):
         stats = token_stats(IndexedDataset(prefix), log=log)
         if stats["num_tokens"] and stats["max_id"] >= vocab:
             raise DataError(f"dataset {prefix}: its largest token id is {stats['max_id']}, but model.vocab_size is "

@@ -13,6 +13,7 @@ Megatron's semantics (AnnealingLR / RampupBatchsizeNumMicroBatches):
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -158,6 +159,43 @@ class BatchSizeRampup:
         return iterations + (train_samples - consumed) // self.final_batch_size
 
 
+@dataclass(frozen=True)
+class SkipRanges:
+    """Iterations whose global batches are drawn and discarded (Megatron-DeepSpeed's
+    --skip-train-iteration-range: `["101-200", "1001-1100"]`, 1-based, both ends included).
+
+    A skipped iteration still counts: iteration number, consumed samples/tokens and the LR schedule advance as
+    if it had trained, so the rest of the run sees the same data and LR it would have without the bad batches.
+    """
+
+    ranges: tuple = ()  # ((start, end), ...) sorted, disjoint
+
+    @classmethod
+    def parse(cls, items) -> "SkipRanges":
+        """From the config's list of "start-end" strings; ValueError naming the item and the fix."""
+        ranges = []
+        for item in items or ():
+            m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", str(item))
+            if m is None:
+                raise ValueError(f"training.skip_train_iteration_range item {item!r} must be \"START-END\" (two "
+                                 "iteration numbers, both included), e.g. \"101-200\"")
+            start, end = int(m.group(1)), int(m.group(2))
+            if start < 1 or end < start:
+                raise ValueError(f"training.skip_train_iteration_range item {item!r}: need 1 <= START <= END "
+                                 f"(iterations count from 1), e.g. \"{max(1, min(start, end))}-{max(start, end)}\"")
+            ranges.append((start, end))
+        ranges.sort()
+        for (a, b), (c, d) in zip(ranges, ranges[1:]):
+            if c <= b:
+                raise ValueError(f"training.skip_train_iteration_range: ranges {a}-{b} and {c}-{d} overlap: merge "
+                                 f"them into one (\"{a}-{max(b, d)}\")")
+        return cls(tuple(ranges))
+
+    def range_of(self, iteration: int) -> Optional[tuple]:
+        """The (start, end) holding this 1-based iteration, or None if it trains."""
+        return next(((a, b) for a, b in self.ranges if a <= iteration <= b), None)
+
+
 def train_iters(training, dp_size: int) -> int:
     """Total iterations of a `TrainingConfig`: train_iters, or derived from train_samples (with ramp-up)."""
     if training.train_iters is not None:
@@ -165,4 +203,4 @@ def train_iters(training, dp_size: int) -> int:
     return BatchSizeRampup.from_config(training, dp_size).train_iters(training.train_samples)
 
 
-__all__ = ["LearningRateSchedule", "BatchSizeRampup", "rampup_split_problem", "train_iters"]
+__all__ = ["LearningRateSchedule", "BatchSizeRampup", "SkipRanges", "rampup_split_problem", "train_iters"]

@@ -7,8 +7,10 @@ One iteration:
     loss = engine.train_step(this rank's micro-batches)   mean over the global batch's tokens, every rank
     counters += (1, gbs, gbs x seq_length)
 then, in Megatron's order: the log line every `log_interval`, evaluation every `eval_interval`, a checkpoint
-every `save_interval`, and the exit checks (signal, exit_duration_in_mins, exit_interval), on which all
-ranks agree through one all-reduce per iteration.
+every `save_interval`, and the exit checks (signal, kill switch file, exit_duration_in_mins, exit_interval), on
+which all ranks agree through one all-reduce per iteration. An iteration in training.skip_train_iteration_range
+draws its global batch and discards it: the counters (LR inputs included) advance as if it had trained, and it
+writes no log line (a `skipped_data` record instead); evaluation, saves and exit checks run as usual.
 
 Elapsed time per iteration is the mean over the interval of the time from fetching the batch to the end of
 the optimizer step (evaluation and checkpoint saves are not in it); samples/s and TFLOPs derive from it.
@@ -20,6 +22,7 @@ steps on (only with logging.log_num_zeros, else omitted), TFLOPs from gptpar.est
 from __future__ import annotations
 
 import math
+import os
 import signal
 import time
 from dataclasses import asdict, dataclass
@@ -30,9 +33,9 @@ import torch.distributed as dist
 
 from gptpar.estimate.flops import tflops_per_gpu
 from gptpar.training.engine import ZeroCounter
-from gptpar.training.logging import (IntervalStats, MetricsWriter, TensorBoardWriter, WandbWriter,
+from gptpar.training.logging import (IntervalStats, MetricsWriter, TensorBoardWriter, WandbWriter, eval_record,
                                      format_eval_block, format_log_line, format_timers_line)
-from gptpar.training.schedules import BatchSizeRampup, LearningRateSchedule, train_iters
+from gptpar.training.schedules import BatchSizeRampup, LearningRateSchedule, SkipRanges, train_iters
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -52,6 +55,15 @@ class Counters:
     # does not move the scheduler), so they trail iteration / consumed_samples after overflows.
     lr_iterations: int = 0
     lr_samples: int = 0
+
+    def advance(self, global_batch_size: int, seq_length: int, step_applied: bool) -> None:
+        """One iteration done (trained, overflow-skipped or its data discarded)."""
+        self.iteration += 1
+        self.consumed_samples += global_batch_size
+        self.consumed_tokens += global_batch_size * seq_length
+        if step_applied:
+            self.lr_iterations += 1
+            self.lr_samples += global_batch_size
 
 
 class StopSignals:
@@ -77,15 +89,18 @@ class StopSignals:
 class Trainer:
     """Runs the loop for one process; every method is called on every rank (they hold collectives)."""
 
-    def __init__(self, cfg, pstate, engine, train_source, valid_source, checkpointer=None, tracker=None,
+    def __init__(self, cfg, pstate, engine, train_source, valid_sources, checkpointer=None, tracker=None,
                  log=print):
+        """`valid_sources`: {validation set name, or None for the only unnamed set: BatchSource}."""
         self.cfg, self.pstate, self.engine, self.log = cfg, pstate, engine, log
-        self.train_source, self.valid_source = train_source, valid_source
+        self.train_source, self.valid_sources = train_source, valid_sources
         self.checkpointer, self.tracker = checkpointer, tracker
         t = cfg.training
         self.train_iters = train_iters(t, pstate.dp_size)
         self.rampup = BatchSizeRampup.from_config(t, pstate.dp_size)
         self.schedule = LearningRateSchedule.from_config(t)
+        self.skip_ranges = SkipRanges.parse(t.skip_train_iteration_range)
+        self.skipping = None  # the skip range announced last
         self.counters = Counters()
         self.stats = IntervalStats()
         self.signals = StopSignals()
@@ -117,9 +132,13 @@ class Trainer:
     def _loop(self) -> str:
         c, t = self.counters, self.cfg.training
         while c.iteration < self.train_iters:
-            self.train_step()
-            if c.iteration % self.cfg.logging.log_interval == 0 or self._nan_limit_reached():
-                self.log_interval()
+            skip = self.skip_ranges.range_of(c.iteration + 1)
+            if skip is not None:
+                self.skip_step(skip)
+            else:
+                self.train_step()
+                if c.iteration % self.cfg.logging.log_interval == 0 or self._nan_limit_reached():
+                    self.log_interval()
             if self._nan_limit_reached():
                 raise NonFiniteError(
                     f"stopping at iteration {c.iteration}: the loss was NaN/Inf in {self.nan_streak} consecutive "
@@ -153,16 +172,27 @@ class Trainer:
         loss = self.engine.train_step(self.train_source.micro_batches(c.consumed_samples, gbs))
         elapsed = time.perf_counter() - start
         applied = self.engine.step_applied
-        c.iteration += 1
-        c.consumed_samples += gbs
-        c.consumed_tokens += gbs * self.cfg.model.seq_length
-        if applied:
-            c.lr_iterations += 1
-            c.lr_samples += gbs
+        c.advance(gbs, self.cfg.model.seq_length, applied)
         self.stats.add(loss, elapsed, skipped=not applied)
         self.nan_streak = 0 if math.isfinite(loss) else self.nan_streak + 1
         self.last = {"lr": lr, "global_batch_size": gbs, "grad_norm": self.engine.grad_norm if applied else None,
                      "step_applied": applied}
+
+    def skip_step(self, skip: tuple) -> None:
+        """An iteration of a skip range: draw this global batch and discard it (no forward, backward or
+        optimizer step); the counters advance as a trained iteration's would, LR schedule included."""
+        c = self.counters
+        if skip != self.skipping:
+            self.skipping = skip
+            self._say(f"skipping iterations {max(skip[0], c.iteration + 1)}-{min(skip[1], self.train_iters)} "
+                      f"(training.skip_train_iteration_range): their global batches are drawn and discarded; "
+                      "iterations, consumed samples and the LR schedule advance as if trained")
+        gbs = self.rampup.global_batch_size(c.consumed_samples)
+        lr = self.schedule.lr_at(c.lr_iterations, c.lr_samples)
+        self.train_source.micro_batches(c.consumed_samples, gbs)  # drawn, as a data loader would, then dropped
+        c.advance(gbs, self.cfg.model.seq_length, step_applied=True)
+        if self.is_log_rank:
+            self.metrics.write_skipped_data(c.iteration, c.consumed_samples, c.consumed_tokens, gbs, lr)
 
     # -- the log line --------------------------------------------------------------------------
     def log_interval(self) -> None:
@@ -215,34 +245,45 @@ class Trainer:
 
     # -- evaluation ----------------------------------------------------------------------------
     def evaluate(self) -> Optional[float]:
-        """Mean lm loss over the first eval_iters global batches of the validation split."""
-        t = self.cfg.training
-        self.evaluated_at = self.counters.iteration
-        if self.valid_source is None or t.eval_iters == 0:
+        """Each validation set's mean lm loss over its first eval_iters global batches, logged per named set;
+        returns the total: the mean over the sets (each read the same number of samples)."""
+        t, c = self.cfg.training, self.counters
+        self.evaluated_at = c.iteration
+        if not self.valid_sources or t.eval_iters == 0:
             return None
-        gbs = t.global_batch_size
-        losses = [self.engine.eval_step(self.valid_source.micro_batches(k * gbs, gbs)) for k in range(t.eval_iters)]
-        loss = sum(losses) / len(losses)
+        losses = {name: self._eval_loss(source) for name, source in self.valid_sources.items()}
+        total = sum(losses.values()) / len(losses)
         if self.is_log_rank:
-            it = self.counters.iteration
-            self.log(format_eval_block(it, loss))
-            self.metrics.write_eval(it, self.counters.consumed_samples, loss)
-            self.tensorboard.add_eval(it, loss)
-            self.wandb.add_eval(it, loss)
-        return loss
+            per_set = {name: loss for name, loss in losses.items() if name is not None}
+            self.log(format_eval_block(c.iteration, total, per_set))
+            records = [eval_record(c.iteration, c.consumed_samples, c.consumed_tokens, loss, name)
+                       for name, loss in per_set.items()]
+            records.append(eval_record(c.iteration, c.consumed_samples, c.consumed_tokens, total))
+            for record in records:
+                self.metrics.write_eval(record)
+                self.tensorboard.add_eval(record)
+                self.wandb.add_eval(record)
+        return total
+
+    def _eval_loss(self, source) -> float:
+        gbs, n = self.cfg.training.global_batch_size, self.cfg.training.eval_iters
+        return sum(self.engine.eval_step(source.micro_batches(k * gbs, gbs)) for k in range(n)) / n
 
     # -- exits and checkpoints -----------------------------------------------------------------
     def stop_reason(self) -> Optional[str]:
         """Why to stop after this iteration, agreed by all ranks (one all-reduce MAX), or None."""
         t = self.cfg.training
         minutes = (time.time() - self.start_time) / 60.0
-        flags = torch.tensor([self.signals.received or 0, t.exit_duration_in_mins is not None
+        killed = t.kill_switch_path is not None and os.path.exists(t.kill_switch_path)
+        flags = torch.tensor([self.signals.received or 0, killed, t.exit_duration_in_mins is not None
                               and minutes > t.exit_duration_in_mins], dtype=torch.float64, device=self.pstate.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[0] > 0:
             return f"received {signal.Signals(int(flags[0])).name}"
         if flags[1] > 0:
+            return f"kill switch {t.kill_switch_path} found (training.kill_switch_path); remove it to resume"
+        if flags[2] > 0:
             return f"exit_duration_in_mins ({t.exit_duration_in_mins}) reached"
         if t.exit_interval and self.counters.iteration % t.exit_interval == 0:
             return f"exit_interval ({t.exit_interval}) reached"
@@ -317,7 +358,7 @@ class Trainer:
         lg = self.cfg.logging
         on = self.is_log_rank
         self.metrics = MetricsWriter(lg.metrics_file if on else None)
-        self.tensorboard = TensorBoardWriter(lg.tensorboard_dir if on else None)
+        self.tensorboard = TensorBoardWriter(lg.tensorboard_dir if on else None, lg.tensorboard_tags)
         self.wandb = WandbWriter(lg.wandb_project if on else None, self.cfg.to_dict() if on else None)
 
     def _close_writers(self) -> None:
