@@ -6,6 +6,9 @@ accumulation, clipping) and must reproduce the reference's loss and gradient nor
 the gradient of the tied word embedding at the first step (summed over the stages that hold a copy,
 the micro-batches and the dp ranks: each stage only sees its own contribution) and the final LayerNorm
 weights after the run. With pp > 1 the two tied copies must still be identical at the end.
+
+The same checks run for BLOOM's architecture (ALiBi and the embedding LayerNorm) with 6 heads, not a power of
+two: at tp = 2 each rank must use its own heads' slopes (Megatron-DeepSpeed#227 used the first ones everywhere).
 """
 import functools
 
@@ -20,21 +23,23 @@ from gptpar.training.engine import optimizer_param_groups
 
 CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=60,
            make_vocab_size_divisible_by=16)  # 60 pads to 64: padded logits are in play
+# BLOOM's changes; hidden 48 = 6 heads of 8, 3 per rank at tp = 2.
+ALIBI_CFG = dict(CFG, hidden_size=48, num_attention_heads=6, position_embedding_type="alibi", embed_layernorm=True)
 STEPS, GLOBAL_BATCH, MICRO_BATCH, LR, CLIP, SEED = 5, 8, 2, 1e-2, 1.0, 1234
 
 
-def _global_batch(step):
+def _global_batch(step, cfg):
     g = torch.Generator().manual_seed(1000 + step)
-    return torch.randint(0, CFG["vocab_size"], (GLOBAL_BATCH, CFG["seq_length"] + 1), generator=g)
+    return torch.randint(0, cfg["vocab_size"], (GLOBAL_BATCH, cfg["seq_length"] + 1), generator=g)
 
 
-def _reference():
+def _reference(cfg):
     torch.manual_seed(0)
-    model = GPTModel(GPTConfig(**CFG), seed=SEED)
+    model = GPTModel(GPTConfig(**cfg), seed=SEED)
     opt = torch.optim.AdamW(optimizer_param_groups(model, 0.01), lr=LR)
     losses, norms = [], []
     for step in range(STEPS):
-        tokens = _global_batch(step)
+        tokens = _global_batch(step, cfg)
         loss = model(tokens[:, :-1], labels=tokens[:, 1:])
         opt.zero_grad()
         loss.backward()
@@ -58,13 +63,13 @@ def _optimizer_state_bytes(engine):
                if torch.is_tensor(t) and t.dim() > 0)
 
 
-def _train(tp, pp, dp, sequence_parallel=False):
+def _train(tp, pp, dp, sequence_parallel=False, cfg=CFG):
     from gptpar.parallel import init_parallel
     from gptpar.training.build import build_gpt
     from gptpar.training.engine import build_engine
 
     st = init_parallel(tp=tp, pp=pp, dp=dp)
-    model = build_gpt(GPTConfig(**CFG), st, partition_method="balanced", seed=SEED, sequence_parallel=sequence_parallel)
+    model = build_gpt(GPTConfig(**cfg), st, partition_method="balanced", seed=SEED, sequence_parallel=sequence_parallel)
     engine = build_engine(model, st, _ds_config(dp), lr=LR, weight_decay=0.01)
     # This rank's own contribution to the tied embedding's gradient at step 0, before DeepSpeed sums it
     # over the tied stages and the dp ranks.
@@ -76,13 +81,13 @@ def _train(tp, pp, dp, sequence_parallel=False):
     per_rank = GLOBAL_BATCH // dp
     losses, norms = [], []
     for step in range(STEPS):
-        mine = _global_batch(step)[st.dp_rank * per_rank:(st.dp_rank + 1) * per_rank]
+        mine = _global_batch(step, cfg)[st.dp_rank * per_rank:(st.dp_rank + 1) * per_rank]
         mbs = [{"input_ids": t[:, :-1], "labels": t[:, 1:]} for t in mine.split(MICRO_BATCH)]
         losses.append(engine.train_step(mbs))
         norms.append(engine.grad_norm)
     weights = {name: p.detach().clone() for name, p in engine.ds.module.named_parameters()
                if name.endswith("word_embeddings.weight") or name.endswith("final_layernorm.norm.weight")
-               or name == f"{CFG['num_layers'] + 1}.norm.weight"}  # the pipeline's final LayerNorm
+               or name == f"{cfg['num_layers'] + 1}.norm.weight"}  # the pipeline's final LayerNorm
     return dict(tp=st.tp_rank, pp=st.pp_rank, dp=st.dp_rank, losses=losses, norms=norms, weights=weights,
                 emb_grad=sum(emb_grads.values()),
                 opt_bytes=_optimizer_state_bytes(engine), loss_scale=engine.loss_scale,
@@ -95,13 +100,13 @@ def _accumulate(buffer, engine, grad):
     return grad
 
 
-def _train_many(topologies):
-    return [_train(*t) for t in topologies]
+def _train_many(topologies, cfg=CFG):
+    return [_train(*t, cfg=cfg) for t in topologies]
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return _reference()
+    return _reference(CFG)
 
 
 def _check(results, reference, tp, dp):
@@ -157,3 +162,16 @@ def test_tp2_pp2_matches_serial(reference):
 def test_tp2_pp2_dp2_matches_serial(reference):
     per_rank = run_distributed(_train_many, 8, args=([(2, 2, 2, False)],), timeout=600)
     _check([r[0] for r in per_rank], reference, 2, 2)
+
+
+def test_alibi_embed_layernorm_topologies_match_serial():
+    """(1,1,1), (2,1,1), (1,2,1), (2,1,1)+SP and (2,2,1) with ALiBi over 6 heads and the embedding LayerNorm."""
+    reference = _reference(ALIBI_CFG)
+    two_rank = [(2, 1, 1, False), (1, 2, 1, False), (2, 1, 1, True)]
+    per_rank = run_distributed(_train_many, 2, args=(two_rank, ALIBI_CFG), timeout=400)
+    for i, (tp, pp, dp, sp) in enumerate(two_rank):
+        _check([rank_results[i] for rank_results in per_rank], reference, tp, dp)
+    serial = run_distributed(_train_many, 1, args=([(1, 1, 1, False)], ALIBI_CFG), timeout=300)[0][0]
+    _check([serial], reference, 1, 1)
+    tp2_pp2 = run_distributed(_train_many, 4, args=([(2, 2, 1, False)], ALIBI_CFG), timeout=400)
+    _check([r[0] for r in tp2_pp2], reference, 2, 1)

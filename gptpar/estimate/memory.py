@@ -105,7 +105,8 @@ def memory_per_gpu(*, num_layers: int, hidden_size: int, num_attention_heads: in
                    precision: str = "bf16", zero_stage: int = 1, activation_checkpointing=True,
                    ffn_hidden_size: Optional[int] = None, make_vocab_size_divisible_by: int = 128,
                    max_position_embeddings: Optional[int] = None,
-                   cuda_context_bytes: float = CUDA_CONTEXT_BYTES, embedding_weight: int = 1) -> Dict[str, dict]:
+                   cuda_context_bytes: float = CUDA_CONTEXT_BYTES, embedding_weight: int = 1,
+                   position_embedding_type: str = "learned", embed_layernorm: bool = False) -> Dict[str, dict]:
     """Bytes per GPU for every pipeline stage and for the heaviest one.
 
     Returns {"stages": [{"stage", "params", "weights", "gradients", "optimizer", "activations",
@@ -120,7 +121,8 @@ def memory_per_gpu(*, num_layers: int, hidden_size: int, num_attention_heads: in
                                 partition_method=partition_method, ffn_hidden_size=ffn_hidden_size,
                                 max_position_embeddings=max_position_embeddings,
                                 make_vocab_size_divisible_by=make_vocab_size_divisible_by, per_tp_rank=True,
-                                embedding_weight=embedding_weight)
+                                embedding_weight=embedding_weight,
+                                position_embedding_type=position_embedding_type, embed_layernorm=embed_layernorm)
     ranges = stage_layer_ranges(num_layers, pp_size, partition_method, embedding_weight)
     v_pad = pad_vocab_size(vocab_size, tp_size, make_vocab_size_divisible_by)
     stages = []
