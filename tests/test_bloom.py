@@ -163,3 +163,16 @@ def test_bad_architecture_options_are_clear_errors(tmp_path):
                              intermediate_size=32).save_pretrained(tmp_path / "llama")
     with pytest.raises(ConversionError, match="model_type 'llama' is not supported"):
         load_hf(str(tmp_path / "llama"))
+
+
+def test_resume_refuses_another_position_embedding_type():
+    """A checkpoint written before the two options existed counts as learned / no embedding LayerNorm."""
+    from gptpar.training.checkpoint import CheckpointError, check_shape
+
+    def shape(**model):
+        return {"model": dict(num_layers=2, **model), "parallel": {"tensor_model_parallel_size": 1}}
+
+    older = shape()
+    check_shape(older, shape(position_embedding_type="learned", embed_layernorm=False), "older")
+    with pytest.raises(CheckpointError, match="model.position_embedding_type: checkpoint 'learned', config 'alibi'"):
+        check_shape(older, shape(position_embedding_type="alibi", embed_layernorm=False), "older")
