@@ -176,3 +176,35 @@ def test_resume_refuses_another_position_embedding_type():
     check_shape(older, shape(position_embedding_type="learned", embed_layernorm=False), "older")
     with pytest.raises(CheckpointError, match="model.position_embedding_type: checkpoint 'learned', config 'alibi'"):
         check_shape(older, shape(position_embedding_type="alibi", embed_layernorm=False), "older")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a GPU machine)")
+def test_cuda_alibi_matches_hugging_face_bloom_and_cpu():
+    """On a GPU (SDPA's CUDA kernels with ALiBi's additive mask): logits equal BloomForCausalLM's on the same GPU,
+    gradients equal the CPU model's, and bf16 autocast gives the fp32 loss within 2%."""
+    _check_alibi_on(torch.device("cuda"))
+
+
+def _check_alibi_on(device):
+    hf = _hf_bloom().to(device)
+    config = config_from_hf(hf.config, seq_length=64)
+    state = from_hf_state_dict({k: v.cpu() for k, v in hf.state_dict().items()}, config)
+    models = {}
+    for where in ("cpu", device):
+        models[str(where)] = model = GPTModel(config, device=where)
+        load_full_state_dict(model, state)
+    on_device = models[str(device)]
+    x = torch.randint(0, VOCAB, (2, 65), generator=torch.Generator().manual_seed(3)).to(device)
+    with torch.no_grad():
+        assert_close(on_device.eval()(x[:, :-1])[..., :VOCAB], hf(x[:, :-1]).logits, rtol=1e-4, atol=1e-4)
+    losses = {}
+    for where, model in models.items():
+        xs = x.to(where)
+        losses[where] = model.train()(xs[:, :-1], labels=xs[:, 1:])
+        losses[where].backward()
+    assert_close(losses[str(device)].cpu(), losses["cpu"], rtol=1e-5, atol=1e-6)
+    for (name, p_cpu), p_dev in zip(models["cpu"].named_parameters(), on_device.parameters()):
+        assert_close(p_dev.grad.cpu(), p_cpu.grad, rtol=1e-4, atol=1e-6, msg=name)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        bf16 = on_device(x[:, :-1], labels=x[:, 1:])
+    assert abs(bf16.item() - losses["cpu"].item()) < 2e-2 * losses["cpu"].item()

@@ -9,7 +9,8 @@ those heads' slopes: using slopes [0, n/tp) on every rank was Megatron-DeepSpeed
 The bias is built from query and key positions, so a query block that is not square with the keys works: with
 q_len queries and k_len keys, the queries sit at the last positions k_len - q_len .. k_len - 1 (a KV cache).
 BLOOM's own code adds slope * key position only; per query row that differs from slope * (key - query) by a
-constant, which the softmax ignores, so the two give the same attention.
+constant, which the softmax ignores, so the two give the same attention. Position ids are not read: distances
+come from the token order, and with `reset_attention_mask` the mask keeps documents apart.
 """
 from __future__ import annotations
 
