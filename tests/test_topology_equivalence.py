@@ -9,6 +9,7 @@ weights after the run. With pp > 1 the two tied copies must still be identical a
 
 The same checks run for BLOOM's architecture (ALiBi and the embedding LayerNorm) with 6 heads, not a power of
 two: at tp = 2 each rank must use its own heads' slopes (Megatron-DeepSpeed#227 used the first ones everywhere).
+Both architectures train in the same launches (one per world size) to keep process start-ups few.
 """
 import functools
 
@@ -25,6 +26,7 @@ CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, v
            make_vocab_size_divisible_by=16)  # 60 pads to 64: padded logits are in play
 # BLOOM's changes; hidden 48 = 6 heads of 8, 3 per rank at tp = 2.
 ALIBI_CFG = dict(CFG, hidden_size=48, num_attention_heads=6, position_embedding_type="alibi", embed_layernorm=True)
+CONFIGS = {"gpt2": CFG, "bloom": ALIBI_CFG}
 STEPS, GLOBAL_BATCH, MICRO_BATCH, LR, CLIP, SEED = 5, 8, 2, 1e-2, 1.0, 1234
 
 
@@ -100,13 +102,14 @@ def _accumulate(buffer, engine, grad):
     return grad
 
 
-def _train_many(topologies, cfg=CFG):
-    return [_train(*t, cfg=cfg) for t in topologies]
+def _train_many(runs):
+    """Each (tp, pp, dp, sequence_parallel, architecture) in turn, on this launch's ranks."""
+    return [_train(tp, pp, dp, sp, cfg=CONFIGS[arch]) for tp, pp, dp, sp, arch in runs]
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return _reference(CFG)
+def references():
+    return {arch: _reference(cfg) for arch, cfg in CONFIGS.items()}
 
 
 def _check(results, reference, tp, dp):
@@ -137,41 +140,33 @@ def _check(results, reference, tp, dp):
             assert torch.equal(w, ws[0])
 
 
-TWO_RANK = [(2, 1, 1, False), (1, 2, 1, False), (1, 1, 2, False), (2, 1, 1, True)]
+TWO_RANK = [(2, 1, 1, False, "gpt2"), (1, 2, 1, False, "gpt2"), (1, 1, 2, False, "gpt2"), (2, 1, 1, True, "gpt2"),
+            (2, 1, 1, False, "bloom"), (1, 2, 1, False, "bloom"), (2, 1, 1, True, "bloom")]
 
 
-def test_two_rank_topologies_match_serial(reference):
+def test_two_rank_topologies_match_serial(references):
     per_rank = run_distributed(_train_many, 2, args=(TWO_RANK,), timeout=400)
-    for i, (tp, pp, dp, sp) in enumerate(TWO_RANK):
-        _check([rank_results[i] for rank_results in per_rank], reference, tp, dp)
+    for i, (tp, pp, dp, sp, arch) in enumerate(TWO_RANK):
+        _check([rank_results[i] for rank_results in per_rank], references[arch], tp, dp)
     # The last stage holds the final LayerNorm and the tied output embedding: the pp=2 run checked both.
     assert any("word_embeddings" in n for n in per_rank[1][1]["weights"])
-    dp1 = run_distributed(_train_many, 1, args=([(1, 1, 1, False)],), timeout=300)[0][0]
-    _check([dp1], reference, 1, 1)
+    dp1 = run_distributed(_train_many, 1, args=([(1, 1, 1, False, "gpt2"), (1, 1, 1, False, "bloom")],),
+                          timeout=300)[0]
+    _check([dp1[0]], references["gpt2"], 1, 1)
+    _check([dp1[1]], references["bloom"], 1, 1)
     # ZeRO-1: each dp=2 rank holds about half of dp=1's optimizer state.
-    ratio = per_rank[0][2]["opt_bytes"] / dp1["opt_bytes"]
+    ratio = per_rank[0][2]["opt_bytes"] / dp1[0]["opt_bytes"]
     assert 0.45 < ratio < 0.55, ratio
 
 
-def test_tp2_pp2_matches_serial(reference):
-    per_rank = run_distributed(_train_many, 4, args=([(2, 2, 1, False)],), timeout=400)
-    _check([r[0] for r in per_rank], reference, 2, 1)
+def test_tp2_pp2_matches_serial(references):
+    per_rank = run_distributed(_train_many, 4, args=([(2, 2, 1, False, "gpt2"), (2, 2, 1, False, "bloom")],),
+                               timeout=400)
+    for i, arch in enumerate(("gpt2", "bloom")):
+        _check([r[i] for r in per_rank], references[arch], 2, 1)
 
 
 @pytest.mark.slow
-def test_tp2_pp2_dp2_matches_serial(reference):
-    per_rank = run_distributed(_train_many, 8, args=([(2, 2, 2, False)],), timeout=600)
-    _check([r[0] for r in per_rank], reference, 2, 2)
-
-
-def test_alibi_embed_layernorm_topologies_match_serial():
-    """(1,1,1), (2,1,1), (1,2,1), (2,1,1)+SP and (2,2,1) with ALiBi over 6 heads and the embedding LayerNorm."""
-    reference = _reference(ALIBI_CFG)
-    two_rank = [(2, 1, 1, False), (1, 2, 1, False), (2, 1, 1, True)]
-    per_rank = run_distributed(_train_many, 2, args=(two_rank, ALIBI_CFG), timeout=400)
-    for i, (tp, pp, dp, sp) in enumerate(two_rank):
-        _check([rank_results[i] for rank_results in per_rank], reference, tp, dp)
-    serial = run_distributed(_train_many, 1, args=([(1, 1, 1, False)], ALIBI_CFG), timeout=300)[0][0]
-    _check([serial], reference, 1, 1)
-    tp2_pp2 = run_distributed(_train_many, 4, args=([(2, 2, 1, False)], ALIBI_CFG), timeout=400)
-    _check([r[0] for r in tp2_pp2], reference, 2, 1)
+def test_tp2_pp2_dp2_matches_serial(references):
+    per_rank = run_distributed(_train_many, 8, args=([(2, 2, 2, False, "gpt2")],), timeout=600)
+    _check([r[0] for r in per_rank], references["gpt2"], 2, 2)
