@@ -208,3 +208,17 @@ def _check_alibi_on(device):
     with torch.autocast(device.type, dtype=torch.bfloat16):
         bf16 = on_device(x[:, :-1], labels=x[:, 1:])
     assert abs(bf16.item() - losses["cpu"].item()) < 2e-2 * losses["cpu"].item()
+
+
+def test_memory_estimate_counts_the_alibi_bias():
+    """Without recompute every layer of every micro batch in flight keeps its ALiBi bias, 2 a s^2 / tp bytes;
+    selective recompute rebuilds it with the attention core (one at a time); full recompute keeps none."""
+    from gptpar.estimate.memory import activation_bytes
+
+    kw = dict(seq_length=128, micro_batch_size=2, hidden_size=64, num_attention_heads=8, layers_on_stage=3,
+              tp_size=2, pp_size=4, num_micro_batches=8)
+    bias = 2 * 8 * 128 * 128 / 2
+    for mode, kept in (("none", 4 * 3), ("selective", 1), ("full", 1)):
+        extra = (activation_bytes(activation_checkpointing=mode, alibi=True, **kw)
+                 - activation_bytes(activation_checkpointing=mode, **kw))
+        assert extra == pytest.approx(kept * bias), mode
