@@ -195,8 +195,10 @@ class TransformerLayer(nn.Module):
         -> (b, nh/tp, sq, d). Under selective recompute the ALiBi bias is rebuilt in backward, not kept."""
         dropout_p = self.attention_dropout if self.training else 0.0
         if self.alibi_slopes is not None:
+            if self.alibi_slopes.device != q.device:  # moved once, not copied host-to-device every call
+                self.alibi_slopes = self.alibi_slopes.to(q.device)
             # SDPA takes one attn_mask: the bias with the causal or explicit mask folded in.
-            mask = alibi_attention_bias(self.alibi_slopes.to(q.device), q.shape[-2], k.shape[-2], mask, q.dtype)
+            mask = alibi_attention_bias(self.alibi_slopes, q.shape[-2], k.shape[-2], mask, q.dtype)
             causal = False
         else:
             causal = mask is None
