@@ -1,6 +1,7 @@
 """BLOOM's architecture (ALiBi, the embedding LayerNorm): slopes and attention against the written-out formulas,
-Hugging Face's `BloomForCausalLM` imported at tp = 1 and tp = 2, the parameter formulas against the meta-device
-build, and BLOOM-176B's published parameter count from configs/176b_bloom.json."""
+Hugging Face's `BloomForCausalLM` imported at tp = 1 and tp = 2, a prefix-LM step through the pipeline against the
+serial model, the parameter and memory formulas, and BLOOM-176B's published parameter count from
+configs/176b_bloom.json."""
 import math
 
 import pytest
@@ -102,13 +103,40 @@ def _compare_with_hf_bloom(hf_state, config, x, hf_logits, hf_loss, tp_group=Non
     return True
 
 
-def _bloom_tp2(*args):
+# Weights large enough for attention to matter beside the unit-scale residual the embedding LayerNorm makes.
+PIPE_CFG = dict(num_layers=2, hidden_size=48, num_attention_heads=6, seq_length=16, vocab_size=64,
+                init_method_std=0.3, position_embedding_type="alibi", embed_layernorm=True)
+
+
+def _prefix_lm_batches():
+    from gptpar.data.masks import build_masks
+
+    batches = []
+    for i in range(2):
+        x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(20 + i))
+        mask, loss_mask, positions = build_masks(x[:, :-1], eod=63, prefix_lengths=torch.tensor([5, 9]),
+                                                 loss_on_targets_only=True)
+        batches.append(dict(input_ids=x[:, :-1], labels=x[:, 1:], attention_mask=mask, loss_mask=loss_mask,
+                            position_ids=positions))
+    return batches
+
+
+def _on_two_ranks(*hf_args):
+    """One launch, two checks: the imported BLOOM at tp = 2, then a prefix-LM step through a pp = 2 pipeline."""
+    from gptpar.model.pipeline import build_pipeline_model
     from gptpar.parallel import init_parallel
+    from gptpar.training.engine import build_engine
 
-    return _compare_with_hf_bloom(*args, tp_group=init_parallel(tp=2).tp_group)
+    _compare_with_hf_bloom(*hf_args, tp_group=init_parallel(tp=2).tp_group)
+    st = init_parallel(tp=1, pp=2)
+    model, _ = build_pipeline_model(GPTConfig(**PIPE_CFG), st, seed=11)
+    ds_config = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                 "steps_per_print": 10 ** 9}
+    engine = build_engine(model, st, ds_config, lr=0.0, has_attention_mask=True)
+    return engine.train_step(_prefix_lm_batches())
 
 
-def test_hugging_face_bloom_imported_at_tp1_and_tp2():
+def test_bloom_imported_at_tp1_and_tp2_and_prefix_lm_through_the_pipeline():
     hf = _hf_bloom()
     config = config_from_hf(hf.config, seq_length=16)
     assert (config.position_embedding_type, config.embed_layernorm, config.activation) == ("alibi", True, "gelu_tanh")
@@ -121,7 +149,16 @@ def test_hugging_face_bloom_imported_at_tp1_and_tp2():
         out = hf(x, labels=x)  # HF shifts the labels inside
     args = ({k: v.clone() for k, v in hf.state_dict().items()}, config, x, out.logits, out.loss)
     _compare_with_hf_bloom(*args)
-    assert run_distributed(_bloom_tp2, 2, args=args, timeout=240) == [True, True]
+    pipeline_loss = run_distributed(_on_two_ranks, 2, args=args, timeout=300)[1]  # the last stage's
+
+    serial = GPTModel(GPTConfig(**PIPE_CFG), seed=11)
+    batches = _prefix_lm_batches()
+    with torch.no_grad():
+        expected = torch.stack([serial(**mb) for mb in batches]).mean()
+        causal = torch.stack([serial(mb["input_ids"], labels=mb["labels"], loss_mask=mb["loss_mask"])
+                              for mb in batches]).mean()
+    assert_close(torch.tensor(pipeline_loss), expected, rtol=1e-5, atol=0)
+    assert abs(pipeline_loss - causal.item()) > 1e-4  # the prefix mask really changed the result
 
 
 @pytest.mark.parametrize("alibi,embed_ln", [(True, True), (True, False), (False, True)])
