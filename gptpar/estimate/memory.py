@@ -27,7 +27,8 @@ per transformer layer and micro batch of b sequences, in bytes with 2-byte activ
 Stage 0 of a 1F1B pipeline keeps min(pp, m) micro batches in flight (m = micro batches per step);
 one layer (full) or one attention core (selective) is rematerialised at a time on top. The last stage also
 holds the fp32 logits and their gradient (2 * 4 * s*b*V/tp).
-ALiBi adds its bias to the attention core: 2*a*s^2/tp bytes (one per micro batch under a causal mask).
+ALiBi adds its bias to the attention core: 2*a*s^2/tp bytes per micro batch under a causal mask (b times that
+with an explicit per-sample mask, not modelled).
 SDPA's flash and memory-efficient kernels never store the s x s tensors, so on them `none` holds what
 `selective` does; the 5as/h term describes an unfused attention (and the seed runs').
 """
