@@ -5,7 +5,8 @@
 #   OUT=gpu_out bash bench/gpu_run.sh        # ~5 min on an H200; logs and JSON under $OUT
 #
 # 1. correctness on the GPU: gptpar's logits equal Hugging Face's on the same GPU, its gradients the CPU
-#    model's, and bf16 autocast / torch.compile'd layers give the fp32 loss (tests/test_model.py -k cuda);
+#    model's, and bf16 autocast / torch.compile'd layers give the fp32 loss (tests/test_model.py -k cuda;
+#    ALiBi through SDPA's CUDA kernels: tests/test_bloom.py -k cuda);
 # 2. the single-rank benchmark at tiny size (smoke);
 # 3. ~1.3B (configs/1.3b.json: 24 x 2048, seq 2048, micro-batch 4), bf16 autocast, eager, against Hugging
 #    Face GPT2LMHeadModel of the same shape, with a kernel-time profile of one step of each;
@@ -22,7 +23,7 @@ export PYTHONUNBUFFERED=1
 } 2>&1 | tee "$OUT/machine.txt"
 
 echo "== 1. correctness on the GPU"
-$PY -m pytest -q -p no:cacheprovider tests/test_model.py -k cuda 2>&1 | tail -3
+$PY -m pytest -q -p no:cacheprovider tests/test_model.py tests/test_bloom.py -k cuda 2>&1 | tail -3
 
 echo "== 2. smoke"
 $PY bench/bench_single_rank.py --device cuda --tiny --hf 2>&1 | tail -2

@@ -1,5 +1,6 @@
-"""Checkpoint conversion: a DeepSpeed checkpoint written at tp x pp, exported to Hugging Face GPT-2, gives the
-loss the distributed model computed; the universal file loads into a tp = 1 model with the same loss."""
+"""Checkpoint conversion: a DeepSpeed checkpoint written at tp x pp, exported to Hugging Face GPT-2 (or BLOOM for
+an ALiBi + embedding-LayerNorm model), gives the loss the distributed model computed; the universal file loads
+into a tp = 1 model with the same loss."""
 import dataclasses
 import json
 import os
@@ -18,6 +19,8 @@ transformers = pytest.importorskip("transformers")
 
 CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=60,
            make_vocab_size_divisible_by=16)
+BLOOM_CFG = dict(CFG, hidden_size=48, num_attention_heads=6, activation="gelu_tanh", position_embedding_type="alibi",
+                 embed_layernorm=True)
 
 
 def _tokens(seed):
@@ -29,13 +32,13 @@ def _micro_batches(seed):
     return [{"input_ids": x[:, :-1], "labels": x[:, 1:]} for x in t.split(2)]
 
 
-def _train_and_save(tp, pp, save_dir):
+def _train_and_save(tp, pp, save_dir, cfg=CFG):
     from gptpar.parallel import init_parallel
     from gptpar.training.build import build_gpt
     from gptpar.training.engine import build_engine
 
     st = init_parallel(tp=tp, pp=pp)
-    config = GPTConfig(**CFG)
+    config = GPTConfig(**cfg)
     model = build_gpt(config, st, seed=3)
     ds_config = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
                  "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9}
@@ -55,8 +58,9 @@ def _train_and_save(tp, pp, save_dir):
     return loss
 
 
-def _hf_loss(model_dir):
-    model = transformers.GPT2LMHeadModel.from_pretrained(model_dir).eval()
+def _hf_loss(model_dir, architecture="GPT2LMHeadModel"):
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    assert type(model).__name__ == architecture
     losses = []
     with torch.no_grad():
         for x in _tokens(1).split(2):
@@ -102,3 +106,33 @@ def test_bad_checkpoint_is_a_clear_error(tmp_path, capsys):
     assert convert_checkpoint.main(["--load", str(tmp_path), "--to", "universal",
                                     "--output", str(tmp_path / "x.pt")]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_bloom_export_from_tp2_pp2_and_import(tmp_path):
+    """An ALiBi + embedding-LayerNorm model trained a step at tp = 2, pp = 2 exports as BloomForCausalLM: its
+    loss is the distributed model's, its logits the serial gptpar model's; importing it gives the tensors back."""
+    import convert_checkpoint
+
+    from gptpar.model.convert import load_universal, read_weights
+    from gptpar.model.gpt import GPTModel
+    from gptpar.model.sharding import load_full_state_dict
+
+    save = str(tmp_path / "ckpt")
+    loss = run_distributed(_train_and_save, 4, args=(2, 2, save, BLOOM_CFG), timeout=400)[0]
+    hf_dir = str(tmp_path / "hf")
+    assert convert_checkpoint.main(["--load", save, "--to", "hf", "--output", hf_dir]) == 0
+    assert_close(_hf_loss(hf_dir, "BloomForCausalLM"), loss, rtol=1e-5, atol=0)
+
+    state, config, _ = load_universal(save)
+    model = GPTModel(config).eval()
+    load_full_state_dict(model, state)
+    hf = transformers.BloomForCausalLM.from_pretrained(hf_dir).eval()
+    x = _tokens(2)
+    with torch.no_grad():
+        assert_close(model(x)[..., :CFG["vocab_size"]], hf(x).logits, rtol=1e-5, atol=1e-5)
+
+    again, imported = read_weights(hf_dir)
+    # The architecture and seq_length travel in the BLOOM config.json (the vocab padding is gptpar's own choice).
+    assert dataclasses.replace(imported, make_vocab_size_divisible_by=16) == config
+    for name, t in state.items():
+        assert torch.equal(again[name], t), name

@@ -6,6 +6,10 @@ accumulation, clipping) and must reproduce the reference's loss and gradient nor
 the gradient of the tied word embedding at the first step (summed over the stages that hold a copy,
 the micro-batches and the dp ranks: each stage only sees its own contribution) and the final LayerNorm
 weights after the run. With pp > 1 the two tied copies must still be identical at the end.
+
+The same checks run for BLOOM's architecture (ALiBi and the embedding LayerNorm) with 6 heads, not a power of
+two: at tp = 2 each rank must use its own heads' slopes (Megatron-DeepSpeed#227 used the first ones everywhere).
+Both architectures train in the same launches (one per world size) to keep process start-ups few.
 """
 import functools
 
@@ -20,21 +24,24 @@ from gptpar.training.engine import optimizer_param_groups
 
 CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=60,
            make_vocab_size_divisible_by=16)  # 60 pads to 64: padded logits are in play
+# BLOOM's changes; hidden 48 = 6 heads of 8, 3 per rank at tp = 2.
+ALIBI_CFG = dict(CFG, hidden_size=48, num_attention_heads=6, position_embedding_type="alibi", embed_layernorm=True)
+CONFIGS = {"gpt2": CFG, "bloom": ALIBI_CFG}
 STEPS, GLOBAL_BATCH, MICRO_BATCH, LR, CLIP, SEED = 5, 8, 2, 1e-2, 1.0, 1234
 
 
-def _global_batch(step):
+def _global_batch(step, cfg):
     g = torch.Generator().manual_seed(1000 + step)
-    return torch.randint(0, CFG["vocab_size"], (GLOBAL_BATCH, CFG["seq_length"] + 1), generator=g)
+    return torch.randint(0, cfg["vocab_size"], (GLOBAL_BATCH, cfg["seq_length"] + 1), generator=g)
 
 
-def _reference():
+def _reference(cfg):
     torch.manual_seed(0)
-    model = GPTModel(GPTConfig(**CFG), seed=SEED)
+    model = GPTModel(GPTConfig(**cfg), seed=SEED)
     opt = torch.optim.AdamW(optimizer_param_groups(model, 0.01), lr=LR)
     losses, norms = [], []
     for step in range(STEPS):
-        tokens = _global_batch(step)
+        tokens = _global_batch(step, cfg)
         loss = model(tokens[:, :-1], labels=tokens[:, 1:])
         opt.zero_grad()
         loss.backward()
@@ -58,13 +65,13 @@ def _optimizer_state_bytes(engine):
                if torch.is_tensor(t) and t.dim() > 0)
 
 
-def _train(tp, pp, dp, sequence_parallel=False):
+def _train(tp, pp, dp, sequence_parallel=False, cfg=CFG):
     from gptpar.parallel import init_parallel
     from gptpar.training.build import build_gpt
     from gptpar.training.engine import build_engine
 
     st = init_parallel(tp=tp, pp=pp, dp=dp)
-    model = build_gpt(GPTConfig(**CFG), st, partition_method="balanced", seed=SEED, sequence_parallel=sequence_parallel)
+    model = build_gpt(GPTConfig(**cfg), st, partition_method="balanced", seed=SEED, sequence_parallel=sequence_parallel)
     engine = build_engine(model, st, _ds_config(dp), lr=LR, weight_decay=0.01)
     # This rank's own contribution to the tied embedding's gradient at step 0, before DeepSpeed sums it
     # over the tied stages and the dp ranks.
@@ -76,13 +83,13 @@ def _train(tp, pp, dp, sequence_parallel=False):
     per_rank = GLOBAL_BATCH // dp
     losses, norms = [], []
     for step in range(STEPS):
-        mine = _global_batch(step)[st.dp_rank * per_rank:(st.dp_rank + 1) * per_rank]
+        mine = _global_batch(step, cfg)[st.dp_rank * per_rank:(st.dp_rank + 1) * per_rank]
         mbs = [{"input_ids": t[:, :-1], "labels": t[:, 1:]} for t in mine.split(MICRO_BATCH)]
         losses.append(engine.train_step(mbs))
         norms.append(engine.grad_norm)
     weights = {name: p.detach().clone() for name, p in engine.ds.module.named_parameters()
                if name.endswith("word_embeddings.weight") or name.endswith("final_layernorm.norm.weight")
-               or name == f"{CFG['num_layers'] + 1}.norm.weight"}  # the pipeline's final LayerNorm
+               or name == f"{cfg['num_layers'] + 1}.norm.weight"}  # the pipeline's final LayerNorm
     return dict(tp=st.tp_rank, pp=st.pp_rank, dp=st.dp_rank, losses=losses, norms=norms, weights=weights,
                 emb_grad=sum(emb_grads.values()),
                 opt_bytes=_optimizer_state_bytes(engine), loss_scale=engine.loss_scale,
@@ -95,13 +102,14 @@ def _accumulate(buffer, engine, grad):
     return grad
 
 
-def _train_many(topologies):
-    return [_train(*t) for t in topologies]
+def _train_many(runs):
+    """Each (tp, pp, dp, sequence_parallel, architecture) in turn, on this launch's ranks."""
+    return [_train(tp, pp, dp, sp, cfg=CONFIGS[arch]) for tp, pp, dp, sp, arch in runs]
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return _reference()
+def references():
+    return {arch: _reference(cfg) for arch, cfg in CONFIGS.items()}
 
 
 def _check(results, reference, tp, dp):
@@ -132,28 +140,33 @@ def _check(results, reference, tp, dp):
             assert torch.equal(w, ws[0])
 
 
-TWO_RANK = [(2, 1, 1, False), (1, 2, 1, False), (1, 1, 2, False), (2, 1, 1, True)]
+TWO_RANK = [(2, 1, 1, False, "gpt2"), (1, 2, 1, False, "gpt2"), (1, 1, 2, False, "gpt2"), (2, 1, 1, True, "gpt2"),
+            (2, 1, 1, False, "bloom"), (1, 2, 1, False, "bloom"), (2, 1, 1, True, "bloom")]
 
 
-def test_two_rank_topologies_match_serial(reference):
+def test_two_rank_topologies_match_serial(references):
     per_rank = run_distributed(_train_many, 2, args=(TWO_RANK,), timeout=400)
-    for i, (tp, pp, dp, sp) in enumerate(TWO_RANK):
-        _check([rank_results[i] for rank_results in per_rank], reference, tp, dp)
+    for i, (tp, pp, dp, sp, arch) in enumerate(TWO_RANK):
+        _check([rank_results[i] for rank_results in per_rank], references[arch], tp, dp)
     # The last stage holds the final LayerNorm and the tied output embedding: the pp=2 run checked both.
     assert any("word_embeddings" in n for n in per_rank[1][1]["weights"])
-    dp1 = run_distributed(_train_many, 1, args=([(1, 1, 1, False)],), timeout=300)[0][0]
-    _check([dp1], reference, 1, 1)
+    dp1 = run_distributed(_train_many, 1, args=([(1, 1, 1, False, "gpt2"), (1, 1, 1, False, "bloom")],),
+                          timeout=300)[0]
+    _check([dp1[0]], references["gpt2"], 1, 1)
+    _check([dp1[1]], references["bloom"], 1, 1)
     # ZeRO-1: each dp=2 rank holds about half of dp=1's optimizer state.
-    ratio = per_rank[0][2]["opt_bytes"] / dp1["opt_bytes"]
+    ratio = per_rank[0][2]["opt_bytes"] / dp1[0]["opt_bytes"]
     assert 0.45 < ratio < 0.55, ratio
 
 
-def test_tp2_pp2_matches_serial(reference):
-    per_rank = run_distributed(_train_many, 4, args=([(2, 2, 1, False)],), timeout=400)
-    _check([r[0] for r in per_rank], reference, 2, 1)
+def test_tp2_pp2_matches_serial(references):
+    per_rank = run_distributed(_train_many, 4, args=([(2, 2, 1, False, "gpt2"), (2, 2, 1, False, "bloom")],),
+                               timeout=400)
+    for i, arch in enumerate(("gpt2", "bloom")):
+        _check([r[i] for r in per_rank], references[arch], 2, 1)
 
 
 @pytest.mark.slow
-def test_tp2_pp2_dp2_matches_serial(reference):
-    per_rank = run_distributed(_train_many, 8, args=([(2, 2, 2, False)],), timeout=600)
-    _check([r[0] for r in per_rank], reference, 2, 2)
+def test_tp2_pp2_dp2_matches_serial(references):
+    per_rank = run_distributed(_train_many, 8, args=([(2, 2, 2, False, "gpt2")],), timeout=600)
+    _check([r[0] for r in per_rank], references["gpt2"], 2, 2)

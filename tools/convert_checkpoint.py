@@ -1,4 +1,5 @@
-"""Convert checkpoints: gptpar (any tp x pp) -> Hugging Face GPT-2 or a universal tp=1 file, and HF -> universal.
+"""Convert checkpoints: gptpar (any tp x pp) -> Hugging Face (GPT2LMHeadModel, or BloomForCausalLM for an ALiBi +
+embedding-LayerNorm model) or a universal tp=1 file, and HF (GPT-2 or BLOOM) -> universal.
 
     python tools/convert_checkpoint.py --load checkpoints/demo --to hf --output exported/demo_hf
     python tools/convert_checkpoint.py --load checkpoints/demo --to universal --output demo_full.pt
@@ -19,7 +20,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--load", help="a gptpar checkpoint directory, or the save directory holding `latest`")
-    src.add_argument("--from-hf", help="a local Hugging Face GPT-2 model directory")
+    src.add_argument("--from-hf", help="a local Hugging Face GPT-2 or BLOOM model directory")
     parser.add_argument("--tag", help="checkpoint tag inside --load (default: what `latest` points at)")
     parser.add_argument("--to", choices=("hf", "universal"), required=True)
     parser.add_argument("--output", required=True, help="output directory (hf) or file (universal)")

@@ -12,7 +12,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gptpar.estimate.flops import exact_model_params, model_size_formula, params_per_stage  # noqa: E402
-from gptpar.estimate.settings import require  # noqa: E402
+from gptpar.estimate.settings import embedding_kind, require  # noqa: E402
 from model_flags import add_model_flags, settings_from_args  # noqa: E402
 
 
@@ -26,7 +26,7 @@ def main(argv=None) -> int:
         shape = dict(num_layers=s["num_layers"], hidden_size=s["hidden_size"], vocab_size=s["vocab_size"],
                      seq_length=s["seq_length"], tp_size=s["tp_size"], ffn_hidden_size=s["ffn_hidden_size"],
                      max_position_embeddings=s["max_position_embeddings"],
-                     make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"])
+                     make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"], **embedding_kind(s))
         formula = model_size_formula(s["num_layers"], s["hidden_size"], s["vocab_size"], s["seq_length"])
         exact = exact_model_params(**shape)
         stage_kw = dict(shape, pp_size=s["pp_size"], partition_method=s["partition_method"])

@@ -6,8 +6,12 @@ the planning tools. The architecture is gptpar's pre-LN GPT-2 with a tied output
     per layer   LN(2h) + QKV(3h^2+3h) + proj(h^2+h) + LN(2h) + fc1(h*f+f) + fc2(f*h+h)
                 = 12h^2 + 13h with f = 4h
     embedding   V_padded * h word embedding (+ its tied copy on the last stage when pp > 1)
-                + max_position_embeddings * h position embedding (first stage)
+                + max_position_embeddings * h position embedding (first stage; none with ALiBi)
+                + 2h embedding LayerNorm (first stage, with embed_layernorm: BLOOM)
     final LN    2h (last stage)
+
+BLOOM-176B (ALiBi, embedding LayerNorm): 70 (12h^2 + 13h) + V h + 4h = 176,247,271,424 with h = 14336,
+V = 250880. ALiBi adds no multiply: the FLOP counts below hold for both position embedding types.
 
 Under tensor parallelism QKV/fc1 are column-parallel (weight and bias split), proj/fc2 row-parallel
 (weight split, bias replicated); LayerNorms and position embeddings are replicated; the word
@@ -42,6 +46,14 @@ def layer_params(hidden_size: int, ffn_hidden_size: Optional[int] = None, tp_siz
     return split // tp_size + replicated
 
 
+def input_embedding_extra_params(hidden_size: int, max_position_embeddings: int,
+                                 position_embedding_type: str = "learned", embed_layernorm: bool = False) -> int:
+    """What the input embedding holds beside the word embedding: the position table (learned positions; ALiBi
+    has none) and the embedding LayerNorm's weight and bias (embed_layernorm)."""
+    positions = max_position_embeddings * hidden_size if position_embedding_type == "learned" else 0
+    return positions + (2 * hidden_size if embed_layernorm else 0)
+
+
 def stage_layer_ranges(num_layers: int, pp_size: int, partition_method: str = "transformer",
                        embedding_weight: int = 1) -> List[Tuple[int, int]]:
     """Half-open [start, end) transformer-layer ranges of each pipeline stage (gptpar.model.partition's rule)."""
@@ -53,7 +65,8 @@ def params_per_stage(*, num_layers: int, hidden_size: int, vocab_size: int, seq_
                      pp_size: int = 1, tp_size: int = 1, partition_method: str = "transformer",
                      ffn_hidden_size: Optional[int] = None, max_position_embeddings: Optional[int] = None,
                      make_vocab_size_divisible_by: int = 128, per_tp_rank: bool = False,
-                     embedding_weight: int = 1) -> List[int]:
+                     embedding_weight: int = 1, position_embedding_type: str = "learned",
+                     embed_layernorm: bool = False) -> List[int]:
     """Parameters of each pipeline stage: its unique tensors (default) or what one tp rank holds.
 
     The word embedding is padded for tp (Megatron's rule). With pp > 1 the last stage holds the tied
@@ -62,7 +75,8 @@ def params_per_stage(*, num_layers: int, hidden_size: int, vocab_size: int, seq_
     """
     h = hidden_size
     v = pad_vocab_size(vocab_size, tp_size, make_vocab_size_divisible_by)
-    positions = max_position_embeddings or seq_length
+    extra = input_embedding_extra_params(h, max_position_embeddings or seq_length, position_embedding_type,
+                                         embed_layernorm)
     tp = tp_size if per_tp_rank else 1
     block = layer_params(h, ffn_hidden_size, tp)
     out = []
@@ -70,7 +84,7 @@ def params_per_stage(*, num_layers: int, hidden_size: int, vocab_size: int, seq_
         first, last = i == 0, i == pp_size - 1
         total = (end - start) * block
         if first:
-            total += v * h // tp + positions * h
+            total += v * h // tp + extra
         if last:
             total += 2 * h + (v * h // tp if pp_size > 1 else 0)
         out.append(total)
@@ -79,12 +93,14 @@ def params_per_stage(*, num_layers: int, hidden_size: int, vocab_size: int, seq_
 
 def exact_model_params(*, num_layers: int, hidden_size: int, vocab_size: int, seq_length: int,
                        tp_size: int = 1, ffn_hidden_size: Optional[int] = None,
-                       max_position_embeddings: Optional[int] = None, make_vocab_size_divisible_by: int = 128) -> int:
+                       max_position_embeddings: Optional[int] = None, make_vocab_size_divisible_by: int = 128,
+                       position_embedding_type: str = "learned", embed_layernorm: bool = False) -> int:
     """Unique parameters of the (unsharded) model with the padded vocab: what a meta-device build counts."""
     h = hidden_size
     v = pad_vocab_size(vocab_size, tp_size, make_vocab_size_divisible_by)
-    return (num_layers * layer_params(h, ffn_hidden_size, 1) + v * h
-            + (max_position_embeddings or seq_length) * h + 2 * h)
+    return (num_layers * layer_params(h, ffn_hidden_size, 1) + v * h + 2 * h
+            + input_embedding_extra_params(h, max_position_embeddings or seq_length, position_embedding_type,
+                                           embed_layernorm))
 
 
 def legacy_param_count(num_layers: int, hidden_size: int, tp_size: int = 1) -> int:
@@ -165,5 +181,6 @@ def mfu(*, peak_tflops: float, **tflops_kwargs) -> float:
 
 
 __all__ = ["model_size_formula", "layer_params", "resolve_partition_method", "stage_layer_ranges", "params_per_stage", "exact_model_params",
+           "input_embedding_extra_params",
            "legacy_param_count", "model_flops_per_iteration", "tflops_per_gpu", "tflops_from_param_count", "mfu",
            "PARTITION_METHODS", "FORMULAS"]

@@ -27,6 +27,8 @@ per transformer layer and micro batch of b sequences, in bytes with 2-byte activ
 Stage 0 of a 1F1B pipeline keeps min(pp, m) micro batches in flight (m = micro batches per step);
 one layer (full) or one attention core (selective) is rematerialised at a time on top. The last stage also
 holds the fp32 logits and their gradient (2 * 4 * s*b*V/tp).
+ALiBi adds its bias to the attention core: 2*a*s^2/tp bytes per micro batch under a causal mask (b times that
+with an explicit per-sample mask, not modelled).
 SDPA's flash and memory-efficient kernels never store the s x s tensors, so on them `none` holds what
 `selective` does; the 5as/h term describes an unfused attention (and the seed runs').
 """
@@ -76,7 +78,7 @@ def model_state_bytes(params: int, precision: str, zero_stage: int = 1, dp_size:
 def activation_bytes(*, seq_length: int, micro_batch_size: int, hidden_size: int, num_attention_heads: int,
                      layers_on_stage: int, tp_size: int = 1, pp_size: int = 1, num_micro_batches: int = 1,
                      activation_checkpointing=True, stage: int = 0,
-                     vocab_size: Optional[int] = None) -> float:
+                     vocab_size: Optional[int] = None, alibi: bool = False) -> float:
     """Peak activation bytes of one pipeline stage (stage 0 is the worst: most micro batches in flight).
 
     activation_checkpointing: "none" | "selective" | "full" or a bool (True = full, False = none).
@@ -84,6 +86,8 @@ def activation_bytes(*, seq_length: int, micro_batch_size: int, hidden_size: int
     """
     s, b, h, a, t = seq_length, micro_batch_size, hidden_size, num_attention_heads, tp_size
     attention_core = s * b * h * 5 * a * s / (h * t)     # softmax input/output, dropout mask and output
+    if alibi:  # + the ALiBi bias SDPA keeps, (a/tp, s, s) in 2 bytes shared by the micro batch; rebuilt with the core
+        attention_core += 2 * a * s * s / t
     full_layer = s * b * h * (10 + 24 / t) + attention_core
     in_flight = max(1, min(pp_size - stage, num_micro_batches))
     mode = recompute_mode(activation_checkpointing)
@@ -105,7 +109,8 @@ def memory_per_gpu(*, num_layers: int, hidden_size: int, num_attention_heads: in
                    precision: str = "bf16", zero_stage: int = 1, activation_checkpointing=True,
                    ffn_hidden_size: Optional[int] = None, make_vocab_size_divisible_by: int = 128,
                    max_position_embeddings: Optional[int] = None,
-                   cuda_context_bytes: float = CUDA_CONTEXT_BYTES, embedding_weight: int = 1) -> Dict[str, dict]:
+                   cuda_context_bytes: float = CUDA_CONTEXT_BYTES, embedding_weight: int = 1,
+                   position_embedding_type: str = "learned", embed_layernorm: bool = False) -> Dict[str, dict]:
     """Bytes per GPU for every pipeline stage and for the heaviest one.
 
     Returns {"stages": [{"stage", "params", "weights", "gradients", "optimizer", "activations",
@@ -120,7 +125,8 @@ def memory_per_gpu(*, num_layers: int, hidden_size: int, num_attention_heads: in
                                 partition_method=partition_method, ffn_hidden_size=ffn_hidden_size,
                                 max_position_embeddings=max_position_embeddings,
                                 make_vocab_size_divisible_by=make_vocab_size_divisible_by, per_tp_rank=True,
-                                embedding_weight=embedding_weight)
+                                embedding_weight=embedding_weight,
+                                position_embedding_type=position_embedding_type, embed_layernorm=embed_layernorm)
     ranges = stage_layer_ranges(num_layers, pp_size, partition_method, embedding_weight)
     v_pad = pad_vocab_size(vocab_size, tp_size, make_vocab_size_divisible_by)
     stages = []
@@ -130,6 +136,7 @@ def memory_per_gpu(*, num_layers: int, hidden_size: int, num_attention_heads: in
                                num_attention_heads=num_attention_heads, layers_on_stage=end - start,
                                tp_size=tp_size, pp_size=pp_size, num_micro_batches=m,
                                activation_checkpointing=activation_checkpointing, stage=i,
+                               alibi=position_embedding_type == "alibi",
                                vocab_size=v_pad if i == pp_size - 1 else None)
         stages.append({"stage": i, "params": params, "weights": st["weights"], "gradients": st["gradients"],
                        "optimizer": st["optimizer"], "activations": act, "cuda_context": cuda_context_bytes,

@@ -14,7 +14,7 @@ from typing import List, Optional
 
 from gptpar.estimate.flops import model_flops_per_iteration, params_per_stage, stage_layer_ranges
 from gptpar.estimate.memory import GIB, memory_per_gpu
-from gptpar.estimate.settings import require
+from gptpar.estimate.settings import embedding_kind, require
 from gptpar.model.config import check_tp_divides, pad_vocab_size, recompute_mode
 from gptpar.training.schedules import rampup_split_problem
 
@@ -103,7 +103,7 @@ def predict(s: dict, tp: int, pp: int, dp: int, mbs: int, gbs: int, hw: Hardware
                                        embedding_weight=s.get("embedding_weight", 1),
                                        ffn_hidden_size=s["ffn_hidden_size"],
                                        make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"],
-                                       per_tp_rank=True))
+                                       per_tp_rank=True, **embedding_kind(s)))
     dp_bw = hw.intra_node_gbps * 1e9 if tp * dp <= hw.gpus_per_node else per_gpu_inter
     dp_comm = 0.0 if dp == 1 else rank_params * 2 * 2 * (dp - 1) / dp / dp_bw
     return {"compute_s": m * slot_compute, "bubble_s": (pp - 1) * slot_compute,
@@ -123,7 +123,8 @@ def predict_layout(s: dict, hw: Hardware) -> dict:
                          pp_size=pp, dp_size=dp, partition_method=s["partition_method"], precision=s["precision"],
                          embedding_weight=s.get("embedding_weight", 1), zero_stage=s["zero_stage"],
                          activation_checkpointing=s["activation_checkpointing"], ffn_hidden_size=s["ffn_hidden_size"],
-                         make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"])["max"]["total"] / GIB
+                         make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"],
+                         **embedding_kind(s))["max"]["total"] / GIB
     out.update(mem_gib=mem, fits=mem <= hw.gpu_mem_gib)
     return out
 
@@ -238,7 +239,8 @@ def _candidate(s, tp, pp, dp, mbs, gbs_req, nodes, hw) -> Optional[Candidate]:
                          embedding_weight=s.get("embedding_weight", 1),
                          zero_stage=s["zero_stage"], activation_checkpointing=s["activation_checkpointing"],
                          ffn_hidden_size=s["ffn_hidden_size"],
-                         make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"])["max"]["total"] / GIB
+                         make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"],
+                         **embedding_kind(s))["max"]["total"] / GIB
     if mem > hw.gpu_mem_gib:
         return None
     soft = []

@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Tuple
 from gptpar.estimate.flops import (exact_model_params, model_size_formula, params_per_stage, resolve_partition_method,
                                    stage_layer_ranges, tflops_per_gpu)
 from gptpar.estimate.memory import GIB
-from gptpar.estimate.settings import memory_of, settings_of
+from gptpar.estimate.settings import embedding_kind, memory_of, settings_of
 from gptpar.model.config import pad_vocab_size
 from gptpar.training.config import Config
 
@@ -38,7 +38,7 @@ def render_dry_run(config: Config, dp_size: int, sec_per_iter: Optional[float] =
                  partition_method=s["partition_method"], embedding_weight=s["embedding_weight"],
                  ffn_hidden_size=s["ffn_hidden_size"],
                  max_position_embeddings=s["max_position_embeddings"],
-                 make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"])
+                 make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"], **embedding_kind(s))
     lines = ["== resolved config =="]
     for section in ("model", "parallel", "training", "data", "checkpoint", "logging"):
         if section in cfg:
@@ -57,14 +57,16 @@ def render_dry_run(config: Config, dp_size: int, sec_per_iter: Optional[float] =
     for i, ((a, b), u, r, m) in enumerate(zip(ranges, unique, per_rank, mem["stages"])):
         extra = []
         if i == 0:
-            extra.append("embedding + positions")
+            extra.append("embedding" + (" + positions" if s["position_embedding_type"] == "learned" else "")
+                         + (" + LN" if s["embed_layernorm"] else ""))
         if i == pp - 1:
             extra.append("tied embedding + final LN" if pp > 1 else "final LN")
         lines.append(f"{i:>5} {f'[{a}, {b})':>11} {', '.join(extra):<28} {_fmt(u):>17} {_fmt(r):>15} "
                      f"{m['total'] / GIB:>11.1f}")
     exact = exact_model_params(**{k: shape[k] for k in ("num_layers", "hidden_size", "vocab_size", "seq_length",
                                                            "tp_size", "ffn_hidden_size", "max_position_embeddings",
-                                                           "make_vocab_size_divisible_by")})
+                                                           "make_vocab_size_divisible_by",
+                                                           "position_embedding_type", "embed_layernorm")})
     tied = v_pad * h if pp > 1 else 0
     lines += [f"sum over stages: {_fmt(sum(unique))} = model {_fmt(exact)} + tied output-embedding copy {_fmt(tied)}",
               f"model size formula (seed 000, unpadded vocab): {_fmt(model_size_formula(L, h, v, seq))} "

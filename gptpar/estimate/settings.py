@@ -23,6 +23,7 @@ def settings_of(cfg: Config, dp_size: Optional[int] = None) -> dict:
         "ffn_hidden_size": m.ffn_hidden_size, "seq_length": m.seq_length,
         "max_position_embeddings": m.max_position_embeddings, "vocab_size": m.vocab_size,
         "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by, "activation": m.activation,
+        "position_embedding_type": m.position_embedding_type, "embed_layernorm": m.embed_layernorm,
         "padded_vocab_size": m.padded_vocab_size(tp),
         "tp_size": tp, "pp_size": p.pipeline_model_parallel_size, "dp_size": dp_size or p.data_parallel_size or 1,
         "partition_method": p.partition_method, "embedding_weight": p.embedding_weight or 1,
@@ -43,7 +44,15 @@ def memory_of(s: dict) -> dict:
                           embedding_weight=s["embedding_weight"], precision=s["precision"],
                           zero_stage=s["zero_stage"], activation_checkpointing=s["activation_checkpointing"],
                           ffn_hidden_size=s["ffn_hidden_size"], max_position_embeddings=s["max_position_embeddings"],
-                          make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"])
+                          make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"],
+                          **embedding_kind(s))
+
+
+def embedding_kind(s: dict) -> dict:
+    """The input embedding's options the parameter formulas take, from settings `s` (GPT-2's when unset, as
+    for settings built from Megatron-style flags alone)."""
+    return {"position_embedding_type": s.get("position_embedding_type", "learned"),
+            "embed_layernorm": s.get("embed_layernorm", False)}
 
 
 def require(s: dict, *keys: str) -> None:
@@ -60,4 +69,4 @@ def require(s: dict, *keys: str) -> None:
 _FLAG = {"tp_size": "tensor_model_parallel_size", "pp_size": "pipeline_model_parallel_size"}
 
 
-__all__ = ["settings_of", "memory_of", "require"]
+__all__ = ["settings_of", "memory_of", "embedding_kind", "require"]

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
+# Learned absolute positions (GPT-2) or ALiBi's per-head linear attention biases (BLOOM, Press et al. 2021).
+POSITION_EMBEDDING_TYPES = ("learned", "alibi")
 # Activation recompute in backward (Megatron's --recompute-granularity): nothing, only the attention core
 # (QK^T, softmax, dropout, .V: the s x s tensors, cheap to redo), or each whole transformer layer.
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -63,6 +65,8 @@ class GPTConfig:
     init_method_std: float = 0.02
     tie_word_embeddings: bool = True
     activation: str = "gelu"
+    position_embedding_type: str = "learned"
+    embed_layernorm: bool = False
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -80,7 +84,7 @@ class GPTConfig:
             raise ValueError(
                 f"model.hidden_size ({self.hidden_size}) must divide by model.num_attention_heads "
                 f"({self.num_attention_heads}): pick heads that divide the hidden size")
-        if self.seq_length > self.max_position_embeddings:
+        if self.position_embedding_type == "learned" and self.seq_length > self.max_position_embeddings:
             raise ValueError(
                 f"model.seq_length ({self.seq_length}) exceeds model.max_position_embeddings "
                 f"({self.max_position_embeddings}): raise max_position_embeddings or shorten seq_length")
@@ -91,9 +95,19 @@ class GPTConfig:
             raise ValueError("model.layernorm_epsilon and model.init_method_std must be > 0")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"model.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            raise ValueError(f"model.position_embedding_type must be one of {POSITION_EMBEDDING_TYPES}, "
+                             f"got {self.position_embedding_type!r}")
+        if not isinstance(self.embed_layernorm, bool):
+            raise ValueError(f"model.embed_layernorm must be true or false, got {self.embed_layernorm!r}")
         if not self.tie_word_embeddings:
             raise ValueError("model.tie_word_embeddings=false is not supported: gptpar's GPT ties the output "
                              "layer to the word embedding (set it to true)")
+
+    @property
+    def learned_positions(self) -> bool:
+        """Whether the embedding holds a position table (ALiBi models have none)."""
+        return self.position_embedding_type == "learned"
 
     @property
     def head_dim(self) -> int:

@@ -1,5 +1,5 @@
 """Checkpoint conversion: a gptpar training checkpoint of any tp x pp -> one full (tp = 1) state dict,
-and from there to a Hugging Face GPT-2 or to any other tp.
+and from there to a Hugging Face GPT-2 or BLOOM (gptpar.model.hf.hf_architecture) or to any other tp.
 
 The "universal" form is `GPTModel`'s state dict at tp = 1 with the word embedding trimmed to the real
 vocabulary: padding rows depend on tp (Megatron pads the vocab to a multiple of 128 x tp), so they are
@@ -127,34 +127,60 @@ def read_weights(path: str, tag: Optional[str] = None) -> Tuple[StateDict, GPTCo
     return state, config
 
 
-def save_hf(state: StateDict, config: GPTConfig, out_dir: str) -> None:
-    """Write a Hugging Face GPT2LMHeadModel directory (config.json + weights) loadable offline."""
+def _empty_hf_model(config: GPTConfig):
+    """A transformers model of `config`'s architecture (GPT2LMHeadModel or BloomForCausalLM), random weights."""
+    import transformers
+
+    from gptpar.model.hf import hf_architecture
+
     try:
-        import transformers
+        architecture = hf_architecture(config)
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
+    common = dict(vocab_size=config.vocab_size, layer_norm_epsilon=config.layernorm_epsilon,
+                  initializer_range=config.init_method_std, bos_token_id=0, eos_token_id=0)
+    if architecture == "bloom":
+        # seq_length is not a BloomConfig field: kept as an extra attribute so that importing restores it.
+        return transformers.BloomForCausalLM(transformers.BloomConfig(
+            n_layer=config.num_layers, hidden_size=config.hidden_size, n_head=config.num_attention_heads,
+            hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout,
+            seq_length=config.seq_length, **common))
+    act = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}[config.activation]
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=config.num_layers, n_embd=config.hidden_size, n_head=config.num_attention_heads,
+        n_inner=config.ffn_hidden_size, n_positions=config.max_position_embeddings, activation_function=act,
+        resid_pdrop=config.hidden_dropout, attn_pdrop=config.attention_dropout, embd_pdrop=config.hidden_dropout,
+        **common))
+
+
+def save_hf(state: StateDict, config: GPTConfig, out_dir: str) -> None:
+    """Write a Hugging Face directory (config.json + weights) loadable offline: `BloomForCausalLM` for an ALiBi
+    model with the embedding LayerNorm, `GPT2LMHeadModel` for learned positions."""
+    try:
+        import transformers  # noqa: F401
     except ImportError as e:
         raise ConversionError("exporting to Hugging Face needs transformers: pip install transformers") from e
     from gptpar.model.hf import to_hf_state_dict
 
-    act = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}[config.activation]
-    hf_config = transformers.GPT2Config(
-        n_layer=config.num_layers, n_embd=config.hidden_size, n_head=config.num_attention_heads,
-        n_inner=config.ffn_hidden_size, n_positions=config.max_position_embeddings, vocab_size=config.vocab_size,
-        activation_function=act, layer_norm_epsilon=config.layernorm_epsilon, resid_pdrop=config.hidden_dropout,
-        attn_pdrop=config.attention_dropout, embd_pdrop=config.hidden_dropout, bos_token_id=0, eos_token_id=0)
-    model = transformers.GPT2LMHeadModel(hf_config)
+    model = _empty_hf_model(config)
     missing, unexpected = model.load_state_dict(to_hf_state_dict(state, config), strict=False)
     missing = [k for k in missing if not k.endswith(".attn.bias") and not k.endswith(".attn.masked_bias")]
     if missing or unexpected:
-        raise ConversionError(f"Hugging Face GPT-2 did not take the weights: missing {missing}, unexpected {unexpected}")
+        raise ConversionError(f"Hugging Face {type(model).__name__} did not take the weights: missing {missing}, "
+                              f"unexpected {unexpected}")
     model.save_pretrained(out_dir)
 
 
 def load_hf(model_dir: str) -> Tuple[StateDict, GPTConfig]:
-    """A local Hugging Face GPT-2 directory -> (universal state dict, GPTConfig)."""
+    """A local Hugging Face GPT-2 or BLOOM directory (told apart by its config's model_type) -> (universal
+    state dict, GPTConfig)."""
     import transformers
 
     from gptpar.model.hf import config_from_hf, from_hf_state_dict
 
-    model = transformers.GPT2LMHeadModel.from_pretrained(model_dir)
-    config = config_from_hf(model.config)
+    try:
+        config = config_from_hf(transformers.AutoConfig.from_pretrained(model_dir))
+    except ValueError as e:
+        raise ConversionError(f"{model_dir}: {e}") from None
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     return from_hf_state_dict(model.state_dict(), config), config

@@ -28,10 +28,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from gptpar.model.alibi import alibi_attention_bias, rank_alibi_slopes
 from gptpar.model.config import GPTConfig, recompute_mode
 from gptpar.model.kernels import make_layer_norm
-from gptpar.tensor_parallel.comm import (Group, divide, gather_from_sequence_parallel_region, group_size,
-                                         mark_sequence_parallel, scatter_to_sequence_parallel_region)
+from gptpar.tensor_parallel.comm import (Group, divide, gather_from_sequence_parallel_region, group_rank,
+                                         group_size, mark_sequence_parallel, scatter_to_sequence_parallel_region)
 from gptpar.tensor_parallel.cross_entropy import (LogitsWorkspace, linear_cross_entropy,
                                                   vocab_parallel_cross_entropy)
 from gptpar.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -79,15 +80,17 @@ class _Dropout(nn.Module):
 
 
 class GPTEmbedding(nn.Module):
-    """Word (vocab-parallel) + learned position embeddings. (b, s) ids -> (s, b, h), or (s/tp, b, h) under sp.
+    """Word (vocab-parallel) embedding, + learned position embeddings (position_embedding_type "learned"),
+    then BLOOM's LayerNorm (embed_layernorm). (b, s) ids -> (s, b, h), or (s/tp, b, h) under sp.
 
     Input: ids, or a tuple (ids, position_ids, attention_mask) where either may be None.
-    `with_position_embeddings=False` builds the last pipeline stage's tied copy, which only needs the words.
+    `words_only=True` builds the last pipeline stage's tied copy, which only needs the word embedding: the
+    embedding stage alone owns the position table and the embedding LayerNorm.
     """
 
     def __init__(self, config: GPTConfig, *, tp_group: Group = None, sequence_parallel: bool = False,
                  rng_tracker: Optional[RNGStatesTracker] = None, seed: int = 1234,
-                 with_position_embeddings: bool = True, device=None, dtype=None):
+                 words_only: bool = False, device=None, dtype=None):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         init = init_normal(config.init_method_std)
@@ -96,11 +99,17 @@ class GPTEmbedding(nn.Module):
                 config.padded_vocab_size(group_size(tp_group)), config.hidden_size, group=tp_group,
                 init_method=init, device=device, dtype=dtype)
             self.position_embeddings = None
-            if with_position_embeddings:
+            if config.learned_positions and not words_only:
                 self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size,
                                                         device=device, dtype=dtype)
                 if self.position_embeddings.weight.device.type != "meta":
                     init(self.position_embeddings.weight.data)
+        # Computed before the sequence-parallel scatter, on the whole (replicated) sequence: its gradients
+        # are then the same on every tp rank and need no sequence-parallel reduction.
+        self.word_embeddings_layernorm = None
+        if config.embed_layernorm and not words_only:
+            self.word_embeddings_layernorm = make_layer_norm(config.hidden_size, config.layernorm_epsilon,
+                                                             device=device, dtype=dtype)
         self.dropout = _Dropout(config.hidden_dropout, rng_tracker, per_rank=sequence_parallel)
 
     def forward(self, inputs):
@@ -108,9 +117,13 @@ class GPTEmbedding(nn.Module):
             ids, position_ids, mask = (tuple(inputs) + (None, None))[:3]
         else:
             ids, position_ids, mask = inputs, None, None
-        if position_ids is None:
-            position_ids = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
-        x = self.word_embeddings(ids) + self.position_embeddings(position_ids)  # (b, s, h)
+        x = self.word_embeddings(ids)  # (b, s, h)
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                position_ids = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+            x = x + self.position_embeddings(position_ids)
+        if self.word_embeddings_layernorm is not None:
+            x = self.word_embeddings_layernorm(x)
         x = x.transpose(0, 1).contiguous()  # (s, b, h)
         if self.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, self.tp_group)  # (s/tp, b, h)
@@ -122,7 +135,8 @@ class TransformerLayer(nn.Module):
     optionally paired with a boolean attention mask (b, 1, s, s), True = may attend.
 
     `recompute_core_attention` is selective recompute: in training the attention core is recomputed in
-    backward instead of keeping its (b, nh/tp, s, s) tensors, the linears and their inputs are kept."""
+    backward instead of keeping its (b, nh/tp, s, s) tensors, the linears and their inputs are kept.
+    With ALiBi (gptpar.model.alibi) the core adds this rank's heads' distance biases to the scores."""
 
     def __init__(self, config: GPTConfig, layer_number: int, *, tp_group: Group = None,
                  sequence_parallel: bool = False, rng_tracker: Optional[RNGStatesTracker] = None,
@@ -134,6 +148,9 @@ class TransformerLayer(nn.Module):
         self.num_heads = divide(config.num_attention_heads, tp, "num_attention_heads")  # heads on this rank
         self.head_dim = config.head_dim
         self.attention_dropout = config.attention_dropout
+        # fp32 slopes of this rank's heads (a plain tensor, not a buffer: a bf16 model must not round them).
+        self.alibi_slopes = (rank_alibi_slopes(config.num_attention_heads, group_rank(tp_group), tp)
+                             if config.position_embedding_type == "alibi" else None)
         self.activation = _ACTIVATIONS[config.activation]
         self.rng_tracker = rng_tracker
         init = init_normal(config.init_method_std)
@@ -174,13 +191,21 @@ class TransformerLayer(nn.Module):
         return self.dense(ctx)
 
     def core_attention(self, q, k, v, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """dropout(softmax(q k^T / sqrt(d) + mask)) v: q, k, v (b, nh/tp, s, d) -> (b, nh/tp, s, d)."""
+        """dropout(softmax(q k^T / sqrt(d) + mask [+ ALiBi])) v: q (b, nh/tp, sq, d), k and v (b, nh/tp, sk, d)
+        -> (b, nh/tp, sq, d). Under selective recompute the ALiBi bias is rebuilt in backward, not kept."""
         dropout_p = self.attention_dropout if self.training else 0.0
+        if self.alibi_slopes is not None:
+            if self.alibi_slopes.device != q.device:  # moved once, not copied host-to-device every call
+                self.alibi_slopes = self.alibi_slopes.to(q.device)
+            # SDPA takes one attn_mask: the bias with the causal or explicit mask folded in.
+            mask = alibi_attention_bias(self.alibi_slopes, q.shape[-2], k.shape[-2], mask, q.dtype)
+            causal = False
+        else:
+            causal = mask is None
         # The attention probabilities belong to this rank's heads: their dropout draws per tp rank.
         fork = self.rng_tracker.fork() if (dropout_p > 0 and self.rng_tracker) else contextlib.nullcontext()
         with fork:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                                  is_causal=mask is None)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal)
 
     def forward(self, inputs):
         x, mask = _split_mask(inputs)

@@ -54,7 +54,7 @@ def layer_specs(config: GPTConfig, *, tp_group=None, sequence_parallel: bool = F
         + [LayerSpec(FinalLayerNorm, config, **kw)]
         + markers
         + [TiedLayerSpec("embed", GPTEmbedding, config, rng_tracker=rng_tracker, seed=seed,
-                         with_position_embeddings=False, forward_fn=lm_logits,
+                         words_only=True, forward_fn=lm_logits,
                          tied_weight_attr="word_embeddings.weight", **kw)]
     )
 
@@ -125,7 +125,7 @@ def _block_parameter_counts(config: GPTConfig, tp: int) -> dict:
                           "make_vocab_size_divisible_by": 1})
     return {
         "input_embedding": _count(GPTEmbedding(padded, device="meta"), tp),
-        "output_embedding": _count(GPTEmbedding(padded, with_position_embeddings=False, device="meta"), tp),
+        "output_embedding": _count(GPTEmbedding(padded, words_only=True, device="meta"), tp),
         "transformer_layer": _count(TransformerLayer(padded, 0, device="meta"), tp),
         "final_layernorm": _count(FinalLayerNorm(padded, device="meta"), tp),
     }

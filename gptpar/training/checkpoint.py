@@ -41,7 +41,9 @@ FORMAT_VERSION = 2  # 2: a manifest marks a complete checkpoint
 
 # The keys that fix the shape of the weights and of the optimizer shards.
 MODEL_SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                    "max_position_embeddings", "activation")
+                    "max_position_embeddings", "activation", "position_embedding_type", "embed_layernorm")
+# Shape keys added after checkpoints were written without them: such a checkpoint has the default.
+_ADDED_SHAPE_KEYS = {"position_embedding_type": "learned", "embed_layernorm": False}
 PARALLEL_SHAPE_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
                        "partition_method", "zero_stage")
 
@@ -61,9 +63,12 @@ def shape_of(cfg_dict: dict, tp: int, pp: int, dp: int, padded_vocab: int, parti
 
 def check_shape(saved: dict, current: dict, where: str) -> None:
     """Raise CheckpointError listing every model/parallel key that differs."""
-    diffs = [f"{section}.{key}: checkpoint {saved.get(section, {}).get(key)!r}, config {value!r}"
+    def saved_value(section, key):
+        return saved.get(section, {}).get(key, _ADDED_SHAPE_KEYS.get(key))
+
+    diffs = [f"{section}.{key}: checkpoint {saved_value(section, key)!r}, config {value!r}"
              for section, values in current.items() for key, value in values.items()
-             if saved.get(section, {}).get(key) != value]
+             if saved_value(section, key) != value]
     if diffs:
         raise CheckpointError(f"checkpoint {where} does not fit this config's model/parallel shape:\n  "
                               + "\n  ".join(diffs)

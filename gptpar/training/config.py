@@ -446,7 +446,7 @@ MODEL_DOCS = {
     "num_attention_heads": "Attention heads; must divide hidden_size and by tp.",
     "ffn_hidden_size": "MLP inner size; null = 4 x hidden_size.",
     "seq_length": "Tokens per sample.",
-    "max_position_embeddings": "Rows of the learned position embedding; null = seq_length.",
+    "max_position_embeddings": "Rows of the learned position embedding; null = seq_length (unused with alibi).",
     "vocab_size": "The tokenizer's vocabulary; the embedding holds it padded to a multiple of "
                   "make_vocab_size_divisible_by x tp.",
     "make_vocab_size_divisible_by": "Vocab padding multiple (per tensor-parallel rank); 1 disables padding.",
@@ -455,7 +455,12 @@ MODEL_DOCS = {
     "layernorm_epsilon": "LayerNorm epsilon.",
     "init_method_std": "Standard deviation of the normal weight init.",
     "tie_word_embeddings": "Output layer shares the word embedding (must be true).",
-    "activation": "MLP activation: gelu, gelu_tanh or relu.",
+    "activation": "MLP activation: gelu, gelu_tanh (BLOOM's) or relu.",
+    "position_embedding_type": "learned (a position table, GPT-2) or alibi (no table: each head adds slope x "
+                               "(key - query position) to its attention scores, BLOOM; slopes for any head count, "
+                               "each tp rank using its own heads').",
+    "embed_layernorm": "A LayerNorm right after the embedding (BLOOM's --embed-layernorm); the embedding stage "
+                       "owns it.",
 }
 
 SECTIONS = {"model": GPTConfig, "parallel": ParallelConfig, "training": TrainingConfig, "data": DataConfig,
