@@ -62,7 +62,7 @@ def main(argv=None) -> int:
         # check what load, save and the data mean before anything is built (rank 0 decides for all)
         preflight = run_preflight(cfg, pstate, checkpoint_shape(cfg, pstate), functools.partial(log, flush=True))
         # build
-        trainer = build_trainer(cfg, pstate, log, preflight.load_target)
+        trainer = build_trainer(cfg, pstate, log, preflight.load_target, preflight.init_from)
         if cfg.training.zero_stage_note:
             log(cfg.training.zero_stage_note, flush=True)
         log(trainer.engine.precision_plan(), flush=True)

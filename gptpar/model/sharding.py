@@ -7,7 +7,7 @@ weights, gathering for export).
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -17,8 +17,8 @@ from gptpar.tensor_parallel.comm import Group, group_rank, group_size
 
 
 def shard_tensor(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """This rank's block of `full` for `param`, padding the partitioned dim with zeros if `full` is shorter
-    (a vocabulary padded to a multiple of tp x 128)."""
+    """This rank's block of `full` for `param` (one rank's shard), padding the partitioned dim with zeros if
+    `full` is shorter (a vocabulary padded to a multiple of tp x 128)."""
     if not getattr(param, "tensor_model_parallel", False):
         return full
     dim = param.partition_dim
@@ -33,10 +33,28 @@ def shard_tensor(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size:
     return full.narrow(dim, tp_rank * per_rank, per_rank)
 
 
-def load_full_state_dict(model: nn.Module, full: Dict[str, torch.Tensor], tp_group: Group = None) -> None:
-    """Copy a tp = 1 state dict into a (possibly) tensor-parallel model, each rank taking its blocks."""
+def split_tensor(full: torch.Tensor, param: torch.Tensor, tp_size: int) -> List[torch.Tensor]:
+    """Every tp rank's block of `full` for `param`, a parameter of the model built at tp = 1 with the padded
+    size of the target tp (offline resharding: no process group). Replicated parameters repeat `full`."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return [full] * tp_size
+    if param.shape[param.partition_dim] % tp_size:
+        raise ValueError(f"{tuple(param.shape)} does not split {tp_size} ways along dim {param.partition_dim}")
+    shape = list(param.shape)
+    shape[param.partition_dim] //= tp_size
+    per_rank = torch.empty(shape, device="meta")
+    per_rank.tensor_model_parallel, per_rank.partition_dim = True, param.partition_dim
+    return [shard_tensor(full, per_rank, rank, tp_size) for rank in range(tp_size)]
+
+
+def load_full_state_dict(model: nn.Module, full: Dict[str, torch.Tensor], tp_group: Group = None,
+                         full_name: Optional[Callable[[str], str]] = None) -> None:
+    """Copy a tp = 1 state dict into a (possibly) tensor-parallel model, each rank taking its blocks.
+
+    `full_name` maps the model's parameter names to `full`'s keys (e.g. a pipeline stage's to GPTModel's)."""
     rank, size = group_rank(tp_group), group_size(tp_group)
-    params = dict(model.named_parameters())
+    full_name = full_name or (lambda name: name)
+    params = {full_name(name): param for name, param in model.named_parameters()}
     missing = sorted(set(params) - set(full))
     if missing:
         raise KeyError(f"state dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''}")

@@ -5,6 +5,8 @@ so all ranks stop with the same message or go on with the same checkpoint to loa
 Order, so that a refused run changes nothing in checkpoint.save (not even a modification time):
     1. another live job holds checkpoint.save?          (read-only)  gptpar.training.save_folder.peek_lock
     2. checkpoint.load resolved and verified             (read-only)  gptpar.training.checkpoint_files
+       or, without a checkpoint to resume, checkpoint.init_from (or a weights-only checkpoint.load) checked
+       against the model's shape                         (read-only)  gptpar.training.init_weights
     3. checkpoint.save holding another run's checkpoints (read-only)
     4. every dataset's largest token id and the tokenizer's vocabulary < model.vocab_size (caches beside
        the data, gptpar.data.token_stats)
@@ -23,16 +25,19 @@ from gptpar.data.indexed import DataError
 from gptpar.training.checkpoint import check_shape
 from gptpar.training.checkpoint_files import (CheckpointError, LoadTarget, complete_checkpoints, read_latest,
                                               resolve_load, state_file, verify_checkpoint)
+from gptpar.training.init_weights import check_weights_fit, choose_start
 from gptpar.training.save_folder import (JobLock, check_free_space, checkpoint_bytes, clean_leftovers,
                                          peek_lock, probe_writable)
 
 
 @dataclass
 class Preflight:
-    """What rank 0 found: the checkpoint to load (None = fresh) and, on rank 0, the save folder's lock."""
+    """What rank 0 found: the checkpoint to load (None = fresh), the weights to start from instead (None = the
+    model's own initialisation) and, on rank 0, the save folder's lock."""
 
     load_target: Optional[LoadTarget]
     lock: Optional[JobLock] = None
+    init_from: Optional[str] = None
 
     def release(self) -> None:
         if self.lock is not None:
@@ -44,8 +49,9 @@ def run_preflight(cfg, pstate, shape: dict, log: Callable[[str], None]) -> Prefl
     outcome, lock = None, None
     if pstate.rank == 0:
         try:
-            target, lock = check_on_rank0(cfg, pstate.world_size, pstate.tp_size, pstate.pp_size, shape, log)
-            outcome = ("ok", target)
+            target, init_from, lock = check_on_rank0(cfg, pstate.world_size, pstate.tp_size, pstate.pp_size,
+                                                     shape, log)
+            outcome = ("ok", (target, init_from))
         except (CheckpointError, DataError) as e:
             outcome = (type(e).__name__, str(e))
         except Exception as e:  # noqa: BLE001 - any surprise must still reach the other ranks, not hang them
@@ -56,25 +62,30 @@ def run_preflight(cfg, pstate, shape: dict, log: Callable[[str], None]) -> Prefl
         outcome = box[0]
     kind, value = outcome
     if kind == "ok":
-        return Preflight(value, lock)
+        return Preflight(value[0], lock, init_from=value[1])
     raise {"DataError": DataError, "RuntimeError": RuntimeError}.get(kind, CheckpointError)(value)
 
 
 def check_on_rank0(cfg, world_size: int, tp: int, pp: int, shape: dict, log) -> tuple:
-    """(load target or None, the held JobLock or None); raises CheckpointError / DataError."""
+    """(load target or None, the weights to start from or None, the held JobLock or None); raises CheckpointError
+    / DataError."""
     ck = cfg.checkpoint
     peek_lock(ck.save, ck.override_lock)
     target, note = resolve_load(ck.load)
+    target, init_from = choose_start(ck.init_from, target, log)
     if target is not None:
         verify_checkpoint(target, world_size)
         saved = torch.load(os.path.join(target.path, state_file(0)), weights_only=False)
         check_shape(saved["shape"], shape, target.path)
+    if init_from is not None:
+        check_weights_fit(init_from, cfg.model, "checkpoint.init_from" if init_from == ck.init_from
+                          else "checkpoint.load")
     check_save_holds_no_other_run(ck.save, target)
     check_data(cfg, log)
-    if note:
+    if note and init_from is None:
         log(note)
     if not ck.save:
-        return target, None
+        return target, init_from, None
     lock = JobLock(ck.save)
     lock.acquire(ck.override_lock, log)
     try:
@@ -86,7 +97,7 @@ def check_on_rank0(cfg, world_size: int, tp: int, pp: int, shape: dict, log) -> 
     except BaseException:
         lock.release()
         raise
-    return target, lock
+    return target, init_from, lock
 
 
 def check_save_holds_no_other_run(save: Optional[str], target: Optional[LoadTarget]) -> None:
