@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Callable, Optional, Tuple
+from typing import Optional, Tuple
 
 from gptpar.model.config import GPTConfig
 from gptpar.training.checkpoint import MODEL_SHAPE_KEYS
@@ -33,22 +33,20 @@ FRESH = "iteration 0, a fresh optimizer, LR schedule and counters"
 
 
 def choose_start(init_from: Optional[str], target: Optional[LoadTarget],
-                 log: Callable[[str], None]) -> Tuple[Optional[LoadTarget], Optional[str]]:
-    """(the checkpoint to resume, the weights to start from): at most one is set; one line says which won."""
+                 note: Optional[str] = None) -> Tuple[Optional[LoadTarget], Optional[str], Optional[str]]:
+    """(the checkpoint to resume, the weights to start from, the one line that says which): at most one of the
+    first two is set. `target` and `note` are what checkpoint.load resolved to (checkpoint_files.resolve_load)."""
     if target is not None and is_weights_only(target.path):
         verify_checkpoint(target, world_size=0)  # its manifest's files; it has no per-rank state
         ignored = f" (checkpoint.init_from {init_from} ignored)" if init_from else ""
-        log(f"checkpoint.load {target.path} is a weights-only checkpoint: starting from its weights at {FRESH}"
-            + ignored)
-        return None, target.path
+        return None, target.path, (f"checkpoint.load {target.path} is a weights-only checkpoint: starting from its "
+                                   f"weights at {FRESH}{ignored}")
     if target is not None:
-        if init_from:
-            log(f"checkpoint.init_from {init_from} ignored: resuming {target.path} (checkpoint.load holds a "
-                "checkpoint, and a resume wins)")
-        return target, None
+        return target, None, (f"checkpoint.init_from {init_from} ignored: resuming {target.path} (checkpoint.load "
+                              "holds a checkpoint, and a resume wins)" if init_from else note)
     if init_from:
-        log(f"starting from the weights of checkpoint.init_from {init_from} at {FRESH}")
-    return None, init_from
+        return None, init_from, f"starting from the weights of checkpoint.init_from {init_from} at {FRESH}"
+    return None, None, note
 
 
 def check_weights_fit(path: str, model: GPTConfig, field: str = "checkpoint.init_from") -> None:

@@ -72,7 +72,7 @@ def check_on_rank0(cfg, world_size: int, tp: int, pp: int, shape: dict, log) -> 
     ck = cfg.checkpoint
     peek_lock(ck.save, ck.override_lock)
     target, note = resolve_load(ck.load)
-    target, init_from = choose_start(ck.init_from, target, log)
+    target, init_from, note = choose_start(ck.init_from, target, note)
     if target is not None:
         verify_checkpoint(target, world_size)
         saved = torch.load(os.path.join(target.path, state_file(0)), weights_only=False)
@@ -82,7 +82,7 @@ def check_on_rank0(cfg, world_size: int, tp: int, pp: int, shape: dict, log) -> 
                           else "checkpoint.load")
     check_save_holds_no_other_run(ck.save, target)
     check_data(cfg, log)
-    if note and init_from is None:
+    if note:
         log(note)
     if not ck.save:
         return target, init_from, None
