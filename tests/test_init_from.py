@@ -54,16 +54,17 @@ def runs(tmp_path_factory):
     hf = _make_hf(d / "hf")
     assert convert_checkpoint.main(["--from-hf", hf, "--to", "gptpar", "--output", str(d / "w22"),
                                     "--tp", "2", "--pp", "2"]) == 0
+    def config(name, iters, parallel, checkpoint):
+        return write_config(d / f"{name}.json", model=MODEL, parallel=parallel, checkpoint=checkpoint,
+                            training=dict(train_iters=iters, lr_warmup_iters=0),
+                            logging=dict(metrics_file=str(d / f"{name}.jsonl")))
+
     configs = {
-        "hf": write_config(d / "hf.json", model=MODEL, parallel=TP2_PP2, training=dict(train_iters=2, lr_warmup_iters=0),
-                           checkpoint=dict(init_from=hf, save=str(d / "a"), load=str(d / "a")),
-                           logging=dict(metrics_file=str(d / "hf.jsonl"))),
-        "other": write_config(d / "other.json", model=MODEL, training=dict(train_iters=1, lr_warmup_iters=0),
-                              parallel=dict(tensor_model_parallel_size=2, data_parallel_size=2),
-                              checkpoint=dict(init_from=str(d / "a")), logging=dict(metrics_file=str(d / "other.jsonl"))),
-        "weights": write_config(d / "weights.json", model=MODEL, training=dict(train_iters=1, lr_warmup_iters=0),
-                                parallel=dict(pipeline_model_parallel_size=2, data_parallel_size=2),
-                                checkpoint=dict(load=str(d / "w22")), logging=dict(metrics_file=str(d / "weights.jsonl"))),
+        "hf": config("hf", 2, TP2_PP2, dict(init_from=hf, save=str(d / "a"), load=str(d / "a"))),
+        "other": config("other", 1, dict(tensor_model_parallel_size=2, data_parallel_size=2),
+                        dict(init_from=str(d / "a"))),
+        "weights": config("weights", 1, dict(pipeline_model_parallel_size=2, data_parallel_size=2),
+                          dict(load=str(d / "w22"))),
     }
     out = run_distributed(run_mains, 4, ([(name, ["--config", path]) for name, path in configs.items()],),
                           timeout=600)

@@ -187,9 +187,9 @@ def save_weights_only(state: StateDict, config: GPTConfig, out_dir: str, tp: int
     tmp = f"{os.path.normpath(out_dir)}.tmp-{os.getpid()}"
     os.makedirs(tmp)
     try:
-        for t in range(tp):
-            shard = {name: split_tensor(state[name], param, tp)[t].clone() for name, param in params.items()}
-            _save_shard(shard, tmp, t, config.num_layers, pp)
+        blocks = {name: split_tensor(state[name], param, tp) for name, param in params.items()}  # views
+        for t in range(tp):  # clone: torch.save of a view would write the whole tensor it views
+            _save_shard({name: b[t].clone() for name, b in blocks.items()}, tmp, t, config.num_layers, pp)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump({"model": dataclasses.asdict(config),
                        "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,

@@ -21,8 +21,22 @@ def shard_tensor(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size:
     `full` is shorter (a vocabulary padded to a multiple of tp x 128)."""
     if not getattr(param, "tensor_model_parallel", False):
         return full
+    return _block(full, param.partition_dim, param.shape[param.partition_dim], tp_rank, tp_size)
+
+
+def split_tensor(full: torch.Tensor, param: torch.Tensor, tp_size: int) -> List[torch.Tensor]:
+    """Every tp rank's block of `full` for `param`, a parameter of the model built at tp = 1 with the padded
+    size of the target tp (offline resharding: no process group). Replicated parameters repeat `full`."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return [full] * tp_size
     dim = param.partition_dim
-    per_rank = param.shape[dim]
+    if param.shape[dim] % tp_size:
+        raise ValueError(f"{tuple(param.shape)} does not split {tp_size} ways along dim {dim}")
+    return [_block(full, dim, param.shape[dim] // tp_size, rank, tp_size) for rank in range(tp_size)]
+
+
+def _block(full: torch.Tensor, dim: int, per_rank: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """Block `tp_rank` of `per_rank` rows along `dim`, `full` zero-padded to tp_size x per_rank there."""
     want = per_rank * tp_size
     if full.shape[dim] > want:
         raise ValueError(f"tensor of {full.shape[dim]} along dim {dim} does not fit {tp_size} x {per_rank}")
@@ -31,20 +45,6 @@ def shard_tensor(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size:
         pad_shape[dim] = want - full.shape[dim]
         full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
     return full.narrow(dim, tp_rank * per_rank, per_rank)
-
-
-def split_tensor(full: torch.Tensor, param: torch.Tensor, tp_size: int) -> List[torch.Tensor]:
-    """Every tp rank's block of `full` for `param`, a parameter of the model built at tp = 1 with the padded
-    size of the target tp (offline resharding: no process group). Replicated parameters repeat `full`."""
-    if not getattr(param, "tensor_model_parallel", False):
-        return [full] * tp_size
-    if param.shape[param.partition_dim] % tp_size:
-        raise ValueError(f"{tuple(param.shape)} does not split {tp_size} ways along dim {param.partition_dim}")
-    shape = list(param.shape)
-    shape[param.partition_dim] //= tp_size
-    per_rank = torch.empty(shape, device="meta")
-    per_rank.tensor_model_parallel, per_rank.partition_dim = True, param.partition_dim
-    return [shard_tensor(full, per_rank, rank, tp_size) for rank in range(tp_size)]
 
 
 def load_full_state_dict(model: nn.Module, full: Dict[str, torch.Tensor], tp_group: Group = None,
