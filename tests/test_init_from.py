@@ -195,6 +195,9 @@ def test_weights_of_another_shape_are_refused_naming_the_field(tmp_path):
         _check(tmp_path, init_from=hf, num_layers=4, hidden_size=64, vocab_size=VOCAB + 10)
     with pytest.raises(CheckpointError, match="checkpoint.init_from .*/nowhere does not exist"):
         _check(tmp_path, init_from=str(tmp_path / "nowhere"))
+    os.makedirs(tmp_path / "junk")
+    with pytest.raises(CheckpointError, match="junk cannot be read as model weights: .* holds no config.json"):
+        _check(tmp_path, init_from=str(tmp_path / "junk"))
     # a smaller vocabulary fits (the rows it lacks start at zero)
     assert _check(tmp_path, init_from=hf, hidden_size=64, vocab_size=VOCAB + 100)[1] == hf
 

@@ -140,20 +140,19 @@ def read_weights(path: str, tag: Optional[str] = None) -> Tuple[StateDict, GPTCo
 
 def read_weights_config(path: str, tag: Optional[str] = None) -> GPTConfig:
     """The model config of what `read_weights(path, tag)` returns, read without the tensors where the source
-    keeps it apart (a Hugging Face or a gptpar checkpoint's config.json): shapes are checked before any weight
-    is read."""
+    keeps it apart (a Hugging Face or a gptpar checkpoint's config.json), so that shapes are checked before any
+    weight is read; any other source (a universal checkpoint) through `read_weights` itself."""
     if os.path.isdir(path) and is_hf_model_dir(path):
         import transformers
 
         from gptpar.model.hf import config_from_hf
 
         return config_from_hf(transformers.AutoConfig.from_pretrained(path))
-    ckpt = resolve_checkpoint_dir(path, tag)
-    with open(os.path.join(ckpt, "config.json")) as f:
-        run_config = json.load(f)
-    if "model" in run_config:
-        return GPTConfig(**run_config["model"])
-    return read_weights(path, tag)[1]
+    try:
+        with open(os.path.join(resolve_checkpoint_dir(path, tag), "config.json")) as f:
+            return GPTConfig(**json.load(f)["model"])
+    except (ConversionError, KeyError):
+        return read_weights(path, tag)[1]
 
 
 def check_layout(config: GPTConfig, tp: int, pp: int) -> None:
