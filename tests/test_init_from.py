@@ -26,11 +26,13 @@ TP2_PP2 = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, dat
 
 
 def _make_hf(path, vocab=VOCAB, hidden=HIDDEN):
-    """A GPT2LMHeadModel with random weights from a local config (nothing downloaded)."""
+    """A GPT2LMHeadModel with random weights from a local config (nothing downloaded). Initialised 10x wider
+    than GPT-2's 0.02, so that its logits are far from uniform and every misplaced weight moves the loss (at
+    0.02 any small-weight model scores about ln(vocab))."""
     torch.manual_seed(7)
     config = transformers.GPT2Config(n_layer=LAYERS, n_embd=hidden, n_head=HEADS, n_positions=SEQ, vocab_size=vocab,
                                      activation_function="gelu_new", resid_pdrop=0.0, attn_pdrop=0.0,
-                                     embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+                                     embd_pdrop=0.0, initializer_range=0.2, bos_token_id=0, eos_token_id=0)
     transformers.GPT2LMHeadModel(config).save_pretrained(path)
     return str(path)
 
@@ -54,6 +56,7 @@ def runs(tmp_path_factory):
     hf = _make_hf(d / "hf")
     assert convert_checkpoint.main(["--from-hf", hf, "--to", "gptpar", "--output", str(d / "w22"),
                                     "--tp", "2", "--pp", "2"]) == 0
+
     def config(name, iters, parallel, checkpoint):
         return write_config(d / f"{name}.json", model=MODEL, parallel=parallel, checkpoint=checkpoint,
                             training=dict(train_iters=iters, lr_warmup_iters=0),
