@@ -171,14 +171,14 @@ def test_convert_refuses_bad_layouts_and_existing_output(tmp_path, capsys):
     assert "exists: choose a new path" in capsys.readouterr().err
 
 
-def _check(tmp_path, *, load=None, init_from=None, **model):
+def _check(tmp_path, *, load=None, init_from=None, save=None, **model):
     """preflight's rank-0 decision for a (tp 2, pp 2) run: (load target, weights to start from, log lines)."""
     from gptpar.training.checkpoint import shape_of
     from gptpar.training.config import load_config
     from gptpar.training.preflight import check_on_rank0
 
     path = write_config(tmp_path / "check.json", model={**MODEL, **model}, parallel=TP2_PP2,
-                        checkpoint=dict(load=load, init_from=init_from))
+                        checkpoint=dict(load=load, init_from=init_from, save=save))
     cfg = load_config(path)
     lines = []
     shape = shape_of(cfg.to_dict(), 2, 2, 1, cfg.model.padded_vocab_size(2), cfg.resolved_partition_method(2))
@@ -215,3 +215,6 @@ def test_a_checkpoint_to_resume_wins_over_init_from(runs, tmp_path):
                      "and a resume wins)"]
     with pytest.raises(CheckpointError, match="model.hidden_size: checkpoint.load"):  # weights-only: shape checked too
         _check(tmp_path, load=str(d / "w22"), hidden_size=64)
+    with pytest.raises(CheckpointError, match=f"already holds checkpoint iter_0000002 of an earlier run, and "
+                                              f"checkpoint.load {d / 'w22'} resumes nothing"):
+        _check(tmp_path, load=str(d / "w22"), save=str(d / "a"))  # starting from weights never saves over a run

@@ -80,7 +80,7 @@ def check_on_rank0(cfg, world_size: int, tp: int, pp: int, shape: dict, log) -> 
     if init_from is not None:
         check_weights_fit(init_from, cfg.model, "checkpoint.init_from" if init_from == ck.init_from
                           else "checkpoint.load")
-    check_save_holds_no_other_run(ck.save, target)
+    check_save_holds_no_other_run(ck.save, target, ck.load)
     check_data(cfg, log)
     if note:
         log(note)
@@ -100,8 +100,10 @@ def check_on_rank0(cfg, world_size: int, tp: int, pp: int, shape: dict, log) -> 
     return target, init_from, lock
 
 
-def check_save_holds_no_other_run(save: Optional[str], target: Optional[LoadTarget]) -> None:
-    """A run that does not resume from checkpoint.save must not write over the checkpoints already there."""
+def check_save_holds_no_other_run(save: Optional[str], target: Optional[LoadTarget],
+                                  load: Optional[str] = None) -> None:
+    """A run that does not resume from checkpoint.save must not write over the checkpoints already there. `load`:
+    checkpoint.load, named when it resumes nothing (no checkpoint there, or weights only)."""
     if not save or not os.path.isdir(save):
         return
     if target is not None and os.path.samefile(target.directory, save):
@@ -109,7 +111,8 @@ def check_save_holds_no_other_run(save: Optional[str], target: Optional[LoadTarg
     latest = read_latest(save)
     existing = [latest] if latest else complete_checkpoints(save)[-1:]
     if existing:
-        loading = f"checkpoint.load is {target.path}" if target is not None else "checkpoint.load is null"
+        loading = (f"checkpoint.load is {target.path}" if target is not None else
+                   f"checkpoint.load {load} resumes nothing" if load else "checkpoint.load is null")
         raise CheckpointError(f"checkpoint.save {save} already holds checkpoint {existing[0]} of an earlier run, and "
                               f"{loading}: set checkpoint.load={save} to resume it, or give checkpoint.save a new "
                               "folder (this run would otherwise save over it)")
