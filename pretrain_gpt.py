@@ -66,7 +66,7 @@ def main(argv=None) -> int:
             log(preflight.stop, flush=True)
             return 0
         # build
-        trainer = build_trainer(cfg, pstate, log, preflight.load_target)
+        trainer = build_trainer(cfg, pstate, log, preflight.load_target, preflight.init_from)
         if cfg.training.zero_stage_note:
             log(cfg.training.zero_stage_note, flush=True)
         log(trainer.engine.precision_plan(), flush=True)

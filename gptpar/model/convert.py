@@ -8,22 +8,28 @@ dropped here and re-added by `gptpar.model.sharding.load_full_state_dict` for th
 Which files DeepSpeed writes (one checkpoint directory, e.g. {save}/iter_0000300):
   pp = 1   mp_rank_{tp:02d}_model_states.pt                 key 'module': GPTModel's state dict
   pp > 1   layer_{idx:02d}-model_{tp:02d}-model_states.pt   one pipeline layer's state dict
-           with the spec indices of gptpar.model.pipeline.layer_specs: embedding 0, transformer layer i at
-           w + i, final LayerNorm at w + L, the tied output embedding at 2w + L (w = embedding weight).
-Shards are merged by the parameters' own tags (`tensor_model_parallel`, `partition_dim`) read off a
+           with the spec indices of gptpar.model.pipeline.layer_specs (`gpt_layer_prefixes`: embedding 0,
+           transformer layer i at w + i, final LayerNorm at w + L; w = embedding weight).
+Shards are merged and split by the parameters' own tags (`tensor_model_parallel`, `partition_dim`) read off a
 `meta`-device model, never by name patterns.
+
+A weights-only checkpoint (`save_weights_only`, tools/convert_checkpoint.py --to gptpar) holds the same model-state
+files for its (tp, pp), written with plain tensors only, beside config.json and a manifest marked weights-only.
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
+import shutil
 from typing import Dict, Optional, Tuple
 
 import torch
 
 from gptpar.model.config import GPTConfig
 from gptpar.model.partition import partition_layers
+from gptpar.model.pipeline import gpt_layer_prefixes
 
 StateDict = Dict[str, torch.Tensor]
 
@@ -51,23 +57,28 @@ def _load(path: str) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+def model_states_file(tp_rank: int) -> str:
+    """DeepSpeed's model-states file of tp rank `tp_rank` at pp = 1 (key 'module': GPTModel's state dict)."""
+    return f"mp_rank_{tp_rank:02d}_model_states.pt"
+
+
+def layer_file(index: int, tp_rank: int) -> str:
+    """DeepSpeed's file of pipeline layer spec `index` (gptpar.model.pipeline.gpt_layer_prefixes) of tp rank
+    `tp_rank` at pp > 1: that layer's state dict."""
+    return f"layer_{index:02d}-model_{tp_rank:02d}-model_states.pt"
+
+
 def _read_shards(ckpt: str, config: GPTConfig, tp: int, pp: int, embedding_weight: int):
     """For each tp rank, GPTModel-named tensors of that rank (all pipeline stages put together)."""
     shards = []
     for t in range(tp):
         if pp == 1:
-            sd = _load(os.path.join(ckpt, f"mp_rank_{t:02d}_model_states.pt"))["module"]
-            shards.append({k: v for k, v in sd.items()})
+            shards.append(dict(_load(os.path.join(ckpt, model_states_file(t)))["module"]))
             continue
-        w, L = embedding_weight, config.num_layers
         sd = {}
-        for key, value in _load(os.path.join(ckpt, f"layer_00-model_{t:02d}-model_states.pt")).items():
-            sd[f"embedding.{key}"] = value
-        for i in range(L):
-            for key, value in _load(os.path.join(ckpt, f"layer_{w + i:02d}-model_{t:02d}-model_states.pt")).items():
-                sd[f"layers.{i}.{key}"] = value
-        for key, value in _load(os.path.join(ckpt, f"layer_{w + L:02d}-model_{t:02d}-model_states.pt")).items():
-            sd[f"final_layernorm.{key}"] = value
+        for index, prefix in gpt_layer_prefixes(config.num_layers, embedding_weight).items():
+            for key, value in _load(os.path.join(ckpt, layer_file(index, t))).items():
+                sd[prefix + key] = value
         shards.append(sd)
     return shards
 
@@ -125,6 +136,78 @@ def read_weights(path: str, tag: Optional[str] = None) -> Tuple[StateDict, GPTCo
         return load_hf(path)
     state, config, _ = load_universal(path, tag)
     return state, config
+
+
+def read_weights_config(path: str, tag: Optional[str] = None) -> GPTConfig:
+    """The model config of what `read_weights(path, tag)` returns, read without the tensors where the source
+    keeps it apart (a Hugging Face or a gptpar checkpoint's config.json), so that shapes are checked before any
+    weight is read; any other source (a universal checkpoint) through `read_weights` itself."""
+    if os.path.isdir(path) and is_hf_model_dir(path):
+        import transformers
+
+        from gptpar.model.hf import config_from_hf
+
+        return config_from_hf(transformers.AutoConfig.from_pretrained(path))
+    try:
+        with open(os.path.join(resolve_checkpoint_dir(path, tag), "config.json")) as f:
+            return GPTConfig(**json.load(f)["model"])
+    except (ConversionError, KeyError):
+        return read_weights(path, tag)[1]
+
+
+def check_layout(config: GPTConfig, tp: int, pp: int) -> None:
+    """ConversionError unless the model splits tp x pp ways (heads, ffn, hidden by tp; layers over pp)."""
+    try:
+        config.check_parallel(tp, pp)
+        if pp > 1:
+            partition_layers(config.num_layers, pp)
+    except ValueError as e:
+        raise ConversionError(f"cannot lay this model out at tp {tp} x pp {pp}: {e}") from None
+
+
+def save_weights_only(state: StateDict, config: GPTConfig, out_dir: str, tp: int = 1, pp: int = 1) -> None:
+    """Write full (tp = 1) weights as a weights-only gptpar checkpoint laid out for (tp, pp): DeepSpeed-named
+    model-state files as a training checkpoint of that shape holds them (plain tensors only, so they load with
+    `torch.load(weights_only=True)`), config.json (model, parallel) and a manifest marked weights-only; no
+    optimizer or per-rank state. `read_weights` reads it back; as `checkpoint.load` it starts a run at
+    iteration 0. Written under a temporary name and renamed at the end: `out_dir` must not exist or be empty."""
+    from gptpar.model.gpt import GPTModel
+    from gptpar.model.pipeline import padded_config
+    from gptpar.model.sharding import split_tensor
+    from gptpar.training.checkpoint_files import write_manifest
+
+    check_layout(config, tp, pp)
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise ConversionError(f"{out_dir} exists and is not empty: choose a new folder (nothing is overwritten)")
+    params = dict(GPTModel(padded_config(config, tp), device="meta").named_parameters())  # tags, target shapes
+    missing = sorted(set(params) - set(state))
+    if missing:
+        raise ConversionError(f"the weights lack {missing[:5]}: not a gptpar GPT of this config")
+    tmp = f"{os.path.normpath(out_dir)}.tmp-{os.getpid()}"
+    os.makedirs(tmp)
+    try:
+        blocks = {name: split_tensor(state[name], param, tp) for name, param in params.items()}  # views
+        for t in range(tp):  # clone: torch.save of a view would write the whole tensor it views
+            _save_shard({name: b[t].clone() for name, b in blocks.items()}, tmp, t, config.num_layers, pp)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump({"model": dataclasses.asdict(config),
+                       "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                                    "partition_method": "auto", "embedding_weight": 1}}, f, indent=1)
+        write_manifest(tmp, 0, tp * pp, weights_only=True)
+        os.replace(tmp, out_dir)  # an empty out_dir is replaced; a partial conversion never has its name
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _save_shard(shard: StateDict, ckpt: str, tp_rank: int, num_layers: int, pp: int) -> None:
+    """One tp rank's GPTModel-named tensors, in the files `_read_shards` reads (embedding weight 1)."""
+    if pp == 1:
+        torch.save({"module": shard}, os.path.join(ckpt, model_states_file(tp_rank)))
+        return
+    for index, prefix in gpt_layer_prefixes(num_layers).items():
+        layer = {name[len(prefix):]: t for name, t in shard.items() if name.startswith(prefix)}
+        torch.save(layer, os.path.join(ckpt, layer_file(index, tp_rank)))
 
 
 def _empty_hf_model(config: GPTConfig):

@@ -12,7 +12,7 @@ Zero-weight layers (the final LayerNorm) stay with the preceding stage, as DeepS
 from __future__ import annotations
 
 import functools
-from typing import List
+from typing import Dict, List
 
 import torch.nn as nn
 
@@ -57,6 +57,31 @@ def layer_specs(config: GPTConfig, *, tp_group=None, sequence_parallel: bool = F
                          words_only=True, forward_fn=lm_logits,
                          tied_weight_attr="word_embeddings.weight", **kw)]
     )
+
+
+def gpt_layer_prefixes(num_layers: int, embedding_weight: int = 1) -> Dict[int, str]:
+    """{index in `layer_specs`: GPTModel's name prefix} for every spec that holds GPTModel weights: the input
+    embedding at 0, transformer layer i at w + i, the final LayerNorm at w + L. The markers hold nothing, and the
+    tied output embedding at 2w + L shares the input embedding's weights (DeepSpeed writes no file for it).
+
+    The one home of these indices: DeepSpeed names each stage's parameters `{index}.{name}` and its checkpoint
+    files `layer_{index:02d}-model_{tp:02d}-model_states.pt` by them (gptpar.model.convert reads and writes those
+    files; `gpt_parameter_name` maps a stage's parameters)."""
+    w, L = embedding_weight, num_layers
+    return {0: "embedding.", **{w + i: f"layers.{i}." for i in range(L)}, w + L: "final_layernorm."}
+
+
+def gpt_parameter_name(name: str, num_layers: int, embedding_weight: int = 1) -> str:
+    """GPTModel's name for a parameter of a `PipelineModule` stage: DeepSpeed registers the tied embedding as
+    `tied_modules.embed.*` and every other spec's module as `{index}.*` (index into `layer_specs`)."""
+    head, _, rest = name.partition(".")
+    prefixes = gpt_layer_prefixes(num_layers, embedding_weight)
+    if head == "tied_modules" and rest.startswith("embed."):
+        return "embedding." + rest[len("embed."):]
+    if head.isdigit() and int(head) in prefixes:
+        return prefixes[int(head)] + rest
+    raise ValueError(f"pipeline parameter {name!r} has no GPTModel name (layer specs of {num_layers} layers, "
+                     f"embedding weight {embedding_weight})")
 
 
 def deepspeed_topology(pstate):
@@ -119,10 +144,16 @@ def block_parameter_counts(config: GPTConfig, tp: int = 1) -> dict:
 _BLOCK_COUNTS: dict = {}  # a memo of pure results, not state: meta builds of 200B-sized blocks take ~0.1 s
 
 
+def padded_config(config: GPTConfig, tp: int) -> GPTConfig:
+    """`config` with the vocabulary already padded for `tp`: a model built from it at tp = 1 has the full
+    (all tp ranks together) shape of every tensor of the model at `tp`."""
+    return GPTConfig(**{**config.__dict__, "vocab_size": config.padded_vocab_size(tp),
+                        "make_vocab_size_divisible_by": 1})
+
+
 def _block_parameter_counts(config: GPTConfig, tp: int) -> dict:
     config.check_parallel(tp, 1)
-    padded = GPTConfig(**{**config.__dict__, "vocab_size": config.padded_vocab_size(tp),
-                          "make_vocab_size_divisible_by": 1})
+    padded = padded_config(config, tp)
     return {
         "input_embedding": _count(GPTEmbedding(padded, device="meta"), tp),
         "output_embedding": _count(GPTEmbedding(padded, words_only=True, device="meta"), tp),

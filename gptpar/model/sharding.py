@@ -7,7 +7,7 @@ weights, gathering for export).
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -17,12 +17,26 @@ from gptpar.tensor_parallel.comm import Group, group_rank, group_size
 
 
 def shard_tensor(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """This rank's block of `full` for `param`, padding the partitioned dim with zeros if `full` is shorter
-    (a vocabulary padded to a multiple of tp x 128)."""
+    """This rank's block of `full` for `param` (one rank's shard), padding the partitioned dim with zeros if
+    `full` is shorter (a vocabulary padded to a multiple of tp x 128)."""
     if not getattr(param, "tensor_model_parallel", False):
         return full
+    return _block(full, param.partition_dim, param.shape[param.partition_dim], tp_rank, tp_size)
+
+
+def split_tensor(full: torch.Tensor, param: torch.Tensor, tp_size: int) -> List[torch.Tensor]:
+    """Every tp rank's block of `full` for `param`, a parameter of the model built at tp = 1 with the padded
+    size of the target tp (offline resharding: no process group). Replicated parameters repeat `full`."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return [full] * tp_size
     dim = param.partition_dim
-    per_rank = param.shape[dim]
+    if param.shape[dim] % tp_size:
+        raise ValueError(f"{tuple(param.shape)} does not split {tp_size} ways along dim {dim}")
+    return [_block(full, dim, param.shape[dim] // tp_size, rank, tp_size) for rank in range(tp_size)]
+
+
+def _block(full: torch.Tensor, dim: int, per_rank: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """Block `tp_rank` of `per_rank` rows along `dim`, `full` zero-padded to tp_size x per_rank there."""
     want = per_rank * tp_size
     if full.shape[dim] > want:
         raise ValueError(f"tensor of {full.shape[dim]} along dim {dim} does not fit {tp_size} x {per_rank}")
@@ -33,10 +47,14 @@ def shard_tensor(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size:
     return full.narrow(dim, tp_rank * per_rank, per_rank)
 
 
-def load_full_state_dict(model: nn.Module, full: Dict[str, torch.Tensor], tp_group: Group = None) -> None:
-    """Copy a tp = 1 state dict into a (possibly) tensor-parallel model, each rank taking its blocks."""
+def load_full_state_dict(model: nn.Module, full: Dict[str, torch.Tensor], tp_group: Group = None,
+                         full_name: Optional[Callable[[str], str]] = None) -> None:
+    """Copy a tp = 1 state dict into a (possibly) tensor-parallel model, each rank taking its blocks.
+
+    `full_name` maps the model's parameter names to `full`'s keys (e.g. a pipeline stage's to GPTModel's)."""
     rank, size = group_rank(tp_group), group_size(tp_group)
-    params = dict(model.named_parameters())
+    full_name = full_name or (lambda name: name)
+    params = {full_name(name): param for name, param in model.named_parameters()}
     missing = sorted(set(params) - set(full))
     if missing:
         raise KeyError(f"state dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''}")

@@ -67,8 +67,9 @@ def checkpoint_shape(cfg: Config, pstate) -> dict:
                     cfg.model.padded_vocab_size(pstate.tp_size), cfg.resolved_partition_method(pstate.pp_size))
 
 
-def build_trainer(cfg: Config, pstate, log, load_target):
-    """Seeds, model, data sources, DeepSpeed engine and checkpointer, under one `Trainer`."""
+def build_trainer(cfg: Config, pstate, log, load_target, init_from=None):
+    """Seeds, model, data sources, DeepSpeed engine and checkpointer, under one `Trainer`. `init_from`: weights
+    to start from (gptpar.training.init_weights), put into the model before the engine copies them."""
     from gptpar.training.checkpoint import Checkpointer
     from gptpar.training.data import build_sources
     from gptpar.training.engine import build_engine, deepspeed_config
@@ -78,6 +79,10 @@ def build_trainer(cfg: Config, pstate, log, load_target):
     t, ck = cfg.training, cfg.checkpoint
     tracker = seed_everything(t.seed, pstate)
     model = build_model(cfg, pstate, tracker)
+    if init_from is not None:
+        from gptpar.training.init_weights import load_initial_weights
+
+        load_initial_weights(model, cfg, pstate, init_from)
     train_source, valid_sources = build_sources(
         cfg, pstate, train_samples=t.train_samples or train_iters(t, pstate.dp_size) * t.global_batch_size,
         eval_samples=t.eval_iters * t.global_batch_size if t.eval_interval else 0, log=log)

@@ -82,15 +82,29 @@ def list_files(path: str) -> Dict[str, int]:
     return out
 
 
-def write_manifest(path: str, iteration: int, world_size: int) -> None:
-    """Record every file of the finished checkpoint `path` (call after all ranks wrote theirs)."""
+def write_manifest(path: str, iteration: int, world_size: int, weights_only: bool = False) -> None:
+    """Record every file of the finished checkpoint `path` (call after all ranks wrote theirs). `weights_only`
+    marks a checkpoint of model weights alone (tools/convert_checkpoint.py --to gptpar): no optimizer, no
+    counters, no per-rank state; loading it starts a run at iteration 0."""
     files = {f: size for f, size in list_files(path).items() if f != MANIFEST}
     tmp = os.path.join(path, f".{MANIFEST}.tmp-{os.getpid()}")
+    manifest = {"version": 1, "iteration": iteration, "world_size": world_size, "files": files}
+    if weights_only:
+        manifest["weights_only"] = True
     with open(tmp, "w") as f:
-        json.dump({"version": 1, "iteration": iteration, "world_size": world_size, "files": files}, f, indent=1)
+        json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(path, MANIFEST))
+
+
+def is_weights_only(path: str) -> bool:
+    """A checkpoint folder whose manifest marks it weights-only (see `write_manifest`)."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            return json.load(f).get("weights_only") is True
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def is_complete(path: str) -> bool:
@@ -145,7 +159,8 @@ def resolve_load(load: Optional[str]) -> Tuple[Optional[LoadTarget], Optional[st
     """(the checkpoint to load or None for a fresh start, the line that says so); reads, never writes.
 
     A missing folder, or one holding only gptpar's own lock/probe/partial files, is a fresh start. A folder
-    with a `latest` pointer loads what it points at; an `iter_N` folder given directly is loaded itself.
+    with a `latest` pointer loads what it points at; an `iter_N` folder, or any folder holding a manifest (a
+    weights-only checkpoint written by tools/convert_checkpoint.py), given directly is loaded itself.
     Anything else (a file, an empty or garbled `latest`, checkpoints without a `latest`, a folder of
     unknown files) raises CheckpointError: a wrong path must never start a run from scratch.
     """
@@ -158,8 +173,9 @@ def resolve_load(load: Optional[str]) -> Tuple[Optional[LoadTarget], Optional[st
                               "checkpoint.save wrote (it holds `latest`) or one of its iter_N folders")
     load = os.path.normpath(load)
     name = os.path.basename(load)
-    if TAG_RE.match(name) and not os.path.exists(os.path.join(load, LATEST)):
-        return LoadTarget(os.path.dirname(load), name), None
+    if (TAG_RE.match(name) or os.path.isfile(os.path.join(load, MANIFEST))) and \
+            not os.path.exists(os.path.join(load, LATEST)):
+        return LoadTarget(os.path.dirname(load), name), None  # a checkpoint folder itself (e.g. weights-only)
     tag = read_latest(load)
     if tag is None:
         entries = sorted(os.listdir(load))
@@ -234,5 +250,5 @@ def _choices(directory: str, exclude: Optional[str] = None) -> str:
 
 
 __all__ = ["LATEST", "TAG_RE", "MANIFEST", "LOCK", "CheckpointError", "LoadTarget", "tag_of", "state_file",
-           "read_latest", "write_latest", "write_manifest", "list_files", "is_complete", "is_own_entry",
-           "partial_checkpoints", "complete_checkpoints", "resolve_load", "verify_checkpoint"]
+           "read_latest", "write_latest", "write_manifest", "list_files", "is_weights_only", "is_complete",
+           "is_own_entry", "partial_checkpoints", "complete_checkpoints", "resolve_load", "verify_checkpoint"]

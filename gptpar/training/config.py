@@ -384,7 +384,18 @@ class CheckpointConfig:
                                    "pointer) or one of its iter_N folders. A missing folder, or one holding only "
                                    "gptpar's lock/probe/partial files, starts fresh with a message; anything else "
                                    "that is not a whole checkpoint (a file, an empty `latest`, a missing or "
-                                   "truncated shard) is an error (exit 2).")
+                                   "truncated shard) is an error (exit 2). A weights-only checkpoint "
+                                   "(tools/convert_checkpoint.py --to gptpar) starts the run from its weights at "
+                                   "iteration 0, as checkpoint.init_from does.")
+    init_from: Optional[str] = _f(None, "Start from these weights (Megatron's --finetune): a gptpar checkpoint "
+                                        "of any tp x pp (its save folder or an iter_N folder), a weights-only "
+                                        "checkpoint (tools/convert_checkpoint.py --to gptpar), a universal "
+                                        "checkpoint or a local Hugging Face model directory; weights only, the "
+                                        "run starts at iteration 0 with a fresh optimizer, LR schedule and "
+                                        "counters. Ignored (the log says so) when checkpoint.load holds a "
+                                        "checkpoint: the resume wins, so a job restarted with load = save resumes "
+                                        "itself. The model fields must match the weights' shape (vocab_size may "
+                                        "be larger).")
     save_interval: Optional[int] = _f(None, "Save every this many iterations (and always at exit); "
                                             "null = only at exit.")
     keep_last: Optional[int] = _f(None, "Keep only the newest K checkpoints; null = keep all.")
@@ -396,7 +407,7 @@ class CheckpointConfig:
     def __post_init__(self):
         _check_fields("checkpoint", self)
         _positive("checkpoint", self, "save_interval", "keep_last", allow_none=True)
-        for name in ("save", "load"):
+        for name in ("save", "load", "init_from"):
             if getattr(self, name) == "":
                 raise ConfigError(f"checkpoint.{name} is an empty string: give a directory or null")
         if self.save is None and (self.save_interval is not None or self.keep_last is not None):

@@ -6,6 +6,8 @@ Order, so that a refused run changes nothing in checkpoint.save (not even a modi
     0. training.kill_switch_path exists?                 -> stop: exit 0 before anything is built
     1. another live job holds checkpoint.save?          (read-only)  gptpar.training.save_folder.peek_lock
     2. checkpoint.load resolved and verified             (read-only)  gptpar.training.checkpoint_files
+       or, without a checkpoint to resume, checkpoint.init_from (or a weights-only checkpoint.load) checked
+       against the model's shape                         (read-only)  gptpar.training.init_weights
     3. checkpoint.save holding another run's checkpoints (read-only)
     4. every dataset's largest token id (data_path's and valid_data_path's) and the tokenizer's vocabulary
        < model.vocab_size (caches beside the data, gptpar.data.token_stats)
@@ -24,17 +26,20 @@ from gptpar.data.indexed import DataError
 from gptpar.training.checkpoint import check_shape
 from gptpar.training.checkpoint_files import (CheckpointError, LoadTarget, complete_checkpoints, read_latest,
                                               resolve_load, state_file, verify_checkpoint)
+from gptpar.training.init_weights import check_weights_fit, choose_start
 from gptpar.training.save_folder import (JobLock, check_free_space, checkpoint_bytes, clean_leftovers,
                                          peek_lock, probe_writable)
 
 
 @dataclass
 class Preflight:
-    """What rank 0 found: the checkpoint to load (None = fresh) and, on rank 0, the save folder's lock; or
-    `stop`, why the run must end now without training (the kill switch file exists)."""
+    """What rank 0 found: the checkpoint to load (None = fresh), the weights to start from instead (None = the
+    model's own initialisation) and, on rank 0, the save folder's lock; or `stop`, why the run must end now
+    without training (the kill switch file exists)."""
 
     load_target: Optional[LoadTarget]
     lock: Optional[JobLock] = None
+    init_from: Optional[str] = None
     stop: Optional[str] = None
 
     def release(self) -> None:
@@ -52,8 +57,9 @@ def run_preflight(cfg, pstate, shape: dict, log: Callable[[str], None]) -> Prefl
                 outcome = ("stop", f"kill switch {kill} exists (training.kill_switch_path): exiting before "
                                    "training; remove the file to start or resume the run")
             else:
-                target, lock = check_on_rank0(cfg, pstate.world_size, pstate.tp_size, pstate.pp_size, shape, log)
-                outcome = ("ok", target)
+                target, init_from, lock = check_on_rank0(cfg, pstate.world_size, pstate.tp_size, pstate.pp_size,
+                                                         shape, log)
+                outcome = ("ok", (target, init_from))
         except (CheckpointError, DataError) as e:
             outcome = (type(e).__name__, str(e))
         except Exception as e:  # noqa: BLE001 - any surprise must still reach the other ranks, not hang them
@@ -64,27 +70,32 @@ def run_preflight(cfg, pstate, shape: dict, log: Callable[[str], None]) -> Prefl
         outcome = box[0]
     kind, value = outcome
     if kind == "ok":
-        return Preflight(value, lock)
+        return Preflight(value[0], lock, init_from=value[1])
     if kind == "stop":
         return Preflight(None, stop=value)
     raise {"DataError": DataError, "RuntimeError": RuntimeError}.get(kind, CheckpointError)(value)
 
 
 def check_on_rank0(cfg, world_size: int, tp: int, pp: int, shape: dict, log) -> tuple:
-    """(load target or None, the held JobLock or None); raises CheckpointError / DataError."""
+    """(load target or None, the weights to start from or None, the held JobLock or None); raises CheckpointError
+    / DataError."""
     ck = cfg.checkpoint
     peek_lock(ck.save, ck.override_lock)
     target, note = resolve_load(ck.load)
+    target, init_from, note = choose_start(ck.init_from, target, note)
     if target is not None:
         verify_checkpoint(target, world_size)
         saved = torch.load(os.path.join(target.path, state_file(0)), weights_only=False)
         check_shape(saved["shape"], shape, target.path)
-    check_save_holds_no_other_run(ck.save, target)
+    if init_from is not None:
+        check_weights_fit(init_from, cfg.model, "checkpoint.init_from" if init_from == ck.init_from
+                          else "checkpoint.load")
+    check_save_holds_no_other_run(ck.save, target, ck.load)
     check_data(cfg, log)
     if note:
         log(note)
     if not ck.save:
-        return target, None
+        return target, init_from, None
     lock = JobLock(ck.save)
     lock.acquire(ck.override_lock, log)
     try:
@@ -96,11 +107,13 @@ def check_on_rank0(cfg, world_size: int, tp: int, pp: int, shape: dict, log) -> 
     except BaseException:
         lock.release()
         raise
-    return target, lock
+    return target, init_from, lock
 
 
-def check_save_holds_no_other_run(save: Optional[str], target: Optional[LoadTarget]) -> None:
-    """A run that does not resume from checkpoint.save must not write over the checkpoints already there."""
+def check_save_holds_no_other_run(save: Optional[str], target: Optional[LoadTarget],
+                                  load: Optional[str] = None) -> None:
+    """A run that does not resume from checkpoint.save must not write over the checkpoints already there. `load`:
+    checkpoint.load, named when it resumes nothing (no checkpoint there, or weights only)."""
     if not save or not os.path.isdir(save):
         return
     if target is not None and os.path.samefile(target.directory, save):
@@ -108,7 +121,8 @@ def check_save_holds_no_other_run(save: Optional[str], target: Optional[LoadTarg
     latest = read_latest(save)
     existing = [latest] if latest else complete_checkpoints(save)[-1:]
     if existing:
-        loading = f"checkpoint.load is {target.path}" if target is not None else "checkpoint.load is null"
+        loading = (f"checkpoint.load is {target.path}" if target is not None else
+                   f"checkpoint.load {load} resumes nothing" if load else "checkpoint.load is null")
         raise CheckpointError(f"checkpoint.save {save} already holds checkpoint {existing[0]} of an earlier run, and "
                               f"{loading}: set checkpoint.load={save} to resume it, or give checkpoint.save a new "
                               "folder (this run would otherwise save over it)")
