@@ -21,6 +21,8 @@ import zipfile
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from gptpar.model.universal import is_universal
+
 LATEST = "latest"
 TAG_RE = re.compile(r"^iter_(\d{7,})$")
 MANIFEST = "gptpar_manifest.json"
@@ -131,10 +133,13 @@ def complete_checkpoints(directory: str) -> List[str]:
 
 @dataclass(frozen=True)
 class LoadTarget:
-    """The checkpoint to resume: folder `tag` inside `directory` (DeepSpeed's (load_dir, tag))."""
+    """The checkpoint to resume: folder `tag` inside `directory` (DeepSpeed's (load_dir, tag)); `universal`, when
+    set, the universal checkpoint folder to load instead (gptpar.model.universal; the checkpoint's own copy
+    at another parallel shape, or what checkpoint.load points at)."""
 
     directory: str
     tag: str
+    universal: Optional[str] = None
 
     @property
     def path(self) -> str:
@@ -145,7 +150,8 @@ def resolve_load(load: Optional[str]) -> Tuple[Optional[LoadTarget], Optional[st
     """(the checkpoint to load or None for a fresh start, the line that says so); reads, never writes.
 
     A missing folder, or one holding only gptpar's own lock/probe/partial files, is a fresh start. A folder
-    with a `latest` pointer loads what it points at; an `iter_N` folder given directly is loaded itself.
+    with a `latest` pointer loads what it points at; an `iter_N` folder or a universal checkpoint folder given
+    directly is loaded itself.
     Anything else (a file, an empty or garbled `latest`, checkpoints without a `latest`, a folder of
     unknown files) raises CheckpointError: a wrong path must never start a run from scratch.
     """
@@ -158,6 +164,8 @@ def resolve_load(load: Optional[str]) -> Tuple[Optional[LoadTarget], Optional[st
                               "checkpoint.save wrote (it holds `latest`) or one of its iter_N folders")
     load = os.path.normpath(load)
     name = os.path.basename(load)
+    if is_universal(load):
+        return LoadTarget(os.path.dirname(load), name, universal=load), None
     if TAG_RE.match(name) and not os.path.exists(os.path.join(load, LATEST)):
         return LoadTarget(os.path.dirname(load), name), None
     tag = read_latest(load)

@@ -4,7 +4,8 @@ so all ranks stop with the same message or go on with the same checkpoint to loa
 
 Order, so that a refused run changes nothing in checkpoint.save (not even a modification time):
     1. another live job holds checkpoint.save?          (read-only)  gptpar.training.save_folder.peek_lock
-    2. checkpoint.load resolved and verified             (read-only)  gptpar.training.checkpoint_files
+    2. checkpoint.load resolved and verified             (read-only)  gptpar.training.checkpoint_files; at another
+       parallel shape, converted to its universal copy outside the load folder (gptpar.training.checkpoint.plan_load)
     3. checkpoint.save holding another run's checkpoints (read-only)
     4. every dataset's largest token id and the tokenizer's vocabulary < model.vocab_size (caches beside
        the data, gptpar.data.token_stats)
@@ -16,13 +17,12 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-import torch
 import torch.distributed as dist
 
 from gptpar.data.indexed import DataError
-from gptpar.training.checkpoint import check_shape
+from gptpar.training.checkpoint import plan_load
 from gptpar.training.checkpoint_files import (CheckpointError, LoadTarget, complete_checkpoints, read_latest,
-                                              resolve_load, state_file, verify_checkpoint)
+                                              resolve_load)
 from gptpar.training.save_folder import (JobLock, check_free_space, checkpoint_bytes, clean_leftovers,
                                          peek_lock, probe_writable)
 
@@ -66,9 +66,7 @@ def check_on_rank0(cfg, world_size: int, tp: int, pp: int, shape: dict, log) -> 
     peek_lock(ck.save, ck.override_lock)
     target, note = resolve_load(ck.load)
     if target is not None:
-        verify_checkpoint(target, world_size)
-        saved = torch.load(os.path.join(target.path, state_file(0)), weights_only=False)
-        check_shape(saved["shape"], shape, target.path)
+        target = plan_load(target, shape, world_size, ck.universal_dir, cfg.training.precision, log)
     check_save_holds_no_other_run(ck.save, target)
     check_data(cfg, log)
     if note:

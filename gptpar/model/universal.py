@@ -1,0 +1,276 @@
+"""Universal checkpoints: every parameter's full fp32 master weight and Adam moments, keyed by `GPTModel`'s
+parameter names, so that a run saved at (tp, pp, dp) resumes at any other (tp', pp', dp').
+
+On disk (docs/checkpoints.md has the full description, for writing a converter from another trainer):
+
+    {dir}/gptpar_universal.json           written last: format, source shape, model config, counters,
+                                          and per parameter its full shape and sharding tags
+    {dir}/zero/{name}/fp32.pt             {"param": full fp32 tensor, "cat_dim": int, "vocab_tensor": bool}
+    {dir}/zero/{name}/exp_avg.pt          the same for Adam's first moment
+    {dir}/zero/{name}/exp_avg_sq.pt       and its second moment
+    {dir}/zero/{name}/step.pt             Adam's step count, a 0-d tensor
+
+The per-parameter folder and file names and the dict keys are DeepSpeed's universal-checkpoint layout
+(deepspeed/checkpoint/ds_to_universal.py, constants PARAM / CAT_DIM / VOCAB_TENSOR); the names are
+`GPTModel`'s, whatever pipeline layout saved them (DeepSpeed's pipeline names, `tied_modules.embed.*` and
+`{layer index}.*`, change with pp and the partitioning, so they are mapped here). The vocabulary padding,
+which depends on tp, is dropped: the word embedding and its moments hold the real `vocab_size` rows.
+Every file holds only tensors and plain values: they load with `torch.load(..., weights_only=True)`.
+
+`convert_deepspeed_checkpoint` streams a gptpar checkpoint (DeepSpeed's ZeRO-1 / BF16_Optimizer shards) into
+this form: one pipeline stage's shard files memory-mapped at a time, one full parameter built, written and
+freed at a time. DeepSpeed's own shard files are pickles (its checkpoint engine writes optimizer objects
+into them) and are read with `weights_only=False`: convert only checkpoints you trust.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Callable, Dict, Iterator, Optional, Tuple
+
+import torch
+
+from gptpar.model.config import GPTConfig
+
+META = "gptpar_universal.json"
+FORMAT = "gptpar-universal"
+VERSION = 1
+STATES = ("fp32", "exp_avg", "exp_avg_sq")  # the tensors kept per parameter (plus "step")
+# DeepSpeed's keys inside each per-parameter file (deepspeed.checkpoint.constants PARAM, CAT_DIM, VOCAB_TENSOR).
+PARAM, CAT_DIM, VOCAB_TENSOR = "param", "cat_dim", "vocab_tensor"
+
+
+class UniversalCheckpointError(RuntimeError):
+    """A checkpoint that cannot be converted to or read as a universal checkpoint; names the file and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Names: DeepSpeed's pipeline-module parameter names -> GPTModel's
+# ---------------------------------------------------------------------------------------------
+
+def pipeline_layer_prefixes(num_layers: int, embedding_weight: int = 1) -> Dict[int, str]:
+    """{pipeline layer index: GPTModel prefix} for gptpar.model.pipeline.layer_specs: the embedding at 0,
+    transformer layer i at w + i, the final LayerNorm at w + L (w = the embedding weight, its markers
+    holding no parameters). The tied output embedding is DeepSpeed's `tied_modules.embed`."""
+    w = embedding_weight
+    prefixes = {0: "embedding"}
+    prefixes.update({w + i: f"layers.{i}" for i in range(num_layers)})
+    prefixes[w + num_layers] = "final_layernorm"
+    return prefixes
+
+
+def gpt_parameter_name(name: str, pipelined: bool, num_layers: int, embedding_weight: int = 1) -> str:
+    """GPTModel's name of parameter `name` of a plain GPTModel (itself) or of a DeepSpeed PipelineModule."""
+    if not pipelined:
+        return name
+    head, rest = name.split(".", 1)
+    if head == "tied_modules":  # tied_modules.embed.<GPTEmbedding's parameter>
+        return "embedding." + rest.split(".", 1)[1]
+    prefixes = pipeline_layer_prefixes(num_layers, embedding_weight)
+    if not head.isdigit() or int(head) not in prefixes:
+        raise UniversalCheckpointError(f"pipeline parameter {name!r} is not one of gptpar's layers "
+                                       f"({num_layers} layers, embedding weight {embedding_weight})")
+    return f"{prefixes[int(head)]}.{rest}"
+
+
+def parameter_tags(config: GPTConfig) -> Dict[str, dict]:
+    """{name: {"shape", "tensor_model_parallel", "partition_dim", "vocab_tensor"}} of the full model at tp = 1
+    with the real vocabulary, read off a meta-device GPTModel's own tags (never off the names)."""
+    from gptpar.model.gpt import GPTModel
+    from gptpar.tensor_parallel.layers import VocabParallelEmbedding
+
+    model = GPTModel(config, device="meta")
+    vocab = {id(m.weight) for m in model.modules() if isinstance(m, VocabParallelEmbedding)}
+    tags = {}
+    for name, p in model.named_parameters():
+        shape = list(p.shape)
+        if id(p) in vocab:
+            shape[0] = config.vocab_size
+        split = bool(getattr(p, "tensor_model_parallel", False))
+        tags[name] = {"shape": shape, "tensor_model_parallel": split,
+                      "partition_dim": p.partition_dim if split else None, "vocab_tensor": id(p) in vocab}
+    return tags
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading one
+# ---------------------------------------------------------------------------------------------
+
+def is_universal(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, META))
+
+
+def state_path(directory: str, name: str, key: str) -> str:
+    return os.path.join(directory, "zero", name, f"{key}.pt")
+
+
+def read_meta(directory: str) -> dict:
+    """The universal checkpoint's metadata (plain JSON); UniversalCheckpointError if it is not one."""
+    path = os.path.join(directory, META)
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UniversalCheckpointError(f"{path} is missing or unreadable ({e}): {directory} is not a complete "
+                                       "universal checkpoint (convert it again)") from None
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise UniversalCheckpointError(f"{path}: format {meta.get('format')!r} version {meta.get('version')!r}, "
+                                       f"this gptpar reads {FORMAT!r} version {VERSION}")
+    return meta
+
+
+def read_state(directory: str, name: str, key: str) -> torch.Tensor:
+    """One full tensor (`key` in STATES, or "step") of parameter `name`, loaded with unpickling disabled."""
+    path = state_path(directory, name, key)
+    if not os.path.isfile(path):
+        raise UniversalCheckpointError(f"{path} is missing: the universal checkpoint {directory} is incomplete")
+    value = torch.load(path, map_location="cpu", weights_only=True)
+    return value if key == "step" else value[PARAM]
+
+
+def read_weights(directory: str) -> Tuple[Dict[str, torch.Tensor], GPTConfig]:
+    """GPTModel-named full fp32 weights (real vocab rows) and the model config of a universal checkpoint."""
+    meta = read_meta(directory)
+    return ({name: read_state(directory, name, "fp32") for name in meta["parameters"]},
+            GPTConfig(**meta["model"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing one from a gptpar (DeepSpeed) checkpoint
+# ---------------------------------------------------------------------------------------------
+
+def _deepspeed_file(path: str) -> dict:
+    """A DeepSpeed checkpoint file, memory-mapped (pages are read as slices are taken). A pickle: see above."""
+    if not os.path.isfile(path):
+        raise UniversalCheckpointError(f"missing checkpoint file {path}: the checkpoint is incomplete")
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+
+
+class _StageShards:
+    """The optimizer shards of one pipeline stage: for each tp rank its model-states file's parameter shapes
+    and its dp ranks' ZeRO partitions, from which `full_slice` puts one tp slice of a parameter together."""
+
+    def __init__(self, ckpt: str, stage: int, tp: int, dp: int, precision: str):
+        prefix = "bf16_" if precision == "bf16" else ""
+        self.shapes, self.shards = [], []
+        for t in range(tp):
+            mp_rank = stage * tp + t  # DeepSpeed's model-parallel rank: tp fastest within a stage
+            states = _deepspeed_file(os.path.join(ckpt, f"mp_rank_{mp_rank:02d}_model_states.pt"))
+            self.shapes.append(states["param_shapes"])
+            self.shards.append([_deepspeed_file(os.path.join(
+                ckpt, f"{prefix}zero_pp_rank_{d}_mp_rank_{mp_rank:02d}_optim_states.pt"))["optimizer_state_dict"]
+                for d in range(dp)])
+
+    def names(self) -> Iterator[Tuple[int, str]]:
+        """(parameter group, DeepSpeed name) of every parameter of the stage, in the flat buffers' order."""
+        for group, shapes in enumerate(self.shapes[0]):
+            for name in shapes:
+                yield group, name
+
+    def full_slice(self, t: int, group: int, name: str, key: str) -> torch.Tensor:
+        """Tp rank t's whole slice of parameter `name`: its pieces of each dp rank's flat partition, in order
+        (ZeRO cuts the group's flat buffer into contiguous dp partitions)."""
+        shape = self.shapes[t][group][name]
+        pieces = []
+        for sd in self.shards[t]:
+            where = sd["param_slice_mappings"][group].get(name)
+            if where is None:
+                continue
+            flat = (sd["single_partition_of_fp32_groups"][group] if key == "fp32"
+                    else sd["base_optimizer_state"]["state"][group][key])
+            pieces.append(flat.narrow(0, where.start, where.numel))
+        numel = sum(p.numel() for p in pieces)
+        if numel != shape.numel():
+            raise UniversalCheckpointError(f"{name} ({key}): the ZeRO shards hold {numel} of its {shape.numel()} "
+                                           "elements: the checkpoint's optimizer files do not fit together")
+        return torch.cat(pieces).view(shape)
+
+    def step(self, group: int) -> float:
+        steps = {float(sd["base_optimizer_state"]["state"][group]["step"]) for shards in self.shards
+                 for sd in shards}
+        if len(steps) != 1:
+            raise UniversalCheckpointError(f"the optimizer shards disagree on Adam's step count: {sorted(steps)}")
+        return steps.pop()
+
+
+def convert_deepspeed_checkpoint(ckpt: str, out_dir: str, log: Callable[[str], None] = print,
+                                 counters: Optional[dict] = None) -> dict:
+    """Write the universal form of gptpar checkpoint folder `ckpt` (any tp x pp x dp, ZeRO-1 in fp32 or bf16)
+    to `out_dir` (must not exist; written under a temporary name, renamed when whole). Returns its metadata.
+
+    `counters`: the run's counters and client state to carry (gptpar.training.checkpoint reads them)."""
+    with open(os.path.join(ckpt, "config.json")) as f:
+        run_config = json.load(f)
+    config = GPTConfig(**run_config["model"])
+    parallel, training = run_config.get("parallel", {}), run_config.get("training", {})
+    tp, pp, dp = (parallel.get(k, 1) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                                "data_parallel_size"))
+    precision = training.get("precision", "fp32")
+    if training.get("zero_stage", 1) != 1 or precision not in ("fp32", "bf16"):
+        raise UniversalCheckpointError(
+            f"{ckpt}: saved with training.precision={precision}, zero_stage={training.get('zero_stage')}; "
+            "universal conversion reads ZeRO-1 optimizer shards in fp32 or bf16 (BF16_Optimizer) only")
+    weight = parallel.get("embedding_weight") or 1
+    tags = parameter_tags(config)
+    if os.path.exists(out_dir):
+        raise UniversalCheckpointError(f"{out_dir} exists: choose a new output folder (nothing is overwritten)")
+    tmp = f"{out_dir}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    step, written = None, set()
+    try:
+        for stage in range(pp):
+            shards = _StageShards(ckpt, stage, tp, dp, precision)
+            for group, ds_name in shards.names():
+                name = gpt_parameter_name(ds_name, pp > 1, config.num_layers, weight)
+                if name in written:  # the last stage's tied copy of the word embedding
+                    continue
+                if name not in tags:
+                    raise UniversalCheckpointError(f"{ckpt}: parameter {ds_name} ({name}) is not in the model "
+                                                   "its config.json describes")
+                step = shards.step(group)
+                _write_parameter(tmp, name, tags[name], tp, step,
+                                 read=lambda t, key: shards.full_slice(t, group, ds_name, key))
+                written.add(name)
+            del shards  # unmaps this stage's files
+        missing = sorted(set(tags) - written)
+        if missing:
+            raise UniversalCheckpointError(f"{ckpt}: no optimizer state for {missing[:5]}: incomplete checkpoint")
+        meta = {"format": FORMAT, "version": VERSION, "model": run_config["model"], "parameters": tags,
+                "source": {"path": os.path.abspath(ckpt), "tensor_model_parallel_size": tp,
+                           "pipeline_model_parallel_size": pp, "data_parallel_size": dp,
+                           "partition_method": parallel.get("partition_method"), "embedding_weight": weight,
+                           "precision": precision, "zero_stage": 1},
+                "step": step, "counters": counters or {}, "config": run_config}
+        with open(os.path.join(tmp, META), "w") as f:
+            json.dump(meta, f, indent=1)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"wrote universal checkpoint {out_dir}: {len(written)} parameters, Adam step {step:g}")
+    return meta
+
+
+def _write_parameter(out: str, name: str, tag: dict, tp: int, step: float, read) -> None:
+    """Put one parameter's tp slices (`read(tp_rank, key)`) together along its partition dim, drop the vocab
+    padding rows and write each state; only this parameter's full tensors are in memory."""
+    folder = os.path.join(out, "zero", name)
+    os.makedirs(folder, exist_ok=True)
+    for key in STATES:
+        slices = [read(t, key) for t in range(tp if tag["tensor_model_parallel"] else 1)]
+        full = torch.cat(slices, dim=tag["partition_dim"]) if len(slices) > 1 else slices[0]
+        if tag["vocab_tensor"]:
+            full = full.narrow(0, 0, tag["shape"][0])
+        if list(full.shape) != tag["shape"]:
+            raise UniversalCheckpointError(f"{name}: the checkpoint holds shape {list(full.shape)}, the model "
+                                           f"{tag['shape']}")
+        torch.save({PARAM: full.float().contiguous().clone(), CAT_DIM: tag["partition_dim"] or 0,
+                    VOCAB_TENSOR: tag["vocab_tensor"]}, os.path.join(folder, f"{key}.pt"))
+        del full, slices
+    torch.save(torch.tensor(step, dtype=torch.float32), os.path.join(folder, "step.pt"))
+
+
+__all__ = ["META", "STATES", "UniversalCheckpointError", "pipeline_layer_prefixes", "gpt_parameter_name",
+           "parameter_tags", "is_universal", "state_path", "read_meta", "read_state", "read_weights",
+           "convert_deepspeed_checkpoint"]
