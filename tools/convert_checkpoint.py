@@ -1,14 +1,16 @@
-"""Convert checkpoints: gptpar (any tp x pp) -> Hugging Face GPT-2 or a universal tp=1 file, and HF -> universal.
+"""Convert checkpoints: gptpar (any tp x pp x dp) -> Hugging Face GPT-2 or a universal checkpoint.
 
     python tools/convert_checkpoint.py --load checkpoints/demo --to hf --output exported/demo_hf
-    python tools/convert_checkpoint.py --load checkpoints/demo --to universal --output demo_full.pt
-    python tools/convert_checkpoint.py --from-hf exported/demo_hf --to universal --output demo_full.pt
+    python tools/convert_checkpoint.py --load checkpoints/demo --to universal --output demo_universal
 
-The universal file is {"model": GPTModel state dict at tp=1 (real vocab rows), "config": the model config};
-`gptpar.model.sharding.load_full_state_dict(model, state, tp_group)` loads it into any tp.
+The universal checkpoint (a folder; layout in docs/checkpoints.md) holds every parameter's full fp32 master
+weight and Adam moments and the run's counters: `checkpoint.load` resumes it at any (tp, pp, dp), and
+`gptpar.model.convert.read_weights` reads its weights. It streams: one pipeline stage's shard files mapped,
+one full parameter in memory at a time (the peak RSS is printed at the end).
 """
 import argparse
 import os
+import resource
 import sys
 import time
 
@@ -22,18 +24,19 @@ def main(argv=None):
     src.add_argument("--from-hf", help="a local Hugging Face GPT-2 model directory")
     parser.add_argument("--tag", help="checkpoint tag inside --load (default: what `latest` points at)")
     parser.add_argument("--to", choices=("hf", "universal"), required=True)
-    parser.add_argument("--output", required=True, help="output directory (hf) or file (universal)")
+    parser.add_argument("--output", required=True, help="output directory")
     args = parser.parse_args(argv)
     if os.path.exists(args.output) and (args.to == "universal" or os.listdir(args.output)):
         parser.error(f"--output {args.output} exists: choose a new path (nothing is overwritten)")
-
-    import dataclasses
-
-    import torch
+    if args.to == "universal" and not args.load:
+        parser.error("--to universal needs --load: a universal checkpoint carries a training run's optimizer state, "
+                     "which a Hugging Face model does not have")
 
     from gptpar.model.convert import ConversionError, load_hf, load_universal, save_hf
 
     start = time.time()
+    if args.to == "universal":
+        return to_universal(args.load, args.tag, args.output, start)
     try:
         if args.load:
             state, config, _ = load_universal(args.load, args.tag)
@@ -41,16 +44,35 @@ def main(argv=None):
             state, config = load_hf(args.from_hf)
         print(f"read {len(state)} tensors, {sum(t.numel() for t in state.values()):,} parameters "
               f"({config.num_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size})")
-        if args.to == "hf":
-            save_hf(state, config, args.output)
-        else:
-            tmp = args.output + ".tmp"
-            torch.save({"model": state, "config": dataclasses.asdict(config)}, tmp)
-            os.replace(tmp, args.output)  # never leave a partial file under the final name
+        save_hf(state, config, args.output)
     except ConversionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.output} in {time.time() - start:.1f}s")
+    return 0
+
+
+def to_universal(load: str, tag, output: str, start: float) -> int:
+    """The universal form of the checkpoint `load` (and `tag`) names, written to `output` (outside it)."""
+    from gptpar.model import universal
+    from gptpar.model.convert import ConversionError, resolve_checkpoint_dir
+    from gptpar.training.checkpoint import CheckpointError, carried_counters, read_rank_state
+    from gptpar.training.checkpoint_files import state_file
+
+    try:
+        ckpt = resolve_checkpoint_dir(load, tag)
+        for folder in {os.path.abspath(load), os.path.abspath(ckpt)}:
+            if os.path.commonpath([os.path.abspath(output), folder]) == folder:
+                raise ConversionError(f"--output {output} is inside the checkpoint folder {folder}: write the "
+                                      "universal checkpoint outside it (nothing is written there)")
+        has_state = os.path.isfile(os.path.join(ckpt, state_file(0)))
+        counters = carried_counters(read_rank_state(ckpt)) if has_state else {}
+        universal.convert_deepspeed_checkpoint(ckpt, output, counters=counters)
+    except (ConversionError, CheckpointError, universal.UniversalCheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    print(f"wrote {output} in {time.time() - start:.1f}s; peak RSS {peak:.0f} MiB")
     return 0
 
 

@@ -44,8 +44,8 @@ import torch.distributed as dist
 from gptpar.model import universal
 from gptpar.model.sharding import shard_tensor
 from gptpar.training.checkpoint_files import (CONFIG, LATEST, TAG_RE, CheckpointError, LoadTarget, is_complete,
-                                              read_latest, state_file, tag_of, verify_checkpoint, write_latest,
-                                              write_manifest)
+                                              read_latest, saved_world_size, state_file, tag_of, verify_checkpoint,
+                                              write_latest, write_manifest)
 
 FORMAT_VERSION = 3  # 2: a manifest marks a complete checkpoint; 3: rank files load with weights_only=True
 
@@ -93,6 +93,12 @@ def read_rank_state(path: str, rank: int = 0) -> dict:
                               f"{FORMAT_VERSION}: resume it with that version, or start from its weights") from None
 
 
+def carried_counters(rank_state: dict) -> dict:
+    """What a universal copy carries of a rank file: the counters and client state the run continues from
+    (iteration, consumed samples and tokens, the LR schedule's inputs, ...), without the per-rank RNG states."""
+    return {k: v for k, v in rank_state.items() if k not in _NOT_COUNTERS}
+
+
 def parallel_sizes(shape: dict) -> Tuple[int, int, int]:
     p = shape["parallel"]
     return (p["tensor_model_parallel_size"], p["pipeline_model_parallel_size"], p["data_parallel_size"])
@@ -109,20 +115,31 @@ def plan_load(target: LoadTarget, shape: dict, world_size: int, universal_dir: O
     if target.universal is not None:
         meta = _read_universal_meta(target.universal)
         check_shape({"model": meta["model"]}, model, target.universal)
+        if "iteration" not in meta["counters"]:
+            raise CheckpointError(f"universal checkpoint {target.universal} holds no training counters (converted "
+                                  "from a checkpoint without gptpar's rank files): a run cannot resume from it")
         log(f"loading universal checkpoint {target.universal} (iteration {meta['counters'].get('iteration')}) "
             f"at (tp, pp, dp) = {to}")
         return target
+    verify_checkpoint(target, saved_world_size(target, world_size))  # every file there and whole, first
     saved = read_rank_state(target.path)
     check_shape(saved["shape"], model, target.path)
     if saved["shape"]["parallel"] == shape["parallel"] and saved["shape"]["model"] == shape["model"]:
-        verify_checkpoint(target, world_size)
         return target
+    source = parallel_sizes(saved["shape"])
     if precision == "fp16":
         raise CheckpointError(f"checkpoint {target.path} has another parallel shape, and training.precision=fp16 "
                               "cannot be reshaped (its dynamic loss scale is not carried): resume it at the "
-                              f"shape it was saved with, (tp, pp, dp) = {parallel_sizes(saved['shape'])}")
-    source = parallel_sizes(saved["shape"])
-    verify_checkpoint(target, source[0] * source[1] * source[2])
+                              f"shape it was saved with, (tp, pp, dp) = {source}")
+    out, how = universal_copy(target, saved, universal_dir, log)
+    log(f"reshaping checkpoint {target.path} from (tp,pp,dp) {source} to {to}: {how} {out}")
+    return LoadTarget(target.directory, target.tag, universal=out)
+
+
+def universal_copy(target: LoadTarget, saved: dict, universal_dir: Optional[str], log) -> Tuple[str, str]:
+    """(the folder of `target`'s universal copy, how it was obtained): the one already in `universal_dir`
+    (default `{target.directory}_universal`) under the checkpoint's tag, else converted there now (`saved`:
+    the checkpoint's rank-0 state, whose counters the copy carries)."""
     out = os.path.join(universal_dir or f"{target.directory}_universal", target.tag)
     inside = os.path.commonpath([os.path.abspath(out), os.path.abspath(target.directory)])
     if inside == os.path.abspath(target.directory):
@@ -136,14 +153,12 @@ def plan_load(target: LoadTarget, shape: dict, world_size: int, universal_dir: O
         how = "read from its existing universal copy"
     else:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        counters = {k: v for k, v in saved.items() if k not in _NOT_COUNTERS}
         try:
-            universal.convert_deepspeed_checkpoint(target.path, out, log, counters=counters)
+            universal.convert_deepspeed_checkpoint(target.path, out, log, counters=carried_counters(saved))
         except universal.UniversalCheckpointError as e:
             raise CheckpointError(str(e)) from None
         how = "converted to its universal copy"
-    log(f"reshaping checkpoint {target.path} from (tp,pp,dp) {source} to {to}: {how} {out}")
-    return LoadTarget(target.directory, target.tag, universal=out)
+    return out, how
 
 
 def _read_universal_meta(directory: str) -> dict:
@@ -256,12 +271,12 @@ class Checkpointer:
         """Every parameter of this rank: its tp slice (vocab padding re-added for this tp) of the full fp32
         master weight and Adam moments, set through the engine (which cuts this dp rank's ZeRO partition)."""
         meta = _read_universal_meta(directory)
+        counters = meta["counters"]
         for name, param in engine.named_parameters():
             full_name = self.parameter_name(name)
             states = {key: shard_tensor(universal.read_state(directory, full_name, key), param, self.tp_rank,
                                         self.tp_size).to(param.device) for key in universal.STATES}
             engine.set_full_state(param, states.pop("fp32"), states, meta["step"])
-        counters = meta["counters"]
         self.log(f"resumed from universal checkpoint {directory}: iteration {counters['iteration']}, "
                  f"{counters['consumed_samples']} consumed samples, Adam step {meta['step']:g} (RNG streams "
                  "start from the seed: they are per rank)")
@@ -326,5 +341,5 @@ def _iterations(directory: str):
 
 
 __all__ = ["Checkpointer", "CheckpointError", "CheckpointSaveError", "LoadTarget", "LATEST", "read_latest",
-           "write_latest", "tag_of", "shape_of", "check_shape", "read_rank_state", "plan_load", "rng_states",
-           "set_rng_states"]
+           "write_latest", "tag_of", "shape_of", "check_shape", "read_rank_state", "carried_counters", "plan_load",
+           "rng_states", "set_rng_states"]

@@ -226,6 +226,16 @@ def verify_checkpoint(target: LoadTarget, world_size: int) -> None:
                               + f"\n{fix}")
 
 
+def saved_world_size(target: LoadTarget, default: int) -> int:
+    """How many ranks saved checkpoint `target` (its manifest says; `default` for one saved before manifests,
+    or an unreadable manifest, which verify_checkpoint then reports)."""
+    try:
+        with open(os.path.join(target.path, MANIFEST)) as f:
+            return int(json.load(f)["world_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return default
+
+
 def _opens_as_zip(path: str) -> bool:
     try:
         with zipfile.ZipFile(path):
@@ -243,4 +253,4 @@ def _choices(directory: str, exclude: Optional[str] = None) -> str:
 
 __all__ = ["LATEST", "TAG_RE", "MANIFEST", "LOCK", "CheckpointError", "LoadTarget", "tag_of", "state_file",
            "read_latest", "write_latest", "write_manifest", "list_files", "is_complete", "is_own_entry",
-           "partial_checkpoints", "complete_checkpoints", "resolve_load", "verify_checkpoint"]
+           "partial_checkpoints", "complete_checkpoints", "resolve_load", "verify_checkpoint", "saved_world_size"]
