@@ -86,7 +86,9 @@ def runs(tmp_path_factory):
                                                                 embedding_weight=2),
                                                   training=dict(precision="bf16"))]),
                 ("ramp_4", ["--config", _config(d, "ramp_4", load=d / "ramp_ref_ck" / "iter_0000004",
-                                                parallel=dict(data_parallel_size=4), training=RAMP)])]
+                                                parallel=dict(data_parallel_size=4), training=RAMP)]),
+                ("bf16_221_fresh", ["--config", _config(d, "bf16_221_fresh", parallel=TP2PP2,
+                                                        training=dict(precision="bf16", train_iters=4))])]
     probe = ["--config", _config(d, "fp32_221_probe", load=d / "fp32_ref_ck" / "iter_0000004", parallel=TP2PP2)]
     b = run_distributed(_runs_and_probe, 4, (reshaped, probe), timeout=400)
 
@@ -150,16 +152,20 @@ def test_ramp_up_resumed_mid_ramp_at_dp4(runs):
 
 
 def test_bf16_resumed_at_tp2_pp2(runs):
-    """bf16 losses depend on the topology through bf16 rounding (other matmul splits and reduction orders):
-    the bound is BF16_REL, ~4 bf16 ulps (2^-8 each) of relative difference of the mean loss."""
+    """In bf16 the loss depends on the topology through rounding (other matmul splits, reduction orders), so
+    the resumed run is held to BF16_REL, which is checked here to be at least 3x what separates fresh bf16 runs
+    at (1, 1, 2) and (2, 2, 1) over iterations 1-4 (measured ~1e-5). Moments left at zero after the reshape
+    move the loss by ~3e-4 relative at iteration 5 (tried), so the bound still catches a lost optimizer state."""
     d, _ = runs
-    ref, resumed = _losses(d, "bf16_ref"), _losses(d, "bf16_221")
+    ref, fresh, resumed = _losses(d, "bf16_ref"), _losses(d, "bf16_221_fresh"), _losses(d, "bf16_221")
+    topology_noise = max(abs(fresh[it] - ref[it]) / ref[it] for it in (1, 2, 3, 4))
+    assert 3 * topology_noise <= BF16_REL, topology_noise
     assert sorted(resumed) == [5, 6, 7, 8]
     for it in resumed:
         assert resumed[it] == pytest.approx(ref[it], rel=BF16_REL), it
 
 
-BF16_REL = 1.6e-2
+BF16_REL = 1e-4
 
 
 def test_optimizer_state_moved_with_the_reshape(runs):
