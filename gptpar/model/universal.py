@@ -18,8 +18,8 @@ which depends on tp, is dropped: the word embedding and its moments hold the rea
 Every file holds only tensors and plain values: they load with `torch.load(..., weights_only=True)`.
 
 `convert_deepspeed_checkpoint` streams a gptpar checkpoint (DeepSpeed's ZeRO-1 / BF16_Optimizer shards) into
-this form: one pipeline stage's shard files memory-mapped at a time, one full parameter built, written and
-freed at a time. DeepSpeed's own shard files are pickles (its checkpoint engine writes optimizer objects
+this form: one state of one full parameter in memory at a time, copied piece by piece out of memory-mapped
+shard files, each mapped only while its piece is read. DeepSpeed's own shard files are pickles (its checkpoint engine writes optimizer objects
 into them) and are read with `weights_only=False`: convert only checkpoints you trust.
 """
 from __future__ import annotations
@@ -141,26 +141,32 @@ def read_weights(directory: str) -> Tuple[Dict[str, torch.Tensor], GPTConfig]:
 # ---------------------------------------------------------------------------------------------
 
 def _deepspeed_file(path: str) -> dict:
-    """A DeepSpeed checkpoint file, memory-mapped (pages are read as slices are taken). A pickle: see above."""
+    """A DeepSpeed checkpoint file, memory-mapped: its tensors stay on disk until read, and the mapping goes
+    with the last tensor that uses it. A pickle: see above."""
     if not os.path.isfile(path):
         raise UniversalCheckpointError(f"missing checkpoint file {path}: the checkpoint is incomplete")
     return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
 
 
 class _StageShards:
-    """The optimizer shards of one pipeline stage: for each tp rank its model-states file's parameter shapes
-    and its dp ranks' ZeRO partitions, from which `full_slice` puts one tp slice of a parameter together."""
+    """The optimizer shards of one pipeline stage: per tp rank, the parameter shapes of its model-states file
+    and the paths of its dp ranks' ZeRO partitions, from which `tp_slice` copies one parameter's state out."""
 
     def __init__(self, ckpt: str, stage: int, tp: int, dp: int, precision: str):
         prefix = "bf16_" if precision == "bf16" else ""
-        self.shapes, self.shards = [], []
+        self.shapes, self.files = [], []
         for t in range(tp):
             mp_rank = stage * tp + t  # DeepSpeed's model-parallel rank: tp fastest within a stage
-            states = _deepspeed_file(os.path.join(ckpt, f"mp_rank_{mp_rank:02d}_model_states.pt"))
-            self.shapes.append(states["param_shapes"])
-            self.shards.append([_deepspeed_file(os.path.join(
-                ckpt, f"{prefix}zero_pp_rank_{d}_mp_rank_{mp_rank:02d}_optim_states.pt"))["optimizer_state_dict"]
-                for d in range(dp)])
+            self.shapes.append(_deepspeed_file(os.path.join(ckpt, f"mp_rank_{mp_rank:02d}_model_states.pt"))
+                               ["param_shapes"])
+            self.files.append([os.path.join(ckpt, f"{prefix}zero_pp_rank_{d}_mp_rank_{mp_rank:02d}_optim_states.pt")
+                               for d in range(dp)])
+        steps = {float(state["step"]) for paths in self.files for path in paths
+                 for state in _deepspeed_file(path)["optimizer_state_dict"]["base_optimizer_state"]["state"].values()}
+        if len(steps) != 1:
+            raise UniversalCheckpointError(f"{ckpt}: the optimizer shards of stage {stage} disagree on (or lack) "
+                                           f"Adam's step count: {sorted(steps)}")
+        self.step = steps.pop()
 
     def names(self) -> Iterator[Tuple[int, str]]:
         """(parameter group, DeepSpeed name) of every parameter of the stage, in the flat buffers' order."""
@@ -168,30 +174,26 @@ class _StageShards:
             for name in shapes:
                 yield group, name
 
-    def full_slice(self, t: int, group: int, name: str, key: str) -> torch.Tensor:
-        """Tp rank t's whole slice of parameter `name`: its pieces of each dp rank's flat partition, in order
-        (ZeRO cuts the group's flat buffer into contiguous dp partitions)."""
+    def tp_slice(self, t: int, group: int, name: str, key: str) -> torch.Tensor:
+        """Tp rank t's slice of parameter `name`'s state `key` (STATES): its pieces of the dp ranks' flat
+        partitions, in order (ZeRO cuts the group's flat buffer into contiguous dp partitions), copied straight
+        out of each mapped file, which is unmapped before the next is opened."""
         shape = self.shapes[t][group][name]
-        pieces = []
-        for sd in self.shards[t]:
+        out = torch.empty(shape.numel(), dtype=torch.float32)
+        filled = 0
+        for path in self.files[t]:
+            sd = _deepspeed_file(path)["optimizer_state_dict"]
             where = sd["param_slice_mappings"][group].get(name)
-            if where is None:
-                continue
-            flat = (sd["single_partition_of_fp32_groups"][group] if key == "fp32"
-                    else sd["base_optimizer_state"]["state"][group][key])
-            pieces.append(flat.narrow(0, where.start, where.numel))
-        numel = sum(p.numel() for p in pieces)
-        if numel != shape.numel():
-            raise UniversalCheckpointError(f"{name} ({key}): the ZeRO shards hold {numel} of its {shape.numel()} "
+            if where is not None and filled + where.numel <= out.numel():
+                flat = (sd["single_partition_of_fp32_groups"][group] if key == "fp32"
+                        else sd["base_optimizer_state"]["state"][group][key])
+                out.narrow(0, filled, where.numel).copy_(flat.narrow(0, where.start, where.numel))
+            filled += where.numel if where is not None else 0
+            del sd
+        if filled != out.numel():
+            raise UniversalCheckpointError(f"{name} ({key}): the ZeRO shards hold {filled} of its {out.numel()} "
                                            "elements: the checkpoint's optimizer files do not fit together")
-        return torch.cat(pieces).view(shape)
-
-    def step(self, group: int) -> float:
-        steps = {float(sd["base_optimizer_state"]["state"][group]["step"]) for shards in self.shards
-                 for sd in shards}
-        if len(steps) != 1:
-            raise UniversalCheckpointError(f"the optimizer shards disagree on Adam's step count: {sorted(steps)}")
-        return steps.pop()
+        return out.view(shape)
 
 
 def convert_deepspeed_checkpoint(ckpt: str, out_dir: str, log: Callable[[str], None] = print,
@@ -228,11 +230,10 @@ def convert_deepspeed_checkpoint(ckpt: str, out_dir: str, log: Callable[[str], N
                 if name not in tags:
                     raise UniversalCheckpointError(f"{ckpt}: parameter {ds_name} ({name}) is not in the model "
                                                    "its config.json describes")
-                step = shards.step(group)
+                step = shards.step
                 _write_parameter(tmp, name, tags[name], tp, step,
-                                 read=lambda t, key: shards.full_slice(t, group, ds_name, key))
+                                 read=lambda t, key: shards.tp_slice(t, group, ds_name, key))
                 written.add(name)
-            del shards  # unmaps this stage's files
         missing = sorted(set(tags) - written)
         if missing:
             raise UniversalCheckpointError(f"{ckpt}: no optimizer state for {missing[:5]}: incomplete checkpoint")
@@ -253,22 +254,42 @@ def convert_deepspeed_checkpoint(ckpt: str, out_dir: str, log: Callable[[str], N
 
 
 def _write_parameter(out: str, name: str, tag: dict, tp: int, step: float, read) -> None:
-    """Put one parameter's tp slices (`read(tp_rank, key)`) together along its partition dim, drop the vocab
-    padding rows and write each state; only this parameter's full tensors are in memory."""
+    """Write each state of one parameter, put together from its tp slices (`read(tp_rank, key)`) along its
+    partition dim without the vocab padding rows: one full state and one slice are in memory at a time."""
     folder = os.path.join(out, "zero", name)
     os.makedirs(folder, exist_ok=True)
     for key in STATES:
-        slices = [read(t, key) for t in range(tp if tag["tensor_model_parallel"] else 1)]
-        full = torch.cat(slices, dim=tag["partition_dim"]) if len(slices) > 1 else slices[0]
-        if tag["vocab_tensor"]:
-            full = full.narrow(0, 0, tag["shape"][0])
-        if list(full.shape) != tag["shape"]:
-            raise UniversalCheckpointError(f"{name}: the checkpoint holds shape {list(full.shape)}, the model "
-                                           f"{tag['shape']}")
-        torch.save({PARAM: full.float().contiguous().clone(), CAT_DIM: tag["partition_dim"] or 0,
-                    VOCAB_TENSOR: tag["vocab_tensor"]}, os.path.join(folder, f"{key}.pt"))
-        del full, slices
+        full = _full_tensor(name, tag, tp, lambda t: read(t, key))
+        torch.save({PARAM: full, CAT_DIM: tag["partition_dim"] or 0, VOCAB_TENSOR: tag["vocab_tensor"]},
+                   os.path.join(folder, f"{key}.pt"))
+        del full
     torch.save(torch.tensor(step, dtype=torch.float32), os.path.join(folder, "step.pt"))
+
+
+def _full_tensor(name: str, tag: dict, tp: int, read) -> torch.Tensor:
+    """The full tensor of shape tag["shape"] from tp slices `read(t)`: a replicated parameter is slice 0; a
+    split one is filled slice by slice, rows past the real vocabulary (tp-dependent padding) left out."""
+    shape = torch.Size(tag["shape"])
+    if not tag["tensor_model_parallel"]:
+        full = read(0)
+        if full.shape != shape:
+            raise UniversalCheckpointError(f"{name}: the checkpoint holds shape {list(full.shape)}, the model "
+                                           f"{list(shape)}")
+        return full
+    dim = tag["partition_dim"]
+    full, offset = torch.empty(shape, dtype=torch.float32), 0
+    for t in range(tp):
+        piece = read(t)
+        rows = max(0, min(piece.shape[dim], shape[dim] - offset))
+        if list(piece.shape[:dim]) + list(piece.shape[dim + 1:]) != list(shape[:dim]) + list(shape[dim + 1:]):
+            raise UniversalCheckpointError(f"{name}: tp slice {t} has shape {list(piece.shape)}, which does not "
+                                           f"fit the model's {list(shape)}")
+        full.narrow(dim, offset, rows).copy_(piece.narrow(dim, 0, rows))
+        offset += piece.shape[dim]
+    if offset < shape[dim] or (offset != shape[dim] and not tag["vocab_tensor"]):
+        raise UniversalCheckpointError(f"{name}: its {tp} tp slices hold {offset} along dim {dim}, the model "
+                                       f"{shape[dim]}")
+    return full
 
 
 __all__ = ["META", "STATES", "UniversalCheckpointError", "pipeline_layer_prefixes", "gpt_parameter_name",
