@@ -284,7 +284,8 @@ def _full_tensor(name: str, tag: dict, tp: int, read) -> torch.Tensor:
         if list(piece.shape[:dim]) + list(piece.shape[dim + 1:]) != list(shape[:dim]) + list(shape[dim + 1:]):
             raise UniversalCheckpointError(f"{name}: tp slice {t} has shape {list(piece.shape)}, which does not "
                                            f"fit the model's {list(shape)}")
-        full.narrow(dim, offset, rows).copy_(piece.narrow(dim, 0, rows))
+        if rows:  # (a slice holding only padding rows has nothing to give)
+            full.narrow(dim, offset, rows).copy_(piece.narrow(dim, 0, rows))
         offset += piece.shape[dim]
     if offset < shape[dim] or (offset != shape[dim] and not tag["vocab_tensor"]):
         raise UniversalCheckpointError(f"{name}: its {tp} tp slices hold {offset} along dim {dim}, the model "

@@ -38,6 +38,13 @@ test that breaks when one changes:
     `set_gradient_accumulation_boundary` after a ramp-up changes the   test_trainer.py::test_log_line_and_metrics_fields_recomputed (the ramp run)
       number of micro-batches
     `save_checkpoint(..., save_latest=False)` / `load_checkpoint`      test_trainer.py::test_exact_resume
+    `deepspeed.utils.safe_{set,get}_full_fp32_param` /                 test_universal_checkpoint.py::test_optimizer_state_moved_with_the_reshape,
+      `safe_{set,get}_full_optimizer_state`, the parameters'            ::test_fp32_resumed_at_tp2_pp2_follows_the_uninterrupted_dp2_run,
+      `_hp_mapping`, the optimizers' `_lazy_init_hp_params_optimizer_     ::test_bf16_resumed_at_tp2_pp2
+      state` (`set_full_state`, `full_state`)
+    the ZeRO-1 / BF16_Optimizer shard files' `param_shapes`,             test_universal_checkpoint.py (every reshape), test_convert.py
+      `param_slice_mappings`, `single_partition_of_fp32_groups`,
+      `base_optimizer_state` (read by gptpar.model.universal)
 """
 from __future__ import annotations
 
