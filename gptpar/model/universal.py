@@ -121,11 +121,12 @@ def read_meta(directory: str) -> dict:
 
 
 def read_state(directory: str, name: str, key: str) -> torch.Tensor:
-    """One full tensor (`key` in STATES, or "step") of parameter `name`, loaded with unpickling disabled."""
+    """One full tensor (`key` in STATES, or "step") of parameter `name`, loaded with unpickling disabled and
+    memory-mapped: a rank that takes its tp slice of it reads only that slice's pages."""
     path = state_path(directory, name, key)
     if not os.path.isfile(path):
         raise UniversalCheckpointError(f"{path} is missing: the universal checkpoint {directory} is incomplete")
-    value = torch.load(path, map_location="cpu", weights_only=True)
+    value = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     return value if key == "step" else value[PARAM]
 
 
