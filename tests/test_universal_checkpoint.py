@@ -112,6 +112,11 @@ def runs(tmp_path_factory):
             ("fp32_zero0", ["--config", _config(d, "fp32_zero0", load=d / "fp32_ref_ck" / "iter_0000004",
                                                 parallel=dict(pipeline_model_parallel_size=2, data_parallel_size=1),
                                                 training=dict(zero_stage=0))])]
+    tp2 = _config(d, "refused", load=d / "fp32_ref_ck" / "iter_0000004",
+                  parallel=dict(tensor_model_parallel_size=2, data_parallel_size=1))
+    back += [("wrong_model", ["--config", tp2, "--set", "model.hidden_size=64",
+                              "--set", f"checkpoint.universal_dir={d / 'wrong_u'}"]),
+             ("inside_load", ["--config", tp2, "--set", f"checkpoint.universal_dir={d / 'fp32_ref_ck' / 'u'}"])]
     c = run_distributed(_runs_and_probe, 2, (back, None), timeout=400)
     return d, {"a": a, "b": b, "c": c}
 
@@ -120,12 +125,28 @@ def _losses(d, name):
     return {r["iteration"]: r["lm_loss"] for r in read_jsonl(d / f"{name}.jsonl") if not r.get("eval")}
 
 
+REFUSED = ("wrong_model", "inside_load")
+
+
 def test_every_run_exits_zero(runs):
     _, out = runs
     for spawn in out.values():
         for rank_out, _ in spawn:
-            assert {name: rc for name, (rc, _) in rank_out.items()} == {name: 0 for name in rank_out}, \
-                {name: text[-2000:] for name, (rc, text) in rank_out.items() if rc}
+            want = {name: 2 if name in REFUSED else 0 for name in rank_out}
+            assert {name: rc for name, (rc, _) in rank_out.items()} == want, \
+                {name: text[-2000:] for name, (rc, text) in rank_out.items() if rc != want[name]}
+
+
+def test_refused_before_anything_is_written(runs):
+    """Another model shape at another parallel shape names the field; a universal_dir inside the load folder
+    is refused; neither writes anything."""
+    d, out = runs
+    wrong, inside = out["c"][0][0]["wrong_model"][1], out["c"][0][0]["inside_load"][1]
+    assert "checkpoint error: " in wrong and "model.hidden_size: checkpoint 32, config 64" in wrong
+    assert not (d / "wrong_u").exists()
+    assert f"puts the universal copy at {d / 'fp32_ref_ck' / 'u' / 'iter_0000004'}, inside the checkpoint folder" \
+        in inside
+    assert not (d / "fp32_ref_ck" / "u").exists()
 
 
 def test_fp32_resumed_at_tp2_pp2_follows_the_uninterrupted_dp2_run(runs):
