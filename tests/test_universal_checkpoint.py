@@ -290,6 +290,30 @@ def test_universal_checkpoint_loads_with_unpickling_disabled(runs, monkeypatch):
                 real_load(os.path.join(root, f), weights_only=True)
 
 
+def test_deepspeeds_own_converter_agrees(runs, tmp_path, monkeypatch):
+    """DeepSpeed's ds_to_universal.py, reading the universal_checkpoint_info gptpar saves, converts the (2, 2, 1)
+    bf16 checkpoint (balanced partitioning, embedding weight 2: the layer indices shifted) to the same tensors
+    as gptpar's converter: every parameter's master weight, moments and step, under its pipeline name."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    d, _ = runs
+    for name, weight in (("bf16_221", 2),):
+        ckpt, theirs, ours = d / f"{name}_ck" / "iter_0000008", tmp_path / f"ds_{name}", tmp_path / f"gptpar_{name}"
+        monkeypatch.setattr(sys, "argv", ["ds_to_universal", "--input_folder", str(ckpt), "--output_folder",
+                                          str(theirs), "--num_extract_workers", "1", "--num_merge_workers", "1"])
+        ds_to_universal.main(ds_to_universal.parse_arguments())  # strict: every pattern of the info was used
+        meta = universal.convert_deepspeed_checkpoint(str(ckpt), str(ours), log=lambda *a: None)
+        ds_names = sorted(n for n in os.listdir(theirs / "zero") if os.path.isdir(theirs / "zero" / n))
+        mapped = {universal.gpt_parameter_name(n, True, 2, weight): n for n in ds_names}
+        assert sorted(mapped) == sorted(meta["parameters"])
+        for full_name, ds_name in mapped.items():
+            for key in ("fp32", "exp_avg", "exp_avg_sq"):
+                want = torch.load(theirs / "zero" / ds_name / f"{key}.pt", weights_only=False)["param"]
+                assert torch.equal(universal.read_state(str(ours), full_name, key), want), (name, full_name, key)
+            step = torch.load(theirs / "zero" / ds_name / "step.pt", weights_only=False)
+            assert float(universal.read_state(str(ours), full_name, "step")) == float(step)
+
+
 @pytest.mark.slow
 def test_fp32_resumed_at_tp2_pp2_dp2_on_8_ranks(tmp_path):
     d = tmp_path

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from typing import Callable, Dict, Iterator, Optional, Tuple
 
@@ -91,6 +92,36 @@ def parameter_tags(config: GPTConfig) -> Dict[str, dict]:
         tags[name] = {"shape": shape, "tensor_model_parallel": split,
                       "partition_dim": p.partition_dim if split else None, "vocab_tensor": id(p) in vocab}
     return tags
+
+
+def deepspeed_universal_info(config: GPTConfig) -> dict:
+    """DeepSpeed's `universal_checkpoint_info` for this model (saved into every checkpoint by the engine), so
+    that DeepSpeed's own `ds_to_universal.py` merges gptpar's tp slices right: the parameters replicated over
+    tp, those split along dim 1 (row-parallel), the vocabulary ones and the real vocab size. Built from the
+    parameters' tags; each pattern matches a parameter's name in a GPTModel and in a PipelineModule (DeepSpeed
+    reads the info of the first model-parallel rank only, so it must cover every stage)."""
+    kinds = {"tp_replicated_parameter_patterns": [], "parameter_with_row_parallelism_patterns": [],
+             "vocabulary_parameter_patterns": []}  # deepspeed.checkpoint.constants' names for them
+    for name, tag in parameter_tags(config).items():
+        pattern = _either_name_pattern(name)
+        if not tag["tensor_model_parallel"]:
+            kinds["tp_replicated_parameter_patterns"].append(pattern)
+        elif tag["partition_dim"] == 1:
+            kinds["parameter_with_row_parallelism_patterns"].append(pattern)
+        if tag["vocab_tensor"]:
+            kinds["vocabulary_parameter_patterns"].append(pattern)
+    info = {kind: sorted(set(patterns)) for kind, patterns in kinds.items()}
+    info["original_vocab_size"] = config.vocab_size
+    return info
+
+
+def _either_name_pattern(name: str) -> str:
+    """A regex matching GPTModel's `name` of a block's parameter in either model, whatever its layer index."""
+    block, rest = name.split(".", 1)
+    if block == "layers":
+        return r"^(layers\.)?\d+\." + re.escape(rest.split(".", 1)[1]) + "$"
+    prefix = {"embedding": r"(embedding|tied_modules\.embed)", "final_layernorm": r"(final_layernorm|\d+)"}[block]
+    return f"^{prefix}\\." + re.escape(rest) + "$"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,5 +326,5 @@ def _full_tensor(name: str, tag: dict, tp: int, read) -> torch.Tensor:
 
 
 __all__ = ["META", "STATES", "UniversalCheckpointError", "pipeline_layer_prefixes", "gpt_parameter_name",
-           "parameter_tags", "is_universal", "state_path", "read_meta", "read_state", "read_weights",
+           "parameter_tags", "deepspeed_universal_info", "is_universal", "state_path", "read_meta", "read_state", "read_weights",
            "convert_deepspeed_checkpoint"]

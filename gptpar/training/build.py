@@ -69,7 +69,7 @@ def checkpoint_shape(cfg: Config, pstate) -> dict:
 
 def build_trainer(cfg: Config, pstate, log, load_target):
     """Seeds, model, data sources, DeepSpeed engine and checkpointer, under one `Trainer`."""
-    from gptpar.model.universal import gpt_parameter_name
+    from gptpar.model.universal import deepspeed_universal_info, gpt_parameter_name
     from gptpar.training.checkpoint import Checkpointer
     from gptpar.training.data import build_sources
     from gptpar.training.engine import build_engine, deepspeed_config
@@ -84,7 +84,8 @@ def build_trainer(cfg: Config, pstate, log, load_target):
         eval_samples=t.eval_iters * t.global_batch_size if t.eval_interval else 0, log=log)
     engine = build_engine(model, pstate, deepspeed_config(cfg, pstate.dp_size), lr=t.lr,
                           weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                          has_attention_mask=train_source.masks.has_attention_mask)
+                          has_attention_mask=train_source.masks.has_attention_mask,
+                          universal_checkpoint_info=deepspeed_universal_info(cfg.model))
     checkpointer = Checkpointer(ck.save, load_target, ck.keep_last, pstate.rank, pstate.world_size,
                                 checkpoint_shape(cfg, pstate), cfg.to_json(), log=log, device=pstate.device,
                                 tp_rank=pstate.tp_rank, tp_size=pstate.tp_size,

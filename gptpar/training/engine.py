@@ -38,6 +38,8 @@ test that breaks when one changes:
     `set_gradient_accumulation_boundary` after a ramp-up changes the   test_trainer.py::test_log_line_and_metrics_fields_recomputed (the ramp run)
       number of micro-batches
     `save_checkpoint(..., save_latest=False)` / `load_checkpoint`      test_trainer.py::test_exact_resume
+    the module's `universal_checkpoint_info` saved into the model       test_universal_checkpoint.py::test_deepspeeds_own_converter_agrees
+      states, as `ds_to_universal.py` reads it
     `deepspeed.utils.safe_{set,get}_full_fp32_param` /                 test_universal_checkpoint.py::test_optimizer_state_moved_with_the_reshape,
       `safe_{set,get}_full_optimizer_state`, the parameters'            ::test_fp32_resumed_at_tp2_pp2_follows_the_uninterrupted_dp2_run,
       `_hp_mapping`, the optimizers' `_lazy_init_hp_params_optimizer_     ::test_bf16_resumed_at_tp2_pp2
@@ -441,11 +443,19 @@ def _dp_mean(loss: torch.Tensor, pstate) -> float:
 
 def build_engine(model: torch.nn.Module, pstate, ds_config: dict, *, lr: float = 1e-4,
                  weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8,
-                 has_attention_mask: bool = False) -> TrainEngine:
-    """Wrap `model` in a DeepSpeed engine with a client AdamW. Call on every rank."""
+                 has_attention_mask: bool = False, universal_checkpoint_info: Optional[dict] = None) -> TrainEngine:
+    """Wrap `model` in a DeepSpeed engine with a client AdamW. Call on every rank.
+
+    `universal_checkpoint_info` (gptpar.model.universal.deepspeed_universal_info) is saved into every
+    checkpoint, where DeepSpeed's ds_to_universal.py reads how the tp slices merge."""
     import deepspeed
+    from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
+                                                UNIVERSAL_CHECKPOINT_VERSION_VALUE)
     from deepspeed.pipe import PipelineModule
 
+    if universal_checkpoint_info is not None:
+        setattr(model, UNIVERSAL_CHECKPOINT_INFO,
+                dict(universal_checkpoint_info, **{UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}))
     pipelined = isinstance(model, PipelineModule)
     optimizer = make_adamw(optimizer_param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps,
                            weight_decay=weight_decay, device=pstate.device)
