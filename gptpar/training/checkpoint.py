@@ -266,7 +266,6 @@ class Checkpointer:
                  f"{state['consumed_samples']} consumed samples")
         return state
 
-
     def _load_universal(self, engine, directory: str) -> dict:
         """Every parameter of this rank: its tp slice (vocab padding re-added for this tp) of the full fp32
         master weight and Adam moments, set through the engine (which cuts this dp rank's ZeRO partition)."""
@@ -274,8 +273,11 @@ class Checkpointer:
         counters = meta["counters"]
         for name, param in engine.named_parameters():
             full_name = self.parameter_name(name)
-            states = {key: shard_tensor(universal.read_state(directory, full_name, key), param, self.tp_rank,
-                                        self.tp_size).to(param.device) for key in universal.STATES}
+            try:
+                states = {key: shard_tensor(universal.read_state(directory, full_name, key), param, self.tp_rank,
+                                            self.tp_size).to(param.device) for key in universal.STATES}
+            except universal.UniversalCheckpointError as e:
+                raise CheckpointError(str(e)) from None
             engine.set_full_state(param, states.pop("fp32"), states, meta["step"])
         self.log(f"resumed from universal checkpoint {directory}: iteration {counters['iteration']}, "
                  f"{counters['consumed_samples']} consumed samples, Adam step {meta['step']:g} (RNG streams "
