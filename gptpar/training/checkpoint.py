@@ -47,7 +47,7 @@ from gptpar.training.checkpoint_files import (CONFIG, LATEST, TAG_RE, Checkpoint
                                               read_latest, saved_world_size, state_file, tag_of, verify_checkpoint,
                                               write_latest, write_manifest)
 
-FORMAT_VERSION = 3  # 2: a manifest marks a complete checkpoint; 3: rank files load with weights_only=True
+FORMAT_VERSION = 3  # 2: a manifest marks a complete checkpoint; 3: numpy's RNG state saved as a tensor
 
 # The keys that fix the shape of the weights and of the optimizer shards.
 MODEL_SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
@@ -83,14 +83,21 @@ def check_shape(saved: dict, current: dict, where: str) -> None:
 
 
 def read_rank_state(path: str, rank: int = 0) -> dict:
-    """gptpar's state file of `rank` in checkpoint folder `path`, loaded with unpickling disabled."""
+    """gptpar's state file of `rank` in checkpoint folder `path`, loaded with unpickling disabled (format 2
+    files also hold numpy's RNG state as an array: numpy arrays of plain dtypes are the one thing allowed
+    besides tensors and plain values)."""
     file = os.path.join(path, state_file(rank))
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
+            return torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"{file} holds more than tensors and plain values, so gptpar does not unpickle it "
-                              f"({str(e).splitlines()[0]}); it was saved by gptpar before checkpoint format "
-                              f"{FORMAT_VERSION}: resume it with that version, or start from its weights") from None
+                              f"({str(e).splitlines()[0]}): it is not a gptpar checkpoint's rank file") from None
+
+
+# What torch's restricted unpickler needs to rebuild a numpy array (numpy's private module path is the one
+# its pickles name).
+_NUMPY_ARRAY_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType]
 
 
 def carried_counters(rank_state: dict) -> dict:
@@ -180,7 +187,8 @@ def rng_states(tracker) -> dict:
 def set_rng_states(states: dict, tracker) -> None:
     random.setstate(states["python"])
     kind, keys, pos, has_gauss, gauss = states["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    keys = keys.numpy() if torch.is_tensor(keys) else keys  # an array in format 2
+    np.random.set_state((kind, keys.astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(states["torch"])
     if states.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
