@@ -164,6 +164,9 @@ def universal_copy(target: LoadTarget, saved: dict, universal_dir: Optional[str]
             universal.convert_deepspeed_checkpoint(target.path, out, log, counters=carried_counters(saved))
         except universal.UniversalCheckpointError as e:
             raise CheckpointError(str(e)) from None
+        except OSError as e:  # a full disk, no permission: nothing is left behind (the converter cleans up)
+            raise CheckpointError(f"could not write the universal copy {out} ({e}): free space there (it takes "
+                                  "12 bytes per parameter) or set checkpoint.universal_dir to another folder") from None
         how = "converted to its universal copy"
     return out, how
 
