@@ -159,8 +159,8 @@ def universal_copy(target: LoadTarget, saved: dict, universal_dir: Optional[str]
                                   f"{target.path}: delete it or set checkpoint.universal_dir to another folder")
         how = "read from its existing universal copy"
     else:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         try:
+            os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
             universal.convert_deepspeed_checkpoint(target.path, out, log, counters=carried_counters(saved))
         except universal.UniversalCheckpointError as e:
             raise CheckpointError(str(e)) from None
