@@ -154,9 +154,11 @@ def universal_copy(target: LoadTarget, saved: dict, universal_dir: Optional[str]
                               f"folder {target.directory}: give it a folder outside it (nothing is written there)")
     if universal.is_universal(out):
         meta = _read_universal_meta(out)
-        if meta["source"]["path"] != os.path.abspath(target.path):
-            raise CheckpointError(f"{out} holds the universal copy of {meta['source']['path']}, not of "
-                                  f"{target.path}: delete it or set checkpoint.universal_dir to another folder")
+        counters = carried_counters(saved)
+        if meta["source"]["path"] != os.path.abspath(target.path) or meta["counters"] != counters:
+            raise CheckpointError(f"{out} holds the universal copy of {meta['source']['path']} at iteration "
+                                  f"{meta['counters'].get('iteration')}, not of {target.path} at iteration "
+                                  f"{counters.get('iteration')}: delete it or set checkpoint.universal_dir elsewhere")
         how = "read from its existing universal copy"
     else:
         try:
