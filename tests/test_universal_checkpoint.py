@@ -9,7 +9,8 @@ Three spawns (2, 4, 2 ranks) run everything:
      ramp-up one at dp = 4; then the same parameters read back through the engine after the reshape.
   C  the (2, 2, 1) run's own checkpoint at iteration 6 resumed at dp = 2 (the reverse direction); the dp = 2
      checkpoint converted offline (tools/convert_checkpoint.py --to universal) and resumed from that folder
-     at tp = 2; and resumed at pp = 2 without ZeRO (fp32, zero_stage 0).
+     at tp = 2; resumed at pp = 2 without ZeRO (fp32, zero_stage 0); and two resumes refused in preflight.
+Then DeepSpeed's own ds_to_universal.py is checked against gptpar's converter on B's bf16 checkpoint.
 The (2, 2, 2) case on 8 ranks is marked slow.
 """
 import os
