@@ -1,6 +1,6 @@
 """Checkpoint conversion: a DeepSpeed checkpoint written at tp x pp, exported to Hugging Face GPT-2 (or BLOOM for
-an ALiBi + embedding-LayerNorm model), gives the loss the distributed model computed; the universal file loads
-into a tp = 1 model with the same loss."""
+an ALiBi + embedding-LayerNorm model), gives the loss the distributed model computed; the universal checkpoint's
+weights load into a tp = 1 model with the same loss."""
 import dataclasses
 import json
 import os
@@ -73,6 +73,7 @@ def _hf_loss(model_dir, architecture="GPT2LMHeadModel"):
 def test_export_to_hf_and_universal(tmp_path, tp, pp):
     import convert_checkpoint
 
+    from gptpar.model.convert import read_weights
     from gptpar.model.gpt import GPTModel
     from gptpar.model.sharding import load_full_state_dict
 
@@ -83,20 +84,24 @@ def test_export_to_hf_and_universal(tmp_path, tp, pp):
     assert convert_checkpoint.main(["--load", save, "--to", "hf", "--output", hf_dir]) == 0
     assert_close(_hf_loss(hf_dir), loss, rtol=1e-5, atol=0)
 
-    universal = str(tmp_path / "full.pt")
+    universal = str(tmp_path / "universal")
     assert convert_checkpoint.main(["--load", save, "--to", "universal", "--output", universal]) == 0
-    saved = torch.load(universal, weights_only=False)
-    model = GPTModel(GPTConfig(**saved["config"])).eval()
-    load_full_state_dict(model, saved["model"])
+    state, config = read_weights(universal)  # its fp32 master weights: the model's (fp32 training)
+    model = GPTModel(config).eval()
+    load_full_state_dict(model, state)
     with torch.no_grad():
         serial = torch.stack([model(**mb) for mb in _micro_batches(1)]).mean().item()
     assert_close(serial, loss, rtol=1e-5, atol=0)
 
-    # HF -> universal gives the same tensors back.
-    back = str(tmp_path / "back.pt")
-    assert convert_checkpoint.main(["--from-hf", hf_dir, "--to", "universal", "--output", back]) == 0
-    again = torch.load(back, weights_only=False)["model"]
-    for name, t in saved["model"].items():
+    # Never written inside the checkpoint folder; a Hugging Face model has no optimizer state to carry.
+    assert convert_checkpoint.main(["--load", save, "--to", "universal", "--output", os.path.join(save, "u")]) == 2
+    assert not os.path.exists(os.path.join(save, "u"))
+    with pytest.raises(SystemExit):
+        convert_checkpoint.main(["--from-hf", hf_dir, "--to", "universal", "--output", str(tmp_path / "u2")])
+
+    # HF -> gptpar weights gives the same tensors back.
+    again, _ = read_weights(hf_dir)
+    for name, t in state.items():
         assert torch.equal(again[name], t), name
 
 
@@ -104,7 +109,7 @@ def test_bad_checkpoint_is_a_clear_error(tmp_path, capsys):
     import convert_checkpoint
 
     assert convert_checkpoint.main(["--load", str(tmp_path), "--to", "universal",
-                                    "--output", str(tmp_path / "x.pt")]) == 2
+                                    "--output", str(tmp_path.parent / f"{tmp_path.name}_x")]) == 2
     assert "no config.json" in capsys.readouterr().err
 
 

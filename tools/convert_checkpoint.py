@@ -1,21 +1,23 @@
-"""Convert checkpoints: gptpar (any tp x pp) -> Hugging Face (GPT2LMHeadModel, or BloomForCausalLM for an ALiBi +
-embedding-LayerNorm model), a universal tp=1 file, or a weights-only gptpar checkpoint at another tp x pp; and HF
-(GPT-2 or BLOOM) -> universal or a weights-only gptpar checkpoint.
+"""Convert checkpoints: gptpar (any tp x pp x dp) -> Hugging Face (GPT2LMHeadModel, or BloomForCausalLM for an
+ALiBi + embedding-LayerNorm model), a universal checkpoint, or a weights-only gptpar checkpoint at another tp x pp;
+and Hugging Face (GPT-2 or BLOOM) -> a weights-only gptpar checkpoint.
 
     python tools/convert_checkpoint.py --load checkpoints/demo --to hf --output exported/demo_hf
-    python tools/convert_checkpoint.py --load checkpoints/demo --to universal --output demo_full.pt
-    python tools/convert_checkpoint.py --from-hf exported/demo_hf --to universal --output demo_full.pt
+    python tools/convert_checkpoint.py --load checkpoints/demo --to universal --output demo_universal
     python tools/convert_checkpoint.py --from-hf exported/demo_hf --to gptpar --output demo_w --tp 2 --pp 2
     python tools/convert_checkpoint.py --load checkpoints/demo --to gptpar --output demo_w_tp2 --tp 2
 
-The universal file is {"model": GPTModel state dict at tp=1 (real vocab rows), "config": the model config};
-`gptpar.model.sharding.load_full_state_dict(model, state, tp_group)` loads it into any tp.
+The universal checkpoint (a folder; layout in docs/checkpoints.md) holds every parameter's full fp32 master
+weight and Adam moments and the run's counters: `checkpoint.load` resumes it at any (tp, pp, dp), and
+`gptpar.model.convert.read_weights` reads its weights. It streams: one pipeline stage's shard files mapped,
+one full parameter in memory at a time (the peak RSS is printed at the end).
 A weights-only gptpar checkpoint (`--to gptpar`) is a checkpoint folder laid out for (--tp, --pp) without optimizer
 state (gptpar.model.convert.save_weights_only): `checkpoint.load` or `checkpoint.init_from` starts a run from it
 at iteration 0, at any tp x pp.
 """
 import argparse
 import os
+import resource
 import sys
 import time
 
@@ -29,7 +31,7 @@ def main(argv=None):
     src.add_argument("--from-hf", help="a local Hugging Face GPT-2 or BLOOM model directory")
     parser.add_argument("--tag", help="checkpoint tag inside --load (default: what `latest` points at)")
     parser.add_argument("--to", choices=("hf", "universal", "gptpar"), required=True)
-    parser.add_argument("--output", required=True, help="output directory (hf, gptpar) or file (universal)")
+    parser.add_argument("--output", required=True, help="output directory")
     parser.add_argument("--tp", type=int, help="--to gptpar: tensor-parallel size of the layout (default 1)")
     parser.add_argument("--pp", type=int, help="--to gptpar: pipeline-parallel size of the layout (default 1)")
     args = parser.parse_args(argv)
@@ -38,36 +40,55 @@ def main(argv=None):
     if os.path.exists(args.output) and (args.to == "universal" or not os.path.isdir(args.output)
                                         or os.listdir(args.output)):
         parser.error(f"--output {args.output} exists: choose a new path (nothing is overwritten)")
+    if args.to == "universal" and not args.load:
+        parser.error("--to universal needs --load: a universal checkpoint carries a training run's optimizer state, "
+                     "which a Hugging Face model does not have")
 
-    import dataclasses
-
-    import torch
-
-    from gptpar.model.convert import (ConversionError, check_layout, load_hf, load_universal, read_weights_config,
+    from gptpar.model.convert import (ConversionError, check_layout, load_hf, read_weights, read_weights_config,
                                       save_hf, save_weights_only)
 
     start = time.time()
+    if args.to == "universal":
+        return to_universal(args.load, args.tag, args.output, start)
     try:
         if args.to == "gptpar":  # a layout the model cannot take fails before any weight is read
             check_layout(read_weights_config(args.load or args.from_hf, args.tag), args.tp or 1, args.pp or 1)
-        if args.load:
-            state, config, _ = load_universal(args.load, args.tag)
-        else:
-            state, config = load_hf(args.from_hf)
+        # --load may also be a weights-only or a universal checkpoint
+        state, config = read_weights(args.load, args.tag) if args.load else load_hf(args.from_hf)
         print(f"read {len(state)} tensors, {sum(t.numel() for t in state.values()):,} parameters "
               f"({config.num_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size})")
         if args.to == "hf":
             save_hf(state, config, args.output)
-        elif args.to == "gptpar":
-            save_weights_only(state, config, args.output, tp=args.tp or 1, pp=args.pp or 1)
         else:
-            tmp = args.output + ".tmp"
-            torch.save({"model": state, "config": dataclasses.asdict(config)}, tmp)
-            os.replace(tmp, args.output)  # never leave a partial file under the final name
+            save_weights_only(state, config, args.output, tp=args.tp or 1, pp=args.pp or 1)
     except ConversionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.output} in {time.time() - start:.1f}s")
+    return 0
+
+
+def to_universal(load: str, tag, output: str, start: float) -> int:
+    """The universal form of the checkpoint `load` (and `tag`) names, written to `output` (outside it)."""
+    from gptpar.model import universal
+    from gptpar.model.convert import ConversionError, resolve_checkpoint_dir
+    from gptpar.training.checkpoint import CheckpointError, carried_counters, read_rank_state
+    from gptpar.training.checkpoint_files import state_file
+
+    try:
+        ckpt = resolve_checkpoint_dir(load, tag)
+        for folder in {os.path.abspath(load), os.path.abspath(ckpt)}:
+            if os.path.commonpath([os.path.abspath(output), folder]) == folder:
+                raise ConversionError(f"--output {output} is inside the checkpoint folder {folder}: write the "
+                                      "universal checkpoint outside it (nothing is written there)")
+        has_state = os.path.isfile(os.path.join(ckpt, state_file(0)))
+        counters = carried_counters(read_rank_state(ckpt)) if has_state else {}
+        universal.convert_deepspeed_checkpoint(ckpt, output, counters=counters)
+    except (ConversionError, CheckpointError, universal.UniversalCheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    print(f"wrote {output} in {time.time() - start:.1f}s; peak RSS {peak:.0f} MiB")
     return 0
 
 

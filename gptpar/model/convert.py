@@ -1,9 +1,10 @@
 """Checkpoint conversion: a gptpar training checkpoint of any tp x pp -> one full (tp = 1) state dict,
 and from there to a Hugging Face GPT-2 or BLOOM (gptpar.model.hf.hf_architecture) or to any other tp.
 
-The "universal" form is `GPTModel`'s state dict at tp = 1 with the word embedding trimmed to the real
+The full form is `GPTModel`'s state dict at tp = 1 with the word embedding trimmed to the real
 vocabulary: padding rows depend on tp (Megatron pads the vocab to a multiple of 128 x tp), so they are
-dropped here and re-added by `gptpar.model.sharding.load_full_state_dict` for the target tp.
+dropped here and re-added by `gptpar.model.sharding.load_full_state_dict` for the target tp. (Universal
+checkpoints, with the optimizer state, are gptpar.model.universal's.)
 
 Which files DeepSpeed writes (one checkpoint directory, e.g. {save}/iter_0000300):
   pp = 1   mp_rank_{tp:02d}_model_states.pt                 key 'module': GPTModel's state dict
@@ -27,6 +28,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from gptpar.model import universal
 from gptpar.model.config import GPTConfig
 from gptpar.model.partition import partition_layers
 from gptpar.model.pipeline import gpt_layer_prefixes
@@ -130,8 +132,14 @@ def is_hf_model_dir(path: str) -> bool:
 
 def read_weights(path: str, tag: Optional[str] = None) -> Tuple[StateDict, GPTConfig]:
     """Full (tp = 1) weights with the real vocab rows, and the model config, from whatever `path` holds:
-    a gptpar checkpoint (any tp x pp; a checkpoint directory or the save directory holding `latest`) or a
-    local Hugging Face model directory. The one reader for every tool that starts from existing weights."""
+    a gptpar checkpoint (any tp x pp; a checkpoint directory or the save directory holding `latest`), a
+    universal checkpoint (its fp32 master weights, read with unpickling disabled) or a local Hugging Face
+    model directory. The one reader for every tool that starts from existing weights."""
+    if os.path.isdir(path) and universal.is_universal(path):
+        try:
+            return universal.read_weights(path)
+        except universal.UniversalCheckpointError as e:
+            raise ConversionError(str(e)) from None
     if os.path.isdir(path) and is_hf_model_dir(path):
         return load_hf(path)
     state, config, _ = load_universal(path, tag)

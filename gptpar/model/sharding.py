@@ -40,11 +40,17 @@ def _block(full: torch.Tensor, dim: int, per_rank: int, tp_rank: int, tp_size: i
     want = per_rank * tp_size
     if full.shape[dim] > want:
         raise ValueError(f"tensor of {full.shape[dim]} along dim {dim} does not fit {tp_size} x {per_rank}")
-    if full.shape[dim] < want:
-        pad_shape = list(full.shape)
-        pad_shape[dim] = want - full.shape[dim]
-        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
-    return full.narrow(dim, tp_rank * per_rank, per_rank)
+    start = tp_rank * per_rank
+    if full.shape[dim] >= start + per_rank:
+        return full.narrow(dim, start, per_rank)
+    # This rank's block runs into the padding: only the block is built (never a padded copy of `full`).
+    shape = list(full.shape)
+    shape[dim] = per_rank
+    block = full.new_zeros(shape)
+    have = max(0, full.shape[dim] - start)
+    if have:
+        block.narrow(dim, 0, have).copy_(full.narrow(dim, start, have))
+    return block
 
 
 def load_full_state_dict(model: nn.Module, full: Dict[str, torch.Tensor], tp_group: Group = None,

@@ -70,6 +70,7 @@ def checkpoint_shape(cfg: Config, pstate) -> dict:
 def build_trainer(cfg: Config, pstate, log, load_target, init_from=None):
     """Seeds, model, data sources, DeepSpeed engine and checkpointer, under one `Trainer`. `init_from`: weights
     to start from (gptpar.training.init_weights), put into the model before the engine copies them."""
+    from gptpar.model.universal import deepspeed_universal_info, gpt_parameter_name
     from gptpar.training.checkpoint import Checkpointer
     from gptpar.training.data import build_sources
     from gptpar.training.engine import build_engine, deepspeed_config
@@ -88,9 +89,15 @@ def build_trainer(cfg: Config, pstate, log, load_target, init_from=None):
         eval_samples=t.eval_iters * t.global_batch_size if t.eval_interval else 0, log=log)
     engine = build_engine(model, pstate, deepspeed_config(cfg, pstate.dp_size), lr=t.lr,
                           weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                          has_attention_mask=train_source.masks.has_attention_mask)
+                          has_attention_mask=train_source.masks.has_attention_mask,
+                          universal_checkpoint_info=deepspeed_universal_info(cfg.model))
     checkpointer = Checkpointer(ck.save, load_target, ck.keep_last, pstate.rank, pstate.world_size,
-                                checkpoint_shape(cfg, pstate), cfg.to_json(), log=log, device=pstate.device)
+                                checkpoint_shape(cfg, pstate), cfg.to_json(), log=log, device=pstate.device,
+                                tp_rank=pstate.tp_rank, tp_size=pstate.tp_size,
+                                parameter_name=functools.partial(
+                                    gpt_parameter_name, pipelined=pstate.pp_size > 1,
+                                    num_layers=cfg.model.num_layers,
+                                    embedding_weight=cfg.parallel.embedding_weight or 1))
     return Trainer(cfg, pstate, engine, train_source, valid_sources, checkpointer, tracker,
                    log=functools.partial(print, flush=True))
 

@@ -18,32 +18,46 @@ the oldest complete checkpoints after `latest` moved on. A save that fails (a fu
 raises CheckpointSaveError naming the folder and the cause; `latest` stays where it was.
 
 Resume: what `checkpoint.load` points at is resolved and verified before training (checkpoint_files.
-resolve_load / verify_checkpoint); the model and parallel shape stored with it must equal the current
-config's (a clear error otherwise: ZeRO shards and tp/pp slices cannot be reshaped here); every other key
-(LR, intervals, exit conditions, ...) comes from the current config.
+resolve_load / verify_checkpoint, then `plan_load`); the model shape stored with it must equal the current
+config's (a clear error naming the key otherwise); every other key (LR, intervals, exit conditions, ...)
+comes from the current config. A checkpoint of another parallel shape (tp, pp, dp, partitioning) is
+resumed through its universal form (gptpar.model.universal, docs/checkpoints.md): rank 0 converts it once
+into `checkpoint.universal_dir` (default: `{load folder}_universal/`, never inside the load folder) or reuses
+the copy already there, and every rank takes its slices of each parameter's fp32 master weight and Adam
+moments from it. The counters (iteration, consumed samples and tokens, the LR schedule's inputs) travel with
+it; the RNG streams are per rank and restart from the seed. gptpar's own files are read with unpickling
+disabled (`weights_only=True`); DeepSpeed's per-rank files are pickles, which its engine loads itself.
 """
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import shutil
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from gptpar.model import universal
+from gptpar.model.sharding import shard_tensor
 from gptpar.training.checkpoint_files import (CONFIG, LATEST, TAG_RE, CheckpointError, LoadTarget, is_complete,
-                                              read_latest, state_file, tag_of, write_latest, write_manifest)
+                                              read_latest, saved_world_size, state_file, tag_of, verify_checkpoint,
+                                              write_latest, write_manifest)
 
-FORMAT_VERSION = 2  # 2: a manifest marks a complete checkpoint
+FORMAT_VERSION = 3  # 2: a manifest marks a complete checkpoint; 3: numpy's RNG state saved as a tensor
 
 # The keys that fix the shape of the weights and of the optimizer shards.
 MODEL_SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                    "max_position_embeddings", "activation", "position_embedding_type", "embed_layernorm")
-# Shape keys added after checkpoints were written without them: such a checkpoint has the default.
-_ADDED_SHAPE_KEYS = {"position_embedding_type": "learned", "embed_layernorm": False}
+                    "max_position_embeddings", "activation", "vocab_size", "position_embedding_type",
+                    "embed_layernorm")
+# Shape keys added after checkpoints were written without them: such a checkpoint has the default (None: not
+# checked; older checkpoints record the padded vocabulary, which is compared instead).
+_ADDED_SHAPE_KEYS = {"position_embedding_type": "learned", "embed_layernorm": False, "vocab_size": None}
+# What a rank file holds besides the counters the run continues from.
+_NOT_COUNTERS = ("version", "shape", "rng", "config")
 PARALLEL_SHAPE_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
                        "partition_method", "zero_stage")
 
@@ -66,24 +80,130 @@ def check_shape(saved: dict, current: dict, where: str) -> None:
     def saved_value(section, key):
         return saved.get(section, {}).get(key, _ADDED_SHAPE_KEYS.get(key))
 
+    def unrecorded(section, key):
+        return key not in saved.get(section, {}) and key in _ADDED_SHAPE_KEYS and _ADDED_SHAPE_KEYS[key] is None
+
     diffs = [f"{section}.{key}: checkpoint {saved_value(section, key)!r}, config {value!r}"
              for section, values in current.items() for key, value in values.items()
-             if saved_value(section, key) != value]
+             if saved_value(section, key) != value and not unrecorded(section, key)]
     if diffs:
         raise CheckpointError(f"checkpoint {where} does not fit this config's model/parallel shape:\n  "
                               + "\n  ".join(diffs)
                               + "\nresume with the config it was saved with, or point checkpoint.load elsewhere")
 
 
+def read_rank_state(path: str, rank: int = 0) -> dict:
+    """gptpar's state file of `rank` in checkpoint folder `path`, loaded with unpickling disabled (format 2
+    files also hold numpy's RNG state as an array: numpy arrays of plain dtypes are the one thing allowed
+    besides tensors and plain values)."""
+    file = os.path.join(path, state_file(rank))
+    try:
+        with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
+            return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{file} holds more than tensors and plain values, so gptpar does not unpickle it "
+                              f"({str(e).splitlines()[0]}): it is not a gptpar checkpoint's rank file") from None
+
+
+# What torch's restricted unpickler needs to rebuild a numpy array (numpy's private module path is the one
+# its pickles name).
+_NUMPY_ARRAY_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType]
+
+
+def carried_counters(rank_state: dict) -> dict:
+    """What a universal copy carries of a rank file: the counters and client state the run continues from
+    (iteration, consumed samples and tokens, the LR schedule's inputs, ...), without the per-rank RNG states."""
+    return {k: v for k, v in rank_state.items() if k not in _NOT_COUNTERS}
+
+
+def parallel_sizes(shape: dict) -> Tuple[int, int, int]:
+    p = shape["parallel"]
+    return (p["tensor_model_parallel_size"], p["pipeline_model_parallel_size"], p["data_parallel_size"])
+
+
+def plan_load(target: LoadTarget, shape: dict, world_size: int, universal_dir: Optional[str], precision: str,
+              log: Callable[[str], None]) -> LoadTarget:
+    """What this run loads for `target` (rank 0, before the model is built): the checkpoint itself when its
+    shape is this run's, else its universal copy, converted now or found in `universal_dir` (default
+    `{target.directory}_universal`) under the checkpoint's tag. Raises CheckpointError for another model shape
+    or a universal copy that cannot be used; never writes inside `target.directory`."""
+    model = {"model": {k: v for k, v in shape["model"].items() if k != "padded_vocab_size"}}
+    to = parallel_sizes(shape)
+    if target.universal is not None:
+        meta = _read_universal_meta(target.universal)
+        check_shape({"model": meta["model"]}, model, target.universal)
+        if "iteration" not in meta["counters"]:
+            raise CheckpointError(f"universal checkpoint {target.universal} holds no training counters (converted "
+                                  "from a checkpoint without gptpar's rank files): a run cannot resume from it")
+        log(f"loading universal checkpoint {target.universal} (iteration {meta['counters'].get('iteration')}) "
+            f"at (tp, pp, dp) = {to}")
+        return target
+    verify_checkpoint(target, saved_world_size(target, world_size))  # every file there and whole, first
+    saved = read_rank_state(target.path)
+    check_shape(saved["shape"], model, target.path)
+    if saved["shape"]["parallel"] == shape["parallel"] and saved["shape"]["model"] == shape["model"]:
+        return target
+    source = parallel_sizes(saved["shape"])
+    if precision == "fp16":
+        raise CheckpointError(f"checkpoint {target.path} has another parallel shape, and training.precision=fp16 "
+                              "cannot be reshaped (its dynamic loss scale is not carried): resume it at the "
+                              f"shape it was saved with, (tp, pp, dp) = {source}")
+    out, how = universal_copy(target, saved, universal_dir, log)
+    log(f"reshaping checkpoint {target.path} from (tp,pp,dp) {source} to {to}: {how} {out}")
+    return LoadTarget(target.directory, target.tag, universal=out)
+
+
+def universal_copy(target: LoadTarget, saved: dict, universal_dir: Optional[str], log) -> Tuple[str, str]:
+    """(the folder of `target`'s universal copy, how it was obtained): the one already in `universal_dir`
+    (default `{target.directory}_universal`) under the checkpoint's tag, else converted there now (`saved`:
+    the checkpoint's rank-0 state, whose counters the copy carries)."""
+    out = os.path.join(universal_dir or f"{target.directory}_universal", target.tag)
+    inside = os.path.commonpath([os.path.abspath(out), os.path.abspath(target.directory)])
+    if inside == os.path.abspath(target.directory):
+        raise CheckpointError(f"checkpoint.universal_dir puts the universal copy at {out}, inside the checkpoint "
+                              f"folder {target.directory}: give it a folder outside it (nothing is written there)")
+    if universal.is_universal(out):
+        meta = _read_universal_meta(out)
+        counters = carried_counters(saved)
+        if meta["source"]["path"] != os.path.abspath(target.path) or meta["counters"] != counters:
+            raise CheckpointError(f"{out} holds the universal copy of {meta['source']['path']} at iteration "
+                                  f"{meta['counters'].get('iteration')}, not of {target.path} at iteration "
+                                  f"{counters.get('iteration')}: delete it or set checkpoint.universal_dir elsewhere")
+        how = "read from its existing universal copy"
+    else:
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+            universal.convert_deepspeed_checkpoint(target.path, out, log, counters=carried_counters(saved))
+        except universal.UniversalCheckpointError as e:
+            raise CheckpointError(str(e)) from None
+        except OSError as e:  # a full disk, no permission: nothing is left behind (the converter cleans up)
+            raise CheckpointError(f"could not write the universal copy {out} ({e}): free space there (it takes "
+                                  "12 bytes per parameter) or set checkpoint.universal_dir to another folder") from None
+        how = "converted to its universal copy"
+    return out, how
+
+
+def _read_universal_meta(directory: str) -> dict:
+    try:
+        return universal.read_meta(directory)
+    except universal.UniversalCheckpointError as e:
+        raise CheckpointError(str(e)) from None
+
+
 def rng_states(tracker) -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+    """Every generator's state, as tensors and plain values (loadable with weights_only=True)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
+                                                    gauss), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "tracker": tracker.get_states() if tracker is not None else None}
 
 
 def set_rng_states(states: dict, tracker) -> None:
     random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
+    kind, keys, pos, has_gauss, gauss = states["numpy"]
+    keys = keys.numpy() if torch.is_tensor(keys) else keys  # an array in format 2
+    np.random.set_state((kind, keys.astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(states["torch"])
     if states.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
@@ -106,6 +226,10 @@ class Checkpointer:
     config_json: str
     log: callable = print
     device: object = "cpu"  # where the all-reduces' flag lives (a GPU under NCCL)
+    tp_rank: int = 0
+    tp_size: int = 1
+    # GPTModel's name of each of the engine's parameter names (gptpar.model.universal.gpt_parameter_name)
+    parameter_name: Callable[[str], str] = field(default=lambda name: name)
 
     # -- save ----------------------------------------------------------------------------------
     def save(self, engine, iteration: int, client_state: dict, tracker) -> str:
@@ -153,8 +277,10 @@ class Checkpointer:
         target = self.load_target
         if target is None:
             return None
+        if target.universal is not None:
+            return self._load_universal(engine, target.universal)
         path = target.path
-        state = torch.load(os.path.join(path, state_file(self.rank)), weights_only=False)
+        state = read_rank_state(path, self.rank)
         check_shape(state["shape"], self.shape, path)
         if not engine.load_checkpoint(target.directory, target.tag):
             raise CheckpointError(f"DeepSpeed could not load {path}")
@@ -162,6 +288,24 @@ class Checkpointer:
         self.log(f"resumed from {path}: iteration {state['iteration']}, "
                  f"{state['consumed_samples']} consumed samples")
         return state
+
+    def _load_universal(self, engine, directory: str) -> dict:
+        """Every parameter of this rank: its tp slice (vocab padding re-added for this tp) of the full fp32
+        master weight and Adam moments, set through the engine (which cuts this dp rank's ZeRO partition)."""
+        meta = _read_universal_meta(directory)
+        counters = meta["counters"]
+        for name, param in engine.named_parameters():
+            full_name = self.parameter_name(name)
+            try:
+                states = {key: shard_tensor(universal.read_state(directory, full_name, key), param, self.tp_rank,
+                                            self.tp_size).to(param.device) for key in universal.STATES}
+            except universal.UniversalCheckpointError as e:
+                raise CheckpointError(str(e)) from None
+            engine.set_full_state(param, states.pop("fp32"), states, meta["step"])
+        self.log(f"resumed from universal checkpoint {directory}: iteration {counters['iteration']}, "
+                 f"{counters['consumed_samples']} consumed samples, Adam step {meta['step']:g} (RNG streams "
+                 "start from the seed: they are per rank)")
+        return counters
 
 
 class _SaveFailure:
@@ -222,4 +366,5 @@ def _iterations(directory: str):
 
 
 __all__ = ["Checkpointer", "CheckpointError", "CheckpointSaveError", "LoadTarget", "LATEST", "read_latest",
-           "write_latest", "tag_of", "shape_of", "check_shape", "rng_states", "set_rng_states"]
+           "write_latest", "tag_of", "shape_of", "check_shape", "read_rank_state", "carried_counters", "plan_load",
+           "rng_states", "set_rng_states"]

@@ -21,6 +21,8 @@ import zipfile
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from gptpar.model.universal import is_universal
+
 LATEST = "latest"
 TAG_RE = re.compile(r"^iter_(\d{7,})$")
 MANIFEST = "gptpar_manifest.json"
@@ -145,10 +147,13 @@ def complete_checkpoints(directory: str) -> List[str]:
 
 @dataclass(frozen=True)
 class LoadTarget:
-    """The checkpoint to resume: folder `tag` inside `directory` (DeepSpeed's (load_dir, tag))."""
+    """The checkpoint to resume: folder `tag` inside `directory` (DeepSpeed's (load_dir, tag)); `universal`, when
+    set, the universal checkpoint folder to load instead (gptpar.model.universal; the checkpoint's own copy
+    at another parallel shape, or what checkpoint.load points at)."""
 
     directory: str
     tag: str
+    universal: Optional[str] = None
 
     @property
     def path(self) -> str:
@@ -159,8 +164,9 @@ def resolve_load(load: Optional[str]) -> Tuple[Optional[LoadTarget], Optional[st
     """(the checkpoint to load or None for a fresh start, the line that says so); reads, never writes.
 
     A missing folder, or one holding only gptpar's own lock/probe/partial files, is a fresh start. A folder
-    with a `latest` pointer loads what it points at; an `iter_N` folder, or any folder holding a manifest (a
-    weights-only checkpoint written by tools/convert_checkpoint.py), given directly is loaded itself.
+    with a `latest` pointer loads what it points at; an `iter_N` folder, a universal checkpoint folder, or any
+    folder holding a manifest (a weights-only checkpoint written by tools/convert_checkpoint.py) given
+    directly is loaded itself.
     Anything else (a file, an empty or garbled `latest`, checkpoints without a `latest`, a folder of
     unknown files) raises CheckpointError: a wrong path must never start a run from scratch.
     """
@@ -173,6 +179,8 @@ def resolve_load(load: Optional[str]) -> Tuple[Optional[LoadTarget], Optional[st
                               "checkpoint.save wrote (it holds `latest`) or one of its iter_N folders")
     load = os.path.normpath(load)
     name = os.path.basename(load)
+    if is_universal(load):
+        return LoadTarget(os.path.dirname(load), name, universal=load), None
     if (TAG_RE.match(name) or os.path.isfile(os.path.join(load, MANIFEST))) and \
             not os.path.exists(os.path.join(load, LATEST)):
         return LoadTarget(os.path.dirname(load), name), None  # a checkpoint folder itself (e.g. weights-only)
@@ -234,6 +242,16 @@ def verify_checkpoint(target: LoadTarget, world_size: int) -> None:
                               + f"\n{fix}")
 
 
+def saved_world_size(target: LoadTarget, default: int) -> int:
+    """How many ranks saved checkpoint `target` (its manifest says; `default` for one saved before manifests,
+    or an unreadable manifest, which verify_checkpoint then reports)."""
+    try:
+        with open(os.path.join(target.path, MANIFEST)) as f:
+            return int(json.load(f)["world_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return default
+
+
 def _opens_as_zip(path: str) -> bool:
     try:
         with zipfile.ZipFile(path):
@@ -251,4 +269,5 @@ def _choices(directory: str, exclude: Optional[str] = None) -> str:
 
 __all__ = ["LATEST", "TAG_RE", "MANIFEST", "LOCK", "CheckpointError", "LoadTarget", "tag_of", "state_file",
            "read_latest", "write_latest", "write_manifest", "list_files", "is_weights_only", "is_complete",
-           "is_own_entry", "partial_checkpoints", "complete_checkpoints", "resolve_load", "verify_checkpoint"]
+           "is_own_entry", "partial_checkpoints", "complete_checkpoints", "resolve_load", "verify_checkpoint",
+           "saved_world_size"]

@@ -396,6 +396,10 @@ class CheckpointConfig:
                                         "checkpoint: the resume wins, so a job restarted with load = save resumes "
                                         "itself. The model fields must match the weights' shape (vocab_size may "
                                         "be larger).")
+    universal_dir: Optional[str] = _f(None, "Where resuming a checkpoint of another parallel shape (tp, pp, dp, "
+                                            "partitioning) writes its universal copy, or finds the one written "
+                                            "before: `{universal_dir}/{tag}`. null = `{load folder}_universal` "
+                                            "beside the load folder (never inside it). See docs/checkpoints.md.")
     save_interval: Optional[int] = _f(None, "Save every this many iterations (and always at exit); "
                                             "null = only at exit.")
     keep_last: Optional[int] = _f(None, "Keep only the newest K checkpoints; null = keep all.")
@@ -407,7 +411,7 @@ class CheckpointConfig:
     def __post_init__(self):
         _check_fields("checkpoint", self)
         _positive("checkpoint", self, "save_interval", "keep_last", allow_none=True)
-        for name in ("save", "load", "init_from"):
+        for name in ("save", "load", "init_from", "universal_dir"):
             if getattr(self, name) == "":
                 raise ConfigError(f"checkpoint.{name} is an empty string: give a directory or null")
         if self.save is None and (self.save_interval is not None or self.keep_last is not None):

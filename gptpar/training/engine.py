@@ -38,6 +38,15 @@ test that breaks when one changes:
     `set_gradient_accumulation_boundary` after a ramp-up changes the   test_trainer.py::test_log_line_and_metrics_fields_recomputed (the ramp run)
       number of micro-batches
     `save_checkpoint(..., save_latest=False)` / `load_checkpoint`      test_trainer.py::test_exact_resume
+    the module's `universal_checkpoint_info` saved into the model       test_universal_checkpoint.py::test_deepspeeds_own_converter_agrees
+      states, as `ds_to_universal.py` reads it
+    `deepspeed.utils.safe_{set,get}_full_fp32_param` /                 test_universal_checkpoint.py::test_optimizer_state_moved_with_the_reshape,
+      `safe_{set,get}_full_optimizer_state`, the parameters'            ::test_fp32_resumed_at_tp2_pp2_follows_the_uninterrupted_dp2_run,
+      `_hp_mapping`, the optimizers' `_lazy_init_hp_params_optimizer_     ::test_bf16_resumed_at_tp2_pp2
+      state` (`set_full_state`, `full_state`)
+    the ZeRO-1 / BF16_Optimizer shard files' `param_shapes`,             test_universal_checkpoint.py (every reshape), test_convert.py
+      `param_slice_mappings`, `single_partition_of_fp32_groups`,
+      `base_optimizer_state` (read by gptpar.model.universal)
 """
 from __future__ import annotations
 
@@ -217,6 +226,79 @@ class TrainEngine:
         loaded, _ = self.ds.load_checkpoint(directory, tag=tag)
         return loaded is not None
 
+    # -- one parameter's full state (universal checkpoints) ------------------------------------
+    def named_parameters(self):
+        """This rank's parameters under the names of the module it trains (GPTModel's or the PipelineModule's)."""
+        return self.ds.module.named_parameters()
+
+    @torch.no_grad()
+    def set_full_state(self, param: torch.Tensor, fp32: torch.Tensor, moments: Dict[str, torch.Tensor],
+                       step: float) -> None:
+        """Give `param` (this rank's tp slice, whole over dp) its fp32 master weight, Adam moments and step.
+
+        The model weight becomes the master weight in the model's dtype (what the optimizers copy back after
+        a step); DeepSpeed's `safe_set_full_fp32_param` / `safe_set_full_optimizer_state` write the part of
+        this dp rank's partition that the parameter's `_hp_mapping` covers (ZeRO-1, BF16_Optimizer). Without
+        a partitioned optimizer (fp32 at ZeRO-0) the client AdamW's own state of `param` is set."""
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        param.copy_(fp32.to(param.dtype))
+        self._init_optimizer_state(step)
+        if hasattr(param, "_hp_mapping"):
+            safe_set_full_fp32_param(param, fp32)
+            for key, value in moments.items():
+                safe_set_full_optimizer_state(param, value, key)
+        else:
+            state = self._inner_optimizer().state[param]
+            for key, value in moments.items():
+                state[key].copy_(value)
+
+    def full_state(self, param: torch.Tensor) -> dict:
+        """{"fp32", each Adam moment, "step"} of `param` (this rank's tp slice, gathered over dp: a collective
+        over the dp group under ZeRO-1 / BF16_Optimizer), read back through DeepSpeed."""
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        inner = self._inner_optimizer()
+        if not hasattr(param, "_hp_mapping"):
+            state = inner.state[param]
+            return dict({k: v.clone() for k, v in state.items() if k != "step"}, fp32=param.detach().float().clone(),
+                        step=float(state["step"]))
+        self._link_optimizer_state()
+        keys = [k for k, v in next(iter(inner.state.values())).items() if k != "step" and torch.is_tensor(v)]
+        out = {key: safe_get_full_optimizer_state(param, key).clone() for key in keys}
+        out["fp32"] = safe_get_full_fp32_param(param).clone()
+        group = inner.param_groups[0]
+        out["step"] = float(group["step"] if "step" in group else next(iter(inner.state.values()))["step"])
+        return out
+
+    def _inner_optimizer(self):
+        wrapper = self.ds.optimizer
+        return getattr(wrapper, "optimizer", wrapper)
+
+    def _init_optimizer_state(self, step: float) -> None:
+        """Adam's state for every tensor the client AdamW steps on (DeepSpeed's flat fp32 partitions, or the
+        parameters themselves), as torch's AdamW creates it at its first step, with `step` as its count; then
+        DeepSpeed links each parameter's fragment of it (`_lazy_init_hp_params_optimizer_state`, which its
+        optimizers otherwise run after their first step)."""
+        inner = self._inner_optimizer()
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state[p]
+                if not state:
+                    state.update(step=torch.zeros((), dtype=torch.float32, device=p.device),
+                                 exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                state["step"].fill_(step)
+            if "step" in group:  # apex FusedAdam counts steps per group
+                group["step"] = int(step)
+        self._link_optimizer_state()
+
+    def _link_optimizer_state(self) -> None:
+        """Let each parameter's `_hp_mapping` address its fragment of the Adam state (DeepSpeed does it lazily,
+        after its first step)."""
+        wrapper = self.ds.optimizer
+        if hasattr(wrapper, "_lazy_init_hp_params_optimizer_state"):
+            wrapper._lazy_init_hp_params_optimizer_state()
+
     # -- what the log line needs ---------------------------------------------------------------
     @property
     def loss_scale(self) -> float:
@@ -361,11 +443,19 @@ def _dp_mean(loss: torch.Tensor, pstate) -> float:
 
 def build_engine(model: torch.nn.Module, pstate, ds_config: dict, *, lr: float = 1e-4,
                  weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8,
-                 has_attention_mask: bool = False) -> TrainEngine:
-    """Wrap `model` in a DeepSpeed engine with a client AdamW. Call on every rank."""
+                 has_attention_mask: bool = False, universal_checkpoint_info: Optional[dict] = None) -> TrainEngine:
+    """Wrap `model` in a DeepSpeed engine with a client AdamW. Call on every rank.
+
+    `universal_checkpoint_info` (gptpar.model.universal.deepspeed_universal_info) is saved into every
+    checkpoint, where DeepSpeed's ds_to_universal.py reads how the tp slices merge."""
     import deepspeed
+    from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
+                                                UNIVERSAL_CHECKPOINT_VERSION_VALUE)
     from deepspeed.pipe import PipelineModule
 
+    if universal_checkpoint_info is not None:
+        setattr(model, UNIVERSAL_CHECKPOINT_INFO,
+                dict(universal_checkpoint_info, **{UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}))
     pipelined = isinstance(model, PipelineModule)
     optimizer = make_adamw(optimizer_param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps,
                            weight_decay=weight_decay, device=pstate.device)

@@ -62,7 +62,7 @@ def check_weights_fit(path: str, model: GPTConfig, field: str = "checkpoint.init
     except (ConversionError, OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{field} {path} cannot be read as model weights: {e}") from None
     diffs = [f"model.{key}: {field} has {getattr(source, key)!r}, the config {getattr(model, key)!r}"
-             for key in MODEL_SHAPE_KEYS if getattr(source, key) != getattr(model, key)]
+             for key in MODEL_SHAPE_KEYS if key != "vocab_size" and getattr(source, key) != getattr(model, key)]
     if source.vocab_size > model.vocab_size:
         diffs.append(f"model.vocab_size: {field} has {source.vocab_size} tokens, the config {model.vocab_size} "
                      "(it may be larger, never smaller)")

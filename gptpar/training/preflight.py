@@ -5,7 +5,8 @@ so all ranks stop with the same message or go on with the same checkpoint to loa
 Order, so that a refused run changes nothing in checkpoint.save (not even a modification time):
     0. training.kill_switch_path exists?                 -> stop: exit 0 before anything is built
     1. another live job holds checkpoint.save?          (read-only)  gptpar.training.save_folder.peek_lock
-    2. checkpoint.load resolved and verified             (read-only)  gptpar.training.checkpoint_files
+    2. checkpoint.load resolved and verified             (read-only)  gptpar.training.checkpoint_files; at another
+       parallel shape, converted to its universal copy outside the load folder (gptpar.training.checkpoint.plan_load);
        or, without a checkpoint to resume, checkpoint.init_from (or a weights-only checkpoint.load) checked
        against the model's shape                         (read-only)  gptpar.training.init_weights
     3. checkpoint.save holding another run's checkpoints (read-only)
@@ -19,13 +20,12 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-import torch
 import torch.distributed as dist
 
 from gptpar.data.indexed import DataError
-from gptpar.training.checkpoint import check_shape
+from gptpar.training.checkpoint import plan_load
 from gptpar.training.checkpoint_files import (CheckpointError, LoadTarget, complete_checkpoints, read_latest,
-                                              resolve_load, state_file, verify_checkpoint)
+                                              resolve_load)
 from gptpar.training.init_weights import check_weights_fit, choose_start
 from gptpar.training.save_folder import (JobLock, check_free_space, checkpoint_bytes, clean_leftovers,
                                          peek_lock, probe_writable)
@@ -84,9 +84,7 @@ def check_on_rank0(cfg, world_size: int, tp: int, pp: int, shape: dict, log) -> 
     target, note = resolve_load(ck.load)
     target, init_from, note = choose_start(ck.init_from, target, note)
     if target is not None:
-        verify_checkpoint(target, world_size)
-        saved = torch.load(os.path.join(target.path, state_file(0)), weights_only=False)
-        check_shape(saved["shape"], shape, target.path)
+        target = plan_load(target, shape, world_size, ck.universal_dir, cfg.training.precision, log)
     if init_from is not None:
         check_weights_fit(init_from, cfg.model, "checkpoint.init_from" if init_from == ck.init_from
                           else "checkpoint.load")

@@ -1,0 +1,318 @@
+"""Universal checkpoints: every parameter's full fp32 master weight and Adam moments, keyed by `GPTModel`'s
+parameter names, so that a run saved at (tp, pp, dp) resumes at any other (tp', pp', dp').
+
+On disk (docs/checkpoints.md has the full description, for writing a converter from another trainer):
+
+    {dir}/gptpar_universal.json           written last: format, source shape, model config, counters,
+                                          and per parameter its full shape and sharding tags
+    {dir}/zero/{name}/fp32.pt             {"param": full fp32 tensor, "cat_dim": int, "vocab_tensor": bool}
+    {dir}/zero/{name}/exp_avg.pt          the same for Adam's first moment
+    {dir}/zero/{name}/exp_avg_sq.pt       and its second moment
+    {dir}/zero/{name}/step.pt             Adam's step count, a 0-d tensor
+
+The per-parameter folder and file names and the dict keys are DeepSpeed's universal-checkpoint layout
+(deepspeed/checkpoint/ds_to_universal.py, constants PARAM / CAT_DIM / VOCAB_TENSOR); the names are
+`GPTModel`'s, whatever pipeline layout saved them (DeepSpeed's pipeline names, `tied_modules.embed.*` and
+`{layer index}.*`, change with pp and the partitioning, so they are mapped here). The vocabulary padding,
+which depends on tp, is dropped: the word embedding and its moments hold the real `vocab_size` rows.
+Every file holds only tensors and plain values: they load with `torch.load(..., weights_only=True)`.
+
+`convert_deepspeed_checkpoint` streams a gptpar checkpoint (DeepSpeed's ZeRO-1 / BF16_Optimizer shards) into
+this form: one state of one full parameter in memory at a time, copied piece by piece out of memory-mapped
+shard files, each mapped only while its piece is read. DeepSpeed's own shard files are pickles (its checkpoint engine writes optimizer objects
+into them) and are read with `weights_only=False`: convert only checkpoints you trust.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Callable, Dict, Iterator, Optional, Tuple
+
+import torch
+
+from gptpar.model.config import GPTConfig
+
+META = "gptpar_universal.json"
+FORMAT = "gptpar-universal"
+VERSION = 1
+STATES = ("fp32", "exp_avg", "exp_avg_sq")  # the tensors kept per parameter (plus "step")
+# DeepSpeed's keys inside each per-parameter file (deepspeed.checkpoint.constants PARAM, CAT_DIM, VOCAB_TENSOR).
+PARAM, CAT_DIM, VOCAB_TENSOR = "param", "cat_dim", "vocab_tensor"
+
+
+class UniversalCheckpointError(RuntimeError):
+    """A checkpoint that cannot be converted to or read as a universal checkpoint; names the file and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Names: DeepSpeed's pipeline-module parameter names -> GPTModel's
+# ---------------------------------------------------------------------------------------------
+
+def gpt_parameter_name(name: str, pipelined: bool, num_layers: int, embedding_weight: int = 1) -> str:
+    """GPTModel's name of parameter `name` of a plain GPTModel (itself) or of a DeepSpeed PipelineModule stage
+    (the mapping's one home is gptpar.model.pipeline.gpt_parameter_name, beside the layer specs)."""
+    if not pipelined:
+        return name
+    from gptpar.model.pipeline import gpt_parameter_name as pipeline_name
+
+    try:
+        return pipeline_name(name, num_layers, embedding_weight)
+    except ValueError as e:
+        raise UniversalCheckpointError(str(e)) from None
+
+
+def parameter_tags(config: GPTConfig) -> Dict[str, dict]:
+    """{name: {"shape", "tensor_model_parallel", "partition_dim", "vocab_tensor"}} of the full model at tp = 1
+    with the real vocabulary, read off a meta-device GPTModel's own tags (never off the names)."""
+    from gptpar.model.gpt import GPTModel
+    from gptpar.tensor_parallel.layers import VocabParallelEmbedding
+
+    model = GPTModel(config, device="meta")
+    vocab = {id(m.weight) for m in model.modules() if isinstance(m, VocabParallelEmbedding)}
+    tags = {}
+    for name, p in model.named_parameters():
+        shape = list(p.shape)
+        if id(p) in vocab:
+            shape[0] = config.vocab_size
+        split = bool(getattr(p, "tensor_model_parallel", False))
+        tags[name] = {"shape": shape, "tensor_model_parallel": split,
+                      "partition_dim": p.partition_dim if split else None, "vocab_tensor": id(p) in vocab}
+    return tags
+
+
+def deepspeed_universal_info(config: GPTConfig) -> dict:
+    """DeepSpeed's `universal_checkpoint_info` for this model (saved into every checkpoint by the engine), so
+    that DeepSpeed's own `ds_to_universal.py` merges gptpar's tp slices right: the parameters replicated over
+    tp, those split along dim 1 (row-parallel), the vocabulary ones and the real vocab size. Built from the
+    parameters' tags; each pattern matches a parameter's name in a GPTModel and in a PipelineModule (DeepSpeed
+    reads the info of the first model-parallel rank only, so it must cover every stage)."""
+    kinds = {"tp_replicated_parameter_patterns": [], "parameter_with_row_parallelism_patterns": [],
+             "vocabulary_parameter_patterns": []}  # deepspeed.checkpoint.constants' names for them
+    for name, tag in parameter_tags(config).items():
+        pattern = _either_name_pattern(name)
+        if not tag["tensor_model_parallel"]:
+            kinds["tp_replicated_parameter_patterns"].append(pattern)
+        elif tag["partition_dim"] == 1:
+            kinds["parameter_with_row_parallelism_patterns"].append(pattern)
+        if tag["vocab_tensor"]:
+            kinds["vocabulary_parameter_patterns"].append(pattern)
+    info = {kind: sorted(set(patterns)) for kind, patterns in kinds.items()}
+    info["original_vocab_size"] = config.vocab_size
+    return info
+
+
+def _either_name_pattern(name: str) -> str:
+    """A regex matching GPTModel's `name` of a block's parameter in either model, whatever its layer index."""
+    block, rest = name.split(".", 1)
+    if block == "layers":
+        return r"^(layers\.)?\d+\." + re.escape(rest.split(".", 1)[1]) + "$"
+    prefix = {"embedding": r"(embedding|tied_modules\.embed)", "final_layernorm": r"(final_layernorm|\d+)"}[block]
+    return f"^{prefix}\\." + re.escape(rest) + "$"
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading one
+# ---------------------------------------------------------------------------------------------
+
+def is_universal(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, META))
+
+
+def state_path(directory: str, name: str, key: str) -> str:
+    return os.path.join(directory, "zero", name, f"{key}.pt")
+
+
+def read_meta(directory: str) -> dict:
+    """The universal checkpoint's metadata (plain JSON); UniversalCheckpointError if it is not one."""
+    path = os.path.join(directory, META)
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UniversalCheckpointError(f"{path} is missing or unreadable ({e}): {directory} is not a complete "
+                                       "universal checkpoint (convert it again)") from None
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise UniversalCheckpointError(f"{path}: format {meta.get('format')!r} version {meta.get('version')!r}, "
+                                       f"this gptpar reads {FORMAT!r} version {VERSION}")
+    return meta
+
+
+def read_state(directory: str, name: str, key: str) -> torch.Tensor:
+    """One full tensor (`key` in STATES, or "step") of parameter `name`, loaded with unpickling disabled and
+    memory-mapped: a rank that takes its tp slice of it reads only that slice's pages."""
+    path = state_path(directory, name, key)
+    if not os.path.isfile(path):
+        raise UniversalCheckpointError(f"{path} is missing: the universal checkpoint {directory} is incomplete")
+    value = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return value if key == "step" else value[PARAM]
+
+
+def read_weights(directory: str) -> Tuple[Dict[str, torch.Tensor], GPTConfig]:
+    """GPTModel-named full fp32 weights (real vocab rows) and the model config of a universal checkpoint."""
+    meta = read_meta(directory)
+    return ({name: read_state(directory, name, "fp32") for name in meta["parameters"]},
+            GPTConfig(**meta["model"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing one from a gptpar (DeepSpeed) checkpoint
+# ---------------------------------------------------------------------------------------------
+
+def _deepspeed_file(path: str) -> dict:
+    """A DeepSpeed checkpoint file, memory-mapped: its tensors stay on disk until read, and the mapping goes
+    with the last tensor that uses it. A pickle: see above."""
+    if not os.path.isfile(path):
+        raise UniversalCheckpointError(f"missing checkpoint file {path}: the checkpoint is incomplete")
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+
+
+class _StageShards:
+    """The optimizer shards of one pipeline stage: per tp rank, the parameter shapes of its model-states file
+    and the paths of its dp ranks' ZeRO partitions, from which `tp_slice` copies one parameter's state out."""
+
+    def __init__(self, ckpt: str, stage: int, tp: int, dp: int, precision: str):
+        prefix = "bf16_" if precision == "bf16" else ""
+        self.shapes, self.files = [], []
+        for t in range(tp):
+            mp_rank = stage * tp + t  # DeepSpeed's model-parallel rank: tp fastest within a stage
+            self.shapes.append(_deepspeed_file(os.path.join(ckpt, f"mp_rank_{mp_rank:02d}_model_states.pt"))
+                               ["param_shapes"])
+            self.files.append([os.path.join(ckpt, f"{prefix}zero_pp_rank_{d}_mp_rank_{mp_rank:02d}_optim_states.pt")
+                               for d in range(dp)])
+        steps = {float(state["step"]) for paths in self.files for path in paths
+                 for state in _deepspeed_file(path)["optimizer_state_dict"]["base_optimizer_state"]["state"].values()}
+        if len(steps) != 1:
+            raise UniversalCheckpointError(f"{ckpt}: the optimizer shards of stage {stage} disagree on (or lack) "
+                                           f"Adam's step count: {sorted(steps)}")
+        self.step = steps.pop()
+
+    def names(self) -> Iterator[Tuple[int, str]]:
+        """(parameter group, DeepSpeed name) of every parameter of the stage, in the flat buffers' order."""
+        for group, shapes in enumerate(self.shapes[0]):
+            for name in shapes:
+                yield group, name
+
+    def tp_slice(self, t: int, group: int, name: str, key: str) -> torch.Tensor:
+        """Tp rank t's slice of parameter `name`'s state `key` (STATES): its pieces of the dp ranks' flat
+        partitions, in order (ZeRO cuts the group's flat buffer into contiguous dp partitions), copied straight
+        out of each mapped file, which is unmapped before the next is opened."""
+        shape = self.shapes[t][group][name]
+        out = torch.empty(shape.numel(), dtype=torch.float32)
+        filled = 0
+        for path in self.files[t]:
+            sd = _deepspeed_file(path)["optimizer_state_dict"]
+            where = sd["param_slice_mappings"][group].get(name)
+            if where is not None and filled + where.numel <= out.numel():
+                flat = (sd["single_partition_of_fp32_groups"][group] if key == "fp32"
+                        else sd["base_optimizer_state"]["state"][group][key])
+                out.narrow(0, filled, where.numel).copy_(flat.narrow(0, where.start, where.numel))
+            filled += where.numel if where is not None else 0
+            del sd
+        if filled != out.numel():
+            raise UniversalCheckpointError(f"{name} ({key}): the ZeRO shards hold {filled} of its {out.numel()} "
+                                           "elements: the checkpoint's optimizer files do not fit together")
+        return out.view(shape)
+
+
+def convert_deepspeed_checkpoint(ckpt: str, out_dir: str, log: Callable[[str], None] = print,
+                                 counters: Optional[dict] = None) -> dict:
+    """Write the universal form of gptpar checkpoint folder `ckpt` (any tp x pp x dp, ZeRO-1 in fp32 or bf16)
+    to `out_dir` (must not exist; written under a temporary name, renamed when whole). Returns its metadata.
+
+    `counters`: the run's counters and client state to carry (gptpar.training.checkpoint reads them)."""
+    with open(os.path.join(ckpt, "config.json")) as f:
+        run_config = json.load(f)
+    config = GPTConfig(**run_config["model"])
+    parallel, training = run_config.get("parallel", {}), run_config.get("training", {})
+    tp, pp, dp = (parallel.get(k, 1) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                                "data_parallel_size"))
+    precision = training.get("precision", "fp32")
+    if training.get("zero_stage", 1) != 1 or precision not in ("fp32", "bf16"):
+        raise UniversalCheckpointError(
+            f"{ckpt}: saved with training.precision={precision}, zero_stage={training.get('zero_stage')}; "
+            "universal conversion reads ZeRO-1 optimizer shards in fp32 or bf16 (BF16_Optimizer) only")
+    weight = parallel.get("embedding_weight") or 1
+    tags = parameter_tags(config)
+    if os.path.exists(out_dir):
+        raise UniversalCheckpointError(f"{out_dir} exists: choose a new output folder (nothing is overwritten)")
+    tmp = f"{out_dir}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    step, written = None, set()
+    try:
+        for stage in range(pp):
+            shards = _StageShards(ckpt, stage, tp, dp, precision)
+            for group, ds_name in shards.names():
+                name = gpt_parameter_name(ds_name, pp > 1, config.num_layers, weight)
+                if name in written:  # the last stage's tied copy of the word embedding
+                    continue
+                if name not in tags:
+                    raise UniversalCheckpointError(f"{ckpt}: parameter {ds_name} ({name}) is not in the model "
+                                                   "its config.json describes")
+                step = shards.step
+                _write_parameter(tmp, name, tags[name], tp, step,
+                                 read=lambda t, key: shards.tp_slice(t, group, ds_name, key))
+                written.add(name)
+        missing = sorted(set(tags) - written)
+        if missing:
+            raise UniversalCheckpointError(f"{ckpt}: no optimizer state for {missing[:5]}: incomplete checkpoint")
+        meta = {"format": FORMAT, "version": VERSION, "model": run_config["model"], "parameters": tags,
+                "source": {"path": os.path.abspath(ckpt), "tensor_model_parallel_size": tp,
+                           "pipeline_model_parallel_size": pp, "data_parallel_size": dp,
+                           "partition_method": parallel.get("partition_method"), "embedding_weight": weight,
+                           "precision": precision, "zero_stage": 1},
+                "step": step, "counters": counters or {}, "config": run_config}
+        with open(os.path.join(tmp, META), "w") as f:
+            json.dump(meta, f, indent=1)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"wrote universal checkpoint {out_dir}: {len(written)} parameters, Adam step {step:g}")
+    return meta
+
+
+def _write_parameter(out: str, name: str, tag: dict, tp: int, step: float, read) -> None:
+    """Write each state of one parameter, put together from its tp slices (`read(tp_rank, key)`) along its
+    partition dim without the vocab padding rows: one full state and one slice are in memory at a time."""
+    folder = os.path.join(out, "zero", name)
+    os.makedirs(folder, exist_ok=True)
+    for key in STATES:
+        full = _full_tensor(name, tag, tp, lambda t: read(t, key))
+        torch.save({PARAM: full, CAT_DIM: tag["partition_dim"] or 0, VOCAB_TENSOR: tag["vocab_tensor"]},
+                   os.path.join(folder, f"{key}.pt"))
+        del full
+    torch.save(torch.tensor(step, dtype=torch.float32), os.path.join(folder, "step.pt"))
+
+
+def _full_tensor(name: str, tag: dict, tp: int, read) -> torch.Tensor:
+    """The full tensor of shape tag["shape"] from tp slices `read(t)`: a replicated parameter is slice 0; a
+    split one is filled slice by slice, rows past the real vocabulary (tp-dependent padding) left out."""
+    shape = torch.Size(tag["shape"])
+    if not tag["tensor_model_parallel"]:
+        full = read(0)
+        if full.shape != shape:
+            raise UniversalCheckpointError(f"{name}: the checkpoint holds shape {list(full.shape)}, the model "
+                                           f"{list(shape)}")
+        return full
+    dim = tag["partition_dim"]
+    full, offset = torch.empty(shape, dtype=torch.float32), 0
+    for t in range(tp):
+        piece = read(t)
+        rows = max(0, min(piece.shape[dim], shape[dim] - offset))
+        if list(piece.shape[:dim]) + list(piece.shape[dim + 1:]) != list(shape[:dim]) + list(shape[dim + 1:]):
+            raise UniversalCheckpointError(f"{name}: tp slice {t} has shape {list(piece.shape)}, which does not "
+                                           f"fit the model's {list(shape)}")
+        if rows:  # (a slice holding only padding rows has nothing to give)
+            full.narrow(dim, offset, rows).copy_(piece.narrow(dim, 0, rows))
+        offset += piece.shape[dim]
+    if offset < shape[dim] or (offset != shape[dim] and not tag["vocab_tensor"]):
+        raise UniversalCheckpointError(f"{name}: its {tp} tp slices hold {offset} along dim {dim}, the model "
+                                       f"{shape[dim]}")
+    return full
+
+
+__all__ = ["META", "STATES", "UniversalCheckpointError", "gpt_parameter_name",
+           "parameter_tags", "deepspeed_universal_info", "is_universal", "state_path", "read_meta", "read_state", "read_weights",
+           "convert_deepspeed_checkpoint"]
