@@ -293,8 +293,10 @@ class DataConfig:
     data_path: Optional[Union[str, List[Union[str, float]]]] = _f(
         None, "A preprocessed dataset prefix (`path/name_text_document`, without .bin/.idx) or Megatron's "
               "weighted blend `[\"0.3\", \"prefixA\", \"0.7\", \"prefixB\"]`. null needs data.synthetic=true.")
-    tokenizer_model: Optional[str] = _f(None, "SentencePiece model used to preprocess the data (for "
-                                              "end-of-document ids and decoding).")
+    tokenizer_model: Optional[str] = _f(None, "The tokenizer the data was preprocessed with: a SentencePiece "
+                                              "`.model`, or a local Hugging Face `tokenizer.json` or tokenizer "
+                                              "directory. Gives the end-of-document id, is checked against "
+                                              "model.vocab_size before training, and decodes generated text.")
     split: str = _f("949,50,1", "Train, validation, test proportions of each dataset (Megatron's --split).")
     synthetic: bool = _f(False, "Train on synthetic tokens: sample i is randint(0, vocab_size, seq_length + "
                                 "1) seeded by (training.seed, i), identical for every topology.")
