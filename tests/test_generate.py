@@ -115,7 +115,9 @@ def runs(tmp_path_factory):
     train_runs = [("train_small_vocab", ["--config", cfg, "--set", "model.vocab_size=299"]), ("train", ["--config", cfg])]
     generate_runs = _generate_argvs(hf_dir, str(d / "eval.jsonl"), 2) + [("trained", trained + ["--tp", "2"])]
     (train, tp2), _ = run_distributed(_on_two_ranks, 2, args=(train_runs, generate_runs), timeout=400)
-    tp1 = run_generate(_generate_argvs(hf_dir, str(d / "eval.jsonl"), 1) + [("trained", trained)])
+    top1 = ["--load", hf_dir, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", str(NEW), "--print-ids",
+            "--top-k", "1", "--temperature", "5"]  # sampling among one token is greedy, whatever the temperature
+    tp1 = run_generate(_generate_argvs(hf_dir, str(d / "eval.jsonl"), 1) + [("trained", trained), ("top_1", top1)])
     return dict(dir=d, tokdir=tokdir, hf_dir=hf_dir, train=train, tp1=tp1, tp2=tp2)
 
 
@@ -143,6 +145,7 @@ def test_sampling_is_seeded_and_the_same_at_tp2(runs):
     assert len(seven) == NEW
     assert seven == _ids(tp1["sample_7_no_cache"]) == _ids(tp2["sample_7"]) == _ids(tp2["sample_7_no_cache"])
     assert _ids(tp1["sample_8"]) == _ids(tp2["sample_8"]) != seven
+    assert _ids(tp1["top_1"]) == _ids(tp1["greedy"]) != seven
 
 
 @pytest.mark.parametrize("tp", ["tp1", "tp2"])
