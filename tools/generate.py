@@ -90,6 +90,9 @@ def load_inputs(args):
     from gptpar.data.tokenizer import load_tokenizer
 
     path = args.tokenizer or checkpoint_tokenizer(args.load, args.tag)
+    if path and not args.tokenizer and not os.path.exists(path):
+        raise UsageError(f"{args.load} was trained with data.tokenizer_model {path}, not found from {os.getcwd()}: "
+                         f"run from the training's directory or pass --tokenizer PATH")
     tokenizer = load_tokenizer(path) if path else None
     if tokenizer is None and (args.prompt is not None or args.eval_file or args.stop_at_eod):
         raise UsageError(f"{args.load} names no tokenizer to encode text with: pass --tokenizer PATH "
@@ -105,7 +108,10 @@ def load_inputs(args):
         if not ids:
             raise UsageError("--prompt encodes to no tokens: give some text")
         return tokenizer, ids, None
-    return tokenizer, None, [tokenizer.encode(t) for t in iter_texts(args.eval_file, args.json_keys)]
+    documents = [tokenizer.encode(t) for t in iter_texts(args.eval_file, args.json_keys)]
+    if not any(len(doc) > 1 for doc in documents):
+        raise UsageError(f"--eval-file {args.eval_file}: no document has 2 tokens or more, nothing to score")
+    return tokenizer, None, documents
 
 
 def check_against_model(config, tokenizer, prompt_ids):
