@@ -28,8 +28,10 @@ transformers = pytest.importorskip("transformers")
 PROMPT = [5, 17, 42]
 NEW = 32
 SAMPLING = ["--temperature", "0.9", "--top-k", "50", "--top-p", "0.9"]
-# Random Hugging Face models from local configs. initializer_range 0.3: with GPT-2's 0.02 greedy decoding of a
-# random model repeats one token, which would let a broken cache pass. (A BLOOM case is one more line here.)
+# Random Hugging Face models from local configs, each run through every generate.py case below. initializer_range
+# 0.3: with the default 0.02 greedy decoding of a random model repeats one token, which would let a broken cache
+# pass. BLOOM, once read_weights imports it, is one more line:
+#   "bloom": ("BloomForCausalLM", "BloomConfig", dict(hidden_size=32, n_layer=2, n_head=4, initializer_range=0.3)),
 HF_MODELS = {
     "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(n_positions=64, n_embd=32, n_layer=2, n_head=4,
                                                    initializer_range=0.3)),
@@ -48,29 +50,26 @@ def _hf_dir(root, name, tokdir):
     return out
 
 
-def _eval_docs(tokdir):
-    """Short documents and one longer than the 64-token window."""
-    texts = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.getcwd())", source_texts()[0][:600]]
-    tok = transformers.PreTrainedTokenizerFast.from_pretrained(tokdir)
-    assert len(tok.encode(texts[-1])) > 2 * 64
-    return texts
+def _eval_docs():
+    """Two short documents and one of a few hundred tokens (several windows of GPT-2's 64 positions)."""
+    return ["def add(a, b):\n    return a + b\n", "import os\nprint(os.getcwd())", source_texts()[0][:600]]
 
 
-def _generate_argvs(hf_dir, eval_file, tp):
-    """What runs at both tp sizes (tp = 1 adds its own cases)."""
-    base = ["--load", hf_dir, "--tp", str(tp), "--max-new-tokens", str(NEW), "--print-ids"]
-    return [("greedy", base + ["--prompt-ids", ",".join(map(str, PROMPT)), "--greedy"]),
-            ("greedy_no_cache", base + ["--prompt-ids", ",".join(map(str, PROMPT)), "--greedy", "--no-cache"]),
-            ("sample_7", base + ["--prompt-ids", ",".join(map(str, PROMPT))] + SAMPLING + ["--seed", "7"]),
-            ("eval", ["--load", hf_dir, "--tp", str(tp), "--eval-file", eval_file])]
-
-
-def _tp1_only_argvs(hf_dir):
-    base = ["--load", hf_dir, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", str(NEW), "--print-ids"]
-    return [("sample_7_no_cache", base + SAMPLING + ["--seed", "7", "--no-cache"]),
-            ("sample_8", base + SAMPLING + ["--seed", "8"]),
-            # sampling among one token is greedy, whatever the temperature
-            ("top_1", base + ["--top-k", "1", "--temperature", "5"])]
+def _generate_argvs(hf_dirs, eval_file, tp):
+    """(name, argv) of every case to run at this tp, for each Hugging Face model: names are "{model}:{case}"."""
+    argvs = []
+    for model, hf_dir in hf_dirs.items():
+        base = ["--load", hf_dir, "--tp", str(tp), "--max-new-tokens", str(NEW), "--print-ids",
+                "--prompt-ids", ",".join(map(str, PROMPT))]
+        cases = [("greedy", ["--greedy"]), ("greedy_no_cache", ["--greedy", "--no-cache"]),
+                 ("sample_7", SAMPLING + ["--seed", "7"])]
+        if tp == 1:  # what needs no second tp size
+            cases += [("sample_7_no_cache", SAMPLING + ["--seed", "7", "--no-cache"]),
+                      ("sample_8", SAMPLING + ["--seed", "8"]),
+                      ("top_1", ["--top-k", "1", "--temperature", "5"])]  # one candidate: greedy at any temperature
+        argvs += [(f"{model}:{case}", base + extra) for case, extra in cases]
+        argvs.append((f"{model}:eval", ["--load", hf_dir, "--tp", str(tp), "--eval-file", eval_file]))
+    return argvs
 
 
 def run_generate(runs):
@@ -112,18 +111,17 @@ def _train_sections(d, tokdir):
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("generate")
     tokdir = train_hf_tokenizer(d / "tok")
-    hf_dir = _hf_dir(str(d), "gpt2", tokdir)
+    hf_dirs = {name: _hf_dir(str(d), name, tokdir) for name in HF_MODELS}
     with open(d / "eval.jsonl", "w") as f:
-        f.writelines(json.dumps({"text": t}) + "\n" for t in _eval_docs(tokdir))
+        f.writelines(json.dumps({"text": t}) + "\n" for t in _eval_docs())
     cfg = write_config(d / "train.json", **_train_sections(d, tokdir))
     trained = ["--load", str(d / "ck"), "--prompt", "def main(", "--max-new-tokens", "8", "--greedy", "--print-ids"]
     # First the run the trainer refuses (before it touches checkpoint.save), then the one that trains.
     train_runs = [("train_small_vocab", ["--config", cfg, "--set", "model.vocab_size=299"]), ("train", ["--config", cfg])]
-    generate_runs = _generate_argvs(hf_dir, str(d / "eval.jsonl"), 2) + [("trained", trained + ["--tp", "2"])]
+    generate_runs = _generate_argvs(hf_dirs, str(d / "eval.jsonl"), 2) + [("trained", trained + ["--tp", "2"])]
     (train, tp2), _ = run_distributed(_on_two_ranks, 2, args=(train_runs, generate_runs), timeout=400)
-    tp1 = run_generate(_generate_argvs(hf_dir, str(d / "eval.jsonl"), 1) + [("trained", trained)]
-                       + _tp1_only_argvs(hf_dir))
-    return dict(dir=d, tokdir=tokdir, hf_dir=hf_dir, train=train, tp1=tp1, tp2=tp2)
+    tp1 = run_generate(_generate_argvs(hf_dirs, str(d / "eval.jsonl"), 1) + [("trained", trained)])
+    return dict(dir=d, tokdir=tokdir, hf_dirs=hf_dirs, train=train, tp1=tp1, tp2=tp2)
 
 
 def _ids(result):
@@ -135,17 +133,21 @@ def _ids(result):
 
 
 @pytest.mark.parametrize("tp", ["tp1", "tp2"])
-def test_greedy_equals_hugging_face_generate(runs, tp):
-    model = transformers.AutoModelForCausalLM.from_pretrained(runs["hf_dir"]).eval()
+@pytest.mark.parametrize("model_name", HF_MODELS)
+def test_greedy_equals_hugging_face_generate(runs, model_name, tp):
+    model = transformers.AutoModelForCausalLM.from_pretrained(runs["hf_dirs"][model_name]).eval()
     model.generation_config.eos_token_id = None  # 32 tokens whatever is drawn, as generate.py does
     out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, do_sample=False, pad_token_id=0)
     expected = out[0, len(PROMPT):].tolist()
     assert len(set(expected)) > 4  # a random model that repeats one token would test little
-    assert _ids(runs[tp]["greedy"]) == _ids(runs[tp]["greedy_no_cache"]) == expected
+    ours = runs[tp]
+    assert _ids(ours[f"{model_name}:greedy"]) == _ids(ours[f"{model_name}:greedy_no_cache"]) == expected
 
 
-def test_sampling_is_seeded_and_the_same_at_tp2(runs):
-    tp1, tp2 = runs["tp1"], runs["tp2"]
+@pytest.mark.parametrize("model_name", HF_MODELS)
+def test_sampling_is_seeded_and_the_same_at_tp2(runs, model_name):
+    tp1, tp2 = ({case.split(":")[1]: out for case, out in runs[tp].items() if case.startswith(model_name + ":")}
+                for tp in ("tp1", "tp2"))
     seven = _ids(tp1["sample_7"])
     assert len(seven) == NEW
     assert seven == _ids(tp1["sample_7_no_cache"]) == _ids(tp2["sample_7"])
@@ -154,20 +156,24 @@ def test_sampling_is_seeded_and_the_same_at_tp2(runs):
 
 
 @pytest.mark.parametrize("tp", ["tp1", "tp2"])
-def test_eval_file_perplexity_equals_hugging_face(runs, tp):
-    model = transformers.AutoModelForCausalLM.from_pretrained(runs["hf_dir"]).eval()
+@pytest.mark.parametrize("model_name", HF_MODELS)
+def test_eval_file_perplexity_equals_hugging_face(runs, model_name, tp):
+    from gptpar.model.convert import read_weights
+
+    hf_dir = runs["hf_dirs"][model_name]
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(runs["tokdir"])
-    window = model.config.n_positions
+    window = read_weights(hf_dir)[1].seq_length  # generate.py's documented window: model.seq_length
     losses = []
     with torch.no_grad():
-        for text in _eval_docs(runs["tokdir"]):
+        for text in _eval_docs():
             ids = tok.encode(text)
             for start in range(0, len(ids) - 1, window):
                 chunk = torch.tensor([ids[start:start + window + 1]])
                 logits = model(chunk[:, :-1]).logits[0]
                 losses.append(F.cross_entropy(logits, chunk[0, 1:], reduction="none"))
     losses = torch.cat(losses)
-    rc, stdout = runs[tp]["eval"]
+    rc, stdout = runs[tp][f"{model_name}:eval"]
     assert rc == 0, stdout
     line = stdout.strip().splitlines()[-1]
     assert line.startswith("eval: ") and f" 3 documents, {losses.numel()} tokens, " in line, line
@@ -237,7 +243,7 @@ def test_top_k_top_p_filter_as_hugging_face_warpers():
 def test_bad_arguments_exit_2_before_reading_weights(runs, capsys):
     import generate
 
-    hf = runs["hf_dir"]
+    hf = runs["hf_dirs"]["gpt2"]
     cases = [(["--prompt-ids", "5,x"], "--prompt-ids '5,x': give integers separated by commas"),
              (["--prompt-ids", "5", "--pp", "2"], "--pp 2: generation runs at pp = 1"),
              (["--prompt-ids", "5", "--temperature", "0"], "--temperature must be > 0"),
