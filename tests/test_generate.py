@@ -117,7 +117,8 @@ def runs(tmp_path_factory):
     cfg = write_config(d / "train.json", **_train_sections(d, tokdir))
     trained = ["--load", str(d / "ck"), "--prompt", "def main(", "--max-new-tokens", "8", "--greedy", "--print-ids"]
     # First the run the trainer refuses (before it touches checkpoint.save), then the one that trains.
-    train_runs = [("train_small_vocab", ["--config", cfg, "--set", "model.vocab_size=299"]), ("train", ["--config", cfg])]
+    train_runs = [("train_small_vocab", ["--config", cfg, "--set", "model.vocab_size=299"]),
+                  ("train", ["--config", cfg])]
     generate_runs = _generate_argvs(hf_dirs, str(d / "eval.jsonl"), 2) + [("trained", trained + ["--tp", "2"])]
     (train, tp2), _ = run_distributed(_on_two_ranks, 2, args=(train_runs, generate_runs), timeout=400)
     tp1 = run_generate(_generate_argvs(hf_dirs, str(d / "eval.jsonl"), 1) + [("trained", trained)])
@@ -258,3 +259,15 @@ def test_bad_arguments_exit_2_before_reading_weights(runs, capsys):
     for argv, message in cases:
         assert generate.main(["--load", hf] + argv) == 2, argv
         assert message in capsys.readouterr().err, argv
+
+
+def test_generation_stops_after_the_stop_id():
+    from gptpar.model.gpt import GPTModel
+    from gptpar.model.generation import Sampling, generate
+
+    model = GPTModel(GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=100,
+                               init_method_std=0.3), seed=5)
+    greedy = Sampling(greedy=True)
+    free = generate(model, PROMPT, 20, greedy)
+    stop = free[6]
+    assert generate(model, PROMPT, 20, greedy, stop_id=stop) == free[:free.index(stop) + 1]

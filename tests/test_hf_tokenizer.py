@@ -15,7 +15,8 @@ from tiny_tokenizer import source_texts, train_hf_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
-TEXTS = ["def add(a, b):\n    return a + b\n", "héllo wörld\t✓ — unseen bytes 🙂", "x = [i ** 2 for i in range(9)]"]
+TEXTS = ["def add(a, b):\n    return a + b\n", "héllo wörld\t✓ — unseen bytes 🙂",
+         "x = [i ** 2 for i in range(9)]"]
 
 
 @pytest.fixture(scope="module")

@@ -139,7 +139,9 @@ def run(args, sampling, tokenizer, prompt_ids, documents, log):
     from gptpar.model.convert import read_weights
     from gptpar.model.generation import check_length, generate, mean_token_loss
     from gptpar.parallel import init_parallel
+    from gptpar.training.build import share_cpu_threads
 
+    share_cpu_threads()
     pstate = init_parallel(tp=args.tp, pp=1, dp=1)
     state, config = read_weights(args.load, args.tag)
     check_against_model(config, tokenizer, prompt_ids)

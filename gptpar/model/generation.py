@@ -31,7 +31,8 @@ class Sampling:
 
     def __post_init__(self):
         if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature} (greedy decoding takes the argmax instead)")
+            raise ValueError(f"temperature must be > 0, got {self.temperature} (greedy decoding takes the argmax "
+                             f"instead)")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
