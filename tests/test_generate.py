@@ -72,6 +72,18 @@ def _generate_argvs(hf_dirs, eval_file, tp):
     return argvs
 
 
+@contextlib.contextmanager
+def environ_kept():
+    """generate.main called in the test process makes a one-rank world, which sets RANK, WORLD_SIZE and
+    MASTER_PORT in os.environ (gptpar.parallel.init_distributed): put the environment back for the tests after."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def run_generate(runs):
     """generate.main(argv) for each (name, argv) on this rank: {name: (exit code, stdout)}."""
     import generate
@@ -79,7 +91,7 @@ def run_generate(runs):
     out = {}
     for name, argv in runs:
         buf = io.StringIO()
-        with contextlib.redirect_stdout(buf):
+        with contextlib.redirect_stdout(buf), environ_kept():
             rc = generate.main(argv)
         out[name] = (rc, buf.getvalue())
     return out
@@ -257,7 +269,8 @@ def test_bad_arguments_exit_2_before_reading_weights(runs, capsys):
     with open(runs["dir"] / "short.jsonl", "w") as f:
         f.write(json.dumps({"text": ""}) + "\n")
     for argv, message in cases:
-        assert generate.main(["--load", hf] + argv) == 2, argv
+        with environ_kept():
+            assert generate.main(["--load", hf] + argv) == 2, argv
         assert message in capsys.readouterr().err, argv
 
 
