@@ -132,7 +132,7 @@ def test_invalid_json_and_non_string_field(tmp_path, tokenizer_path):
 def test_missing_inputs(tmp_path, tokenizer_path, corpus):
     with pytest.raises(DataError, match=r"nope\.jsonl: input file not found"):
         preprocess(str(tmp_path / "nope.jsonl"), ["text"], tokenizer_path, str(tmp_path / "o"), progress=False)
-    with pytest.raises(DataError, match=r"nope\.model: tokenizer file not found"):
+    with pytest.raises(DataError, match=r"nope\.model: tokenizer not found"):
         preprocess(corpus[0], ["text"], str(tmp_path / "nope.model"), str(tmp_path / "o"), progress=False)
     with pytest.raises(DataError, match=r"output directory .*missing_dir does not exist"):
         preprocess(corpus[0], ["text"], tokenizer_path, str(tmp_path / "missing_dir" / "o"), progress=False)

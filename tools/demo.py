@@ -6,6 +6,8 @@ Set-up, once, cached under data/demo/ (about 20 s):
     tools/preprocess_data.py    Megatron .bin/.idx files
 Then the run (about 2.5 minutes on 2 cores), printed before it starts:
     deepspeed --num_gpus 2 pretrain_gpt.py --config configs/demo_cpu.json
+and, last, a continuation of the start of a Python function sampled from the model just trained:
+    tools/generate.py --load checkpoints/demo --prompt ... (decoded with the demo's tokenizer)
 Every `make demo` trains from scratch: the demo's checkpoints and metrics (checkpoints/demo, runs/demo) are
 cleared first; `--resume` keeps them and continues from the last checkpoint instead.
 
@@ -26,6 +28,9 @@ CONFIG = "configs/demo_cpu.json"
 DATA_DIR = "data/demo"
 CORPUS = os.path.join(DATA_DIR, "corpus.jsonl")
 MAX_DOCS = 2000
+# What the trained model is asked to continue, and how: top-k sampling (seeded, so a rerun prints the same text).
+PROMPT = 'def read_lines(path):\n    """Return the lines of a text file."""\n'
+SAMPLE = ["--max-new-tokens", "64", "--temperature", "0.8", "--top-k", "40", "--seed", "1234", "--stop-at-eod"]
 
 
 def parse():
@@ -126,6 +131,8 @@ def main():
     if rc != 0:
         sys.exit(f"demo: training exited with {rc}")
     summary(cfg, time.time() - start)
+    print("\nthe trained model continues a prompt:", flush=True)
+    run([sys.executable, "tools/generate.py", "--load", cfg["checkpoint"]["save"], "--prompt", PROMPT] + SAMPLE, env)
 
 
 if __name__ == "__main__":

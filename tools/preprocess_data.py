@@ -18,7 +18,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", required=True, help="jsonl file, one JSON object per line")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenise (one output per key)")
-    p.add_argument("--tokenizer-model", required=True, help="SentencePiece .model or Hugging Face tokenizer .json")
+    p.add_argument("--tokenizer-model", required=True,
+                   help="SentencePiece .model, or a Hugging Face tokenizer.json or tokenizer directory")
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")

@@ -2,8 +2,12 @@
 
 Two backends: a SentencePiece `.model` (what tools/train_tokenizer.py writes; EOD is SentencePiece's EOS
 id, as in Megatron's GPTSentencePieceTokenizer) and, where the `tokenizers` package is installed, a
-Hugging Face `tokenizer.json`.
+Hugging Face fast tokenizer: a `tokenizer.json` file, or a tokenizer directory as
+`PreTrainedTokenizerFast.save_pretrained` writes it (BLOOM's and GPT-2's are such directories). A directory
+is read with `tokenizers` alone (its tokenizer.json, and the special tokens its tokenizer_config.json or
+special_tokens_map.json names), so preprocessing workers never import transformers.
 """
+import json
 import os
 
 from gptpar.data.indexed import DataError
@@ -40,24 +44,34 @@ class SentencePieceTokenizer:
 
 
 class HFTokenizer:
+    """A Hugging Face fast tokenizer from a `tokenizer.json` file or a tokenizer directory.
+
+    vocab_size is the largest id + 1 (added tokens included), so "every id < model.vocab_size" is the check
+    it feeds. EOD: the directory's declared `eos_token`, else the first of HF_EOD_TOKENS in the vocabulary."""
+
     def __init__(self, path):
         try:
             from tokenizers import Tokenizer as _HFTokenizer
         except ImportError as e:
-            raise DataError(f"{path}: loading a tokenizer.json needs the 'tokenizers' package") from e
+            raise DataError(f"{path}: loading a Hugging Face tokenizer needs the 'tokenizers' package") from e
         self.path = path
+        json_path, declared = path, {}
+        if os.path.isdir(path):
+            json_path, declared = os.path.join(path, "tokenizer.json"), _declared_special_tokens(path)
+            if not os.path.isfile(json_path):
+                raise DataError(f"{path}: a tokenizer directory must hold tokenizer.json (a fast tokenizer); "
+                                f"write one with transformers' AutoTokenizer.from_pretrained(dir).save_pretrained(dir)")
         try:
-            self._tok = _HFTokenizer.from_file(path)
+            self._tok = _HFTokenizer.from_file(json_path)
         except Exception as e:  # the Rust backend raises a bare Exception subclass
-            raise DataError(f"{path}: not a Hugging Face tokenizer.json ({e})") from e
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+            raise DataError(f"{json_path}: not a Hugging Face tokenizer.json ({e})") from e
         vocab = self._tok.get_vocab(with_added_tokens=True)
-        eod = next((vocab[t] for t in HF_EOD_TOKENS if t in vocab), None)
-        if eod is None:
-            raise DataError(f"{path}: no end-of-document token (looked for {', '.join(HF_EOD_TOKENS)}); "
-                            f"add one to the tokenizer")
-        self.eod = eod
-        self.pad = next((vocab[t] for t in HF_PAD_TOKENS if t in vocab), None)
+        self.vocab_size = max(vocab.values()) + 1
+        self.eod = _special_id(vocab, declared.get("eos_token"), HF_EOD_TOKENS)
+        if self.eod is None:
+            raise DataError(f"{path}: no end-of-document token (looked for the declared eos_token and "
+                            f"{', '.join(HF_EOD_TOKENS)}); add one to the tokenizer")
+        self.pad = _special_id(vocab, declared.get("pad_token"), HF_PAD_TOKENS)
 
     def encode(self, text):
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -66,10 +80,36 @@ class HFTokenizer:
         return self._tok.decode(list(map(int, ids)), skip_special_tokens=False)
 
 
+def _declared_special_tokens(directory):
+    """{'eos_token': str, 'pad_token': str, ...} as a transformers tokenizer directory declares them (a token is
+    saved as a string or as an AddedToken dict with its 'content')."""
+    declared = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins, as in transformers
+        file = os.path.join(directory, name)
+        if os.path.isfile(file):
+            with open(file) as f:
+                for key, value in json.load(f).items():
+                    if isinstance(value, dict) and "content" in value:
+                        value = value["content"]
+                    if key.endswith("_token") and isinstance(value, str):
+                        declared[key] = value
+    return declared
+
+
+def _special_id(vocab, declared, spellings):
+    """The id of the declared special token, else of the first known spelling in the vocabulary (or None)."""
+    for token in ((declared,) if declared else ()) + tuple(spellings):
+        if token in vocab:
+            return vocab[token]
+    return None
+
+
 def load_tokenizer(path):
-    """A SentencePiece `.model`, or a Hugging Face `.json` (needs `tokenizers`), behind one interface."""
+    """A SentencePiece `.model`, or a Hugging Face `tokenizer.json` or tokenizer directory (needs `tokenizers`),
+    behind one interface."""
     if not os.path.exists(path):
-        raise DataError(f"{path}: tokenizer file not found (train one with tools/train_tokenizer.py)")
-    if path.endswith(".json"):
+        raise DataError(f"{path}: tokenizer not found (a SentencePiece .model from tools/train_tokenizer.py, or a "
+                        f"local Hugging Face tokenizer.json or tokenizer directory)")
+    if os.path.isdir(path) or path.endswith(".json"):
         return HFTokenizer(path)
     return SentencePieceTokenizer(path)

@@ -171,14 +171,26 @@ class TransformerLayer(nn.Module):
                                    tp_group)
         self.hidden_dropout = _Dropout(config.hidden_dropout, rng_tracker, per_rank=sequence_parallel)
 
-    def attention(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def qkv_heads(self, x: torch.Tensor):
+        """(s, b, h) -> q, k, v, each (b, nh/tp, s, d): the heads of this rank."""
         qkv = self.query_key_value(x)  # (s, b, 3h/tp), heads of this rank
         s, b = qkv.shape[0], qkv.shape[1]
         qkv = qkv.view(s, b, self.num_heads, 3, self.head_dim)
         # Strided views, no copies (SDPA takes any strides with a contiguous last dim). unbind, not three
         # selects: its backward stacks the three gradients into one (s, b, nh, 3, d) buffer, where each
         # select's backward would zero-fill a full-size buffer and the three would then be summed.
-        q, k, v = (t.permute(1, 2, 0, 3) for t in qkv.unbind(dim=3))  # each (b, nh/tp, s, d)
+        return tuple(t.permute(1, 2, 0, 3) for t in qkv.unbind(dim=3))
+
+    def attention_output(self, ctx: torch.Tensor) -> torch.Tensor:
+        """The heads' context (b, nh/tp, s, d) -> the output projection (s, b, h), summed over tp."""
+        b, _, s, _ = ctx.shape
+        return self.dense(ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_4h_to_h(self.activation(self.dense_h_to_4h(x)))
+
+    def attention(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        q, k, v = self.qkv_heads(x)  # each (b, nh/tp, s, d)
         if self.recompute_core_attention and self.training:
             # Selective recompute (Korthikanti et al. 2022): q, k, v are kept, the core is redone in backward
             # with the same dropout mask (the tracker's streams are replayed). Its s x s tensors are what a
@@ -187,8 +199,7 @@ class TransformerLayer(nn.Module):
             ctx = checkpoint(self.core_attention, q, k, v, mask, tracker=self.rng_tracker)
         else:
             ctx = self.core_attention(q, k, v, mask)
-        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)  # (s, b, h/tp)
-        return self.dense(ctx)
+        return self.attention_output(ctx)
 
     def core_attention(self, q, k, v, mask: Optional[torch.Tensor]) -> torch.Tensor:
         """dropout(softmax(q k^T / sqrt(d) + mask [+ ALiBi])) v: q (b, nh/tp, sq, d), k and v (b, nh/tp, sk, d)
@@ -210,8 +221,7 @@ class TransformerLayer(nn.Module):
     def forward(self, inputs):
         x, mask = _split_mask(inputs)
         x = x + self.hidden_dropout(self.attention(self.input_layernorm(x), mask))
-        y = self.dense_4h_to_h(self.activation(self.dense_h_to_4h(self.post_attention_layernorm(x))))
-        x = x + self.hidden_dropout(y)
+        x = x + self.hidden_dropout(self.mlp(self.post_attention_layernorm(x)))
         return _join_mask(x, mask)
 
 
@@ -317,3 +327,54 @@ class GPTModel(nn.Module):
     def _fused_loss_applies(self, hidden: torch.Tensor) -> bool:
         return (group_size(self.embedding.tp_group) == 1 and hidden.device.type == "cpu"
                 and hidden.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inference with a key/value cache (tools/generate.py). The training forward above is untouched: this path reuses
+# the layers' own pieces (qkv_heads, core_attention, attention_output, mlp), feeding each new token's query the
+# keys and values of every earlier token from the cache instead of recomputing them.
+# ---------------------------------------------------------------------------------------------------------------
+
+class KVCache:
+    """Each layer's keys and values (b, nh/tp, t, d) for the first `length` tokens, in buffers of `max_length`
+    allocated at the first step (so a step writes its new tokens in place instead of re-concatenating)."""
+
+    def __init__(self, num_layers: int, max_length: int):
+        self.max_length, self.length = max_length, 0
+        self.keys = [None] * num_layers
+        self.values = [None] * num_layers
+
+    def extend(self, index: int, k: torch.Tensor, v: torch.Tensor):
+        """Store layer `index`'s new k, v (b, nh/tp, s, d) after the cached tokens; return the keys and values
+        of all tokens so far, each (b, nh/tp, length + s, d)."""
+        end = self.length + k.shape[2]
+        if end > self.max_length:
+            raise ValueError(f"KVCache holds {self.max_length} tokens; {end} were asked for")
+        if self.keys[index] is None:
+            shape = (k.shape[0], k.shape[1], self.max_length, k.shape[3])
+            self.keys[index], self.values[index] = k.new_empty(shape), v.new_empty(shape)
+        self.keys[index][:, :, self.length:end] = k
+        self.values[index][:, :, self.length:end] = v
+        return self.keys[index][:, :, :end], self.values[index][:, :, :end]
+
+
+@torch.no_grad()
+def forward_with_cache(model: GPTModel, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """This rank's logits (b, s, V/tp) of `input_ids` (b, s), the tokens that follow the `cache.length` cached
+    ones; their keys and values join the cache. Equals the last s positions of `model(all ids)` in eval mode."""
+    if model.training or model.embedding.sequence_parallel:
+        raise ValueError("forward_with_cache needs a model in eval mode built without sequence parallelism")
+    start, s = cache.length, input_ids.shape[1]
+    position_ids = torch.arange(start, start + s, device=input_ids.device).unsqueeze(0)
+    # New query i (position start + i) sees keys 0 .. start + i: the causal mask offset by the cached tokens
+    # (SDPA's is_causal would align the new queries with the first keys instead).
+    keys = torch.arange(start + s, device=input_ids.device)
+    mask = (keys.unsqueeze(0) <= position_ids.t()).view(1, 1, s, start + s)
+    x = model.embedding((input_ids, position_ids, None))  # (s, b, h)
+    for index, layer in enumerate(model.layers):
+        q, k, v = layer.qkv_heads(layer.input_layernorm(x))
+        k, v = cache.extend(index, k, v)
+        x = x + layer.attention_output(layer.core_attention(q, k, v, mask))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    cache.length += s
+    return lm_logits(model.embedding, model.final_layernorm(x)).transpose(0, 1)  # (b, s, V/tp)

@@ -15,13 +15,19 @@ import torch
 from gptpar.training.config import Config
 
 
+def share_cpu_threads() -> None:
+    """Without CUDA, one share of the cores per local rank (unless OMP_NUM_THREADS says otherwise): ranks that
+    each take every core slow each other down."""
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+
+
 def setup_environment() -> None:
     """DeepSpeed's CPU accelerator when there is no CUDA; one share of the cores per local rank."""
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        if "OMP_NUM_THREADS" not in os.environ:
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+    share_cpu_threads()
     if os.environ.get("GPTPAR_DEEPSPEED_LOG", "warning").lower() != "info":
         from gptpar.training.engine import quiet_deepspeed_log
 

@@ -324,8 +324,10 @@ class DataConfig:
               "weighted split paths `[\"EN: 1.0 0.95:1 data/en_text_document\", \"FR: 0.7 0.9:1 A, 0.3 0.9:1 B\"]` "
               "(per set `NAME: WEIGHT START:END PREFIX, ...`, START:END the fraction of each prefix's documents). A "
               "plain prefix or blend is one set named `valid`. null = the validation split of data.data_path.")
-    tokenizer_model: Optional[str] = _f(None, "SentencePiece model used to preprocess the data (for "
-                                              "end-of-document ids and decoding).")
+    tokenizer_model: Optional[str] = _f(None, "The tokenizer the data was preprocessed with: a SentencePiece "
+                                              "`.model`, or a local Hugging Face `tokenizer.json` or tokenizer "
+                                              "directory. Gives the end-of-document id, is checked against "
+                                              "model.vocab_size before training, and decodes generated text.")
     split: str = _f("949,50,1", "Train, validation, test proportions of each dataset (Megatron's --split).")
     synthetic: bool = _f(False, "Train on synthetic tokens: sample i is randint(0, vocab_size, seq_length + "
                                 "1) seeded by (training.seed, i), identical for every topology.")
