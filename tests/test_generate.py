@@ -30,11 +30,12 @@ NEW = 32
 SAMPLING = ["--temperature", "0.9", "--top-k", "50", "--top-p", "0.9"]
 # Random Hugging Face models from local configs, each run through every generate.py case below. initializer_range
 # 0.3: with the default 0.02 greedy decoding of a random model repeats one token, which would let a broken cache
-# pass. BLOOM (ALiBi + embedding LayerNorm) checks the cache against ALiBi's query/key offsets.
+# pass. BLOOM (ALiBi + embedding LayerNorm) checks the cache against ALiBi's query/key offsets; a random BLOOM
+# repeats one token sooner, hence its third layer and larger init (17 distinct ids of 32 here).
 HF_MODELS = {
     "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(n_positions=64, n_embd=32, n_layer=2, n_head=4,
                                                    initializer_range=0.3)),
-    "bloom": ("BloomForCausalLM", "BloomConfig", dict(hidden_size=32, n_layer=2, n_head=4, initializer_range=0.3)),
+    "bloom": ("BloomForCausalLM", "BloomConfig", dict(hidden_size=32, n_layer=3, n_head=4, initializer_range=0.8)),
 }
 
 
