@@ -36,14 +36,18 @@ def runs(tmp_path_factory):
         plan += [(f"{name}_full", ["--config", full]),
                  (f"{name}_a", ["--config", split, "--set", "training.exit_interval=3"]),
                  (f"{name}_b", ["--config", split])]
+    # Last: the 8-bit checkpoint resumed with AdamW (whose state it does not hold) must be refused up front.
+    plan.append(("other_optimizer", ["--config", str(d / "zero1_split.json"), "--set", "training.optimizer=adamw"]))
     return d, run_distributed(run_mains, 2, (plan,), timeout=400)
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_resume_equals_uninterrupted(runs, name):
     d, out = runs
-    assert all(rc == 0 for rank in out for rc, _ in rank.values()), [o for rank in out for o in rank.values() if o[0]]
-    assert "around AdamW8bit" in out[0][f"{name}_full"][1] or "optimizer AdamW8bit" in out[0][f"{name}_full"][1]
+    assert all(out[rank][run][0] == 0 for rank in (0, 1) for run in (f"{name}_full", f"{name}_a", f"{name}_b")), \
+        [out[0][run] for run in (f"{name}_full", f"{name}_a", f"{name}_b")]
+    log = out[0][f"{name}_full"][1]
+    assert "optimizer=bitsandbytes AdamW8bit" in log and ("around AdamW8bit" in log or "optimizer AdamW8bit" in log)
     full, split = read_jsonl(d / f"{name}_full.jsonl"), read_jsonl(d / f"{name}_split.jsonl")
     assert [r["iteration"] for r in split] == [1, 2, 3, 4, 5, 6]
     assert f"resumed from {d / f'{name}_ck' / 'iter_0000003'}" in out[0][f"{name}_b"][1]
@@ -65,6 +69,16 @@ def test_checkpoint_holds_the_quantised_moments(runs):
         assert sum(t.numel() for t in states["absmax1"]) == sum(-(-t.numel() // 256) for t in states["state1"]
                                                                 if t.dtype == torch.uint8)
         assert "exp_avg" not in states
+
+
+def test_resuming_with_another_optimizer_is_refused(runs):
+    """Its state would not fit the other optimizer: exit 2 before training, naming both and the fix."""
+    d, out = runs
+    rc, log = out[0]["other_optimizer"]
+    assert rc == 2
+    assert "training.optimizer: checkpoint 'adamw8bit', config 'adamw'" in log
+    assert "resume with the config it was saved with" in log
+    assert (d / "zero1_ck" / "latest").read_text().strip() == "iter_0000006"  # nothing written
 
 
 def _tensors_by_key(obj, out=None):
@@ -104,3 +118,12 @@ def test_pretrain_refuses_before_starting(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "config error: training.optimizer=adamw8bit needs the bitsandbytes package" in err
     assert pretrain_gpt.main(["--config", "configs/cpu_tiny.json", "--use-bnb-optimizer", "--dry-run"]) == 0
+
+
+def test_checkpoints_from_before_the_option_hold_adamw_state():
+    from gptpar.training.checkpoint import CheckpointError, check_shape
+
+    old = {"model": {"hidden_size": 64}, "parallel": {"zero_stage": 1}}   # saved without a "training" section
+    check_shape(old, dict(old, training={"optimizer": "adamw"}), "iter_0000003")
+    with pytest.raises(CheckpointError, match="training.optimizer: checkpoint 'adamw', config 'adamw8bit'"):
+        check_shape(old, dict(old, training={"optimizer": "adamw8bit"}), "iter_0000003")

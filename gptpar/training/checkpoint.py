@@ -55,7 +55,8 @@ MODEL_SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hid
                     "embed_layernorm")
 # Shape keys added after checkpoints were written without them: such a checkpoint has the default (None: not
 # checked; older checkpoints record the padded vocabulary, which is compared instead).
-_ADDED_SHAPE_KEYS = {"position_embedding_type": "learned", "embed_layernorm": False, "vocab_size": None}
+_ADDED_SHAPE_KEYS = {"position_embedding_type": "learned", "embed_layernorm": False, "vocab_size": None,
+                     "optimizer": "adamw"}
 # What a rank file holds besides the counters the run continues from.
 _NOT_COUNTERS = ("version", "shape", "rng", "config")
 PARALLEL_SHAPE_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
@@ -72,11 +73,13 @@ def shape_of(cfg_dict: dict, tp: int, pp: int, dp: int, padded_vocab: int, parti
     model["padded_vocab_size"] = padded_vocab
     return {"model": model, "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                                          "data_parallel_size": dp, "partition_method": partition_method,
-                                         "zero_stage": cfg_dict["training"]["zero_stage"]}}
+                                         "zero_stage": cfg_dict["training"]["zero_stage"]},
+            # the optimizer state's layout: AdamW's fp32 moments or bitsandbytes' 8-bit ones
+            "training": {"optimizer": cfg_dict["training"]["optimizer"]}}
 
 
 def check_shape(saved: dict, current: dict, where: str) -> None:
-    """Raise CheckpointError listing every model/parallel key that differs."""
+    """Raise CheckpointError listing every model/parallel/optimizer key that differs."""
     def saved_value(section, key):
         return saved.get(section, {}).get(key, _ADDED_SHAPE_KEYS.get(key))
 
@@ -87,7 +90,7 @@ def check_shape(saved: dict, current: dict, where: str) -> None:
              for section, values in current.items() for key, value in values.items()
              if saved_value(section, key) != value and not unrecorded(section, key)]
     if diffs:
-        raise CheckpointError(f"checkpoint {where} does not fit this config's model/parallel shape:\n  "
+        raise CheckpointError(f"checkpoint {where} does not fit this config's model/parallel shape or optimizer:\n  "
                               + "\n  ".join(diffs)
                               + "\nresume with the config it was saved with, or point checkpoint.load elsewhere")
 

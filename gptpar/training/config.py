@@ -661,6 +661,7 @@ def parse_override(item: str) -> Tuple[str, str, Any]:
     return section, key, value
 
 
-__all__ = ["ConfigError", "Accelerator", "OPTIMIZERS", "package_installed", "Config", "ParallelConfig", "TrainingConfig", "DataConfig", "CheckpointConfig",
+__all__ = ["ConfigError", "Accelerator", "OPTIMIZERS", "package_installed", "Config", "ParallelConfig",
+           "TrainingConfig", "DataConfig", "CheckpointConfig",
            "LoggingConfig", "GPTConfig", "SECTIONS", "MODEL_DOCS", "load_config", "config_from_dict",
            "parse_override"]
