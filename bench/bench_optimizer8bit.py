@@ -5,12 +5,13 @@ bytes per parameter, and the demo's loss curve trained with each.
 
 1. State: the demo's model under its engine (dp = 2, ZeRO-1, fp32) with each optimizer, one step on synthetic
    tokens; `TrainEngine.optimizer_state_bytes()` (the client optimizer's own state: Adam's moments, for 8-bit
-   their codes, block scales and maps) summed over the 2 ranks / the model's parameters. Also the engine's whole
-   `held_state_bytes()` per parameter of one rank against gptpar.estimate.memory's estimate.
+   their codes, block scales and maps) summed over the 2 ranks / the model's parameters, beside
+   gptpar.estimate.memory's moment bytes (MOMENT_BYTES). Everything the engine holds against the estimate:
+   tests/test_precision.py.
 2. Loss: `make demo`'s training (configs/demo_cpu.json, 150 iterations on real text, 2 ranks) once per optimizer,
    launched as tools/demo.py launches it, without checkpoints; the final logged lm loss (mean over iterations
    141-150) and the last validation loss of each, and their ratio.
-Prints both ratios and writes summary.json and each run's metrics under --out.
+Prints both ratios and writes summary.json and each run's metrics and log (train.log) under --out.
 """
 import argparse
 import json
@@ -27,9 +28,9 @@ OPTIMIZERS = ("adamw", "adamw8bit")
 CONFIG = os.path.join(ROOT, "configs", "demo_cpu.json")
 
 
-def held_per_param(optimizer):
+def state_bytes(optimizer):
     """On each of 2 ranks (harness): the demo model's engine with `optimizer`, one step; (optimizer-state bytes,
-    held bytes, parameters) of this rank."""
+    parameters) of this rank."""
     from gptpar.parallel import init_parallel
     from gptpar.training.batches import SyntheticDataset, rank_micro_batches
     from gptpar.training.build import build_model, seed_everything
@@ -46,21 +47,19 @@ def held_per_param(optimizer):
                                t.micro_batch_size, pstate.dp_rank, pstate.dp_size)
     engine.train_step([{"input_ids": x[:, :-1].contiguous(), "labels": x[:, 1:].contiguous()} for x in texts])
     params = sum(p.numel() for p in engine.parameters())
-    return engine.optimizer_state_bytes(), engine.held_state_bytes()["total"], params
+    return engine.optimizer_state_bytes(), params
 
 
 def measure_state():
-    from gptpar.estimate.memory import state_bytes_per_param
+    from gptpar.estimate.memory import MOMENT_BYTES
     from gptpar.testing import run_distributed
 
     out = {}
     for optimizer in OPTIMIZERS:
-        ranks = run_distributed(held_per_param, 2, (optimizer,), timeout=600)
-        params = ranks[0][2]
+        ranks = run_distributed(state_bytes, 2, (optimizer,), timeout=600)
+        params = ranks[0][1]
         out[optimizer] = {"optimizer_state_bytes_per_param": sum(r[0] for r in ranks) / params,
-                          "held_bytes_per_param_rank0": ranks[0][1] / params,
-                          "estimate_bytes_per_param": state_bytes_per_param("fp32", 1, 2, optimizer),
-                          "parameters": params}
+                          "estimate_bytes_per_param": MOMENT_BYTES[optimizer], "parameters": params}
     return out
 
 
@@ -69,6 +68,7 @@ def train_demo(optimizer, out_dir):
     import demo
 
     metrics = os.path.abspath(os.path.join(out_dir, optimizer, "metrics.jsonl"))
+    os.makedirs(os.path.dirname(metrics), exist_ok=True)
     if os.path.exists(metrics):
         os.remove(metrics)
     extra = ["--set", f"training.optimizer={optimizer}", "--set", f"logging.metrics_file={metrics}",
@@ -78,7 +78,8 @@ def train_demo(optimizer, out_dir):
     cmd = demo.launch_command("deepspeed", extra)
     print("$ " + " ".join(cmd), flush=True)
     start = time.time()
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+    with open(os.path.join(os.path.dirname(metrics), "train.log"), "w") as log:  # the run's own output, kept
+        subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
     from gptpar.training.logging import read_metrics
 
     records = read_metrics(metrics)
@@ -116,8 +117,8 @@ def main():
     for optimizer in OPTIMIZERS:
         s, l = state[optimizer], losses[optimizer]
         print(f"{optimizer:>9}: optimizer state {s['optimizer_state_bytes_per_param']:.3f} B/param "
-              f"({s['parameters']:,} params, dp 2 ZeRO-1; rank 0 holds {s['held_bytes_per_param_rank0']:.2f} B/param "
-              f"in all, estimate {s['estimate_bytes_per_param']:.2f}) | final lm loss {l['final_lm_loss']:.4f} "
+              f"({s['parameters']:,} params over dp 2, ZeRO-1; estimate {s['estimate_bytes_per_param']:.3f}) | "
+              f"final lm loss {l['final_lm_loss']:.4f} "
               f"(iteration {l['final_iteration']}), validation {l['final_validation_loss']:.4f}")
     print(f"adamw8bit / adamw: optimizer-state bytes x{summary['state_ratio']:.3f}, final lm loss "
           f"x{summary['final_lm_loss_ratio']:.4f} ({100 * (summary['final_lm_loss_ratio'] - 1):+.2f}%), "
