@@ -63,8 +63,8 @@ def measure_state():
     return out
 
 
-def train_demo(optimizer, out_dir):
-    """The demo's training with `optimizer`; its metrics records."""
+def train_demo(optimizer, out_dir, overrides):
+    """The demo's training with `optimizer` (and `overrides`, `--set` arguments); its metrics records."""
     import demo
 
     metrics = os.path.abspath(os.path.join(out_dir, optimizer, "metrics.jsonl"))
@@ -73,7 +73,7 @@ def train_demo(optimizer, out_dir):
         os.remove(metrics)
     extra = ["--set", f"training.optimizer={optimizer}", "--set", f"logging.metrics_file={metrics}",
              "--set", "logging.tensorboard_dir=null", "--set", "checkpoint.save=null", "--set", "checkpoint.load=null",
-             "--set", "checkpoint.save_interval=null", "--set", "checkpoint.keep_last=null"]
+             "--set", "checkpoint.save_interval=null", "--set", "checkpoint.keep_last=null"] + overrides
     env = dict(os.environ, PYTHONUNBUFFERED="1", DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
     cmd = demo.launch_command("deepspeed", extra)
     print("$ " + " ".join(cmd), flush=True)
@@ -87,9 +87,20 @@ def train_demo(optimizer, out_dir):
     return records
 
 
+def smoke_overrides(iters):
+    """`--set` arguments for a shorter run that still logs and evaluates at its end; none for the demo's own."""
+    if iters is None:
+        return []
+    return [arg for key, value in (("training.train_iters", iters), ("training.lr_warmup_iters", 0),
+                                   ("training.eval_interval", iters), ("training.eval_iters", 1),
+                                   ("logging.log_interval", iters)) for arg in ("--set", f"{key}={value}")]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for summary.json and each run's metrics")
+    p.add_argument("--train-iters", type=int, help="train this many iterations instead of the demo's (a smoke run, "
+                                                     "evaluating and logging at the end)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     import demo
@@ -100,7 +111,7 @@ def main():
     state = measure_state()
     losses = {}
     for optimizer in OPTIMIZERS:
-        records = train_demo(optimizer, args.out)
+        records = train_demo(optimizer, args.out, smoke_overrides(args.train_iters))
         train = [r for r in records if "train_iters" in r]
         valid = [r for r in records if r.get("eval")]
         losses[optimizer] = {"final_lm_loss": train[-1]["lm_loss"], "final_iteration": train[-1]["iteration"],
