@@ -1,6 +1,6 @@
 """tools/plot_metrics.py: the PNG it writes, and every plotted series (the figure's Line2D data) against the
-metrics files it read, for today's eval records and for named validation sets (`valid_set`, with consumed
-tokens), two runs overlaid. Errors: one line, exit 2."""
+metrics files it read, for eval records of older files and for named validation sets (`valid_set`, with consumed
+tokens, written by the trainer's MetricsWriter), two runs overlaid. Errors: one line, exit 2."""
 import json
 import math
 import os
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from gptpar.training.logging import METRIC_KEYS
+from gptpar.training.logging import METRIC_KEYS, MetricsWriter, eval_record, read_metrics
 
 pytest.importorskip("matplotlib", reason="tools/plot_metrics.py needs matplotlib")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
@@ -38,22 +38,24 @@ def write_jsonl(path, records):
 @pytest.fixture(scope="module")
 def plotted(tmp_path_factory):
     d = tmp_path_factory.mktemp("plot")
-    # run "plain": today's eval records (consumed samples only, one validation set), a skipped step's None norm
+    # run "plain": eval records as files written before named sets had them (consumed samples only, one set), an
+    # overflow-skipped step's None grad norm, a timers record
     plain = write_jsonl(str(d / "plain" / "metrics.jsonl"),
                         [train_record(i, None if i == 6 else 1.0 / i) for i in range(1, 13)]
                         + [{"eval": True, "iteration": i, "consumed_samples": i * GBS, "lm_loss": 5.0 + 1 / i,
                             "ppl": math.exp(5.0 + 1 / i)} for i in (4, 8, 12)]
                         + [{"timers": True, "iteration": 12, "ms_per_iteration": {"forward": 1.0}}])
-    # run "named": named validation sets and their weighted total, as records carrying their set and tokens
-    named_records = [train_record(i, 0.5) for i in range(2, 13, 2)]
-    for i in (6, 12):
-        for name, loss in (("en", 4.0 + 1 / i), ("fr", 4.5 + 1 / i), (None, 4.25 + 1 / i)):
-            record = {"eval": True, "iteration": i, "consumed_samples": i * GBS, "consumed_tokens": i * GBS * SEQ,
-                      "lm_loss": loss, "ppl": math.exp(loss)}
-            named_records.append(dict(record, valid_set=name) if name else record)
-    named_records.append({"skipped_data": True, "iteration": 13, "consumed_samples": 13 * GBS,
-                          "consumed_tokens": 13 * GBS * SEQ, "global_batch_size": GBS, "lr": 1e-3})
-    named = write_jsonl(str(d / "named.jsonl"), named_records)
+    # run "named": written by the trainer's own MetricsWriter: named validation sets and their weighted total
+    # (eval records carrying their set and consumed tokens), and an iteration of skipped data
+    path = str(d / "named.jsonl")
+    writer = MetricsWriter(path)
+    for i in range(2, 13, 2):
+        writer.write(train_record(i, 0.5))
+        if i % 6 == 0:
+            for name, loss in (("en", 4.0 + 1 / i), ("fr", 4.5 + 1 / i), (None, 4.25 + 1 / i)):
+                writer.write_eval(eval_record(i, i * GBS, i * GBS * SEQ, loss, valid_set=name))
+    writer.write_skipped_data(13, 13 * GBS, 13 * GBS * SEQ, GBS, 1e-3)
+    named = read_metrics(path)
     out = str(d / "out" / "curves.png")
     fig = plot_metrics.write_plot([str(d / "plain"), str(d / "named.jsonl")], out)
     return fig, out, {"plain": plain, "named": named}
@@ -89,7 +91,7 @@ def test_loss_series_equal_the_metrics_files(plotted):
         "named train": ([r["consumed_tokens"] for r in train("named")], [r["lm_loss"] for r in train("named")]),
     }
     for name in ("en", "fr", None):
-        expected[f"named {name or 'validation'}"] = ([r["consumed_tokens"] for r in evals("named", name)],
+        expected[f"named {name or 'validation total'}"] = ([r["consumed_tokens"] for r in evals("named", name)],
                                                      [r["lm_loss"] for r in evals("named", name)])
     assert lines(fig, "lm loss") == expected
 

@@ -6,10 +6,11 @@
 
 Each argument is a metrics file (`logging.metrics_file`, JSONL) or a run folder holding `metrics.jsonl`. Five
 panels, each against consumed tokens: lm loss (training, and every validation set: an eval record's
-`valid_set` names its set, one without is the only set or the weighted total over named ones), learning
-rate, grad norm, loss scale and TFLOPs per GPU. A run is labelled by its folder (its file name when that is
-not `metrics.jsonl`). matplotlib (`pip install matplotlib`) is imported here only, with the headless Agg
-backend. Exit 2, with one line naming the argument and the fix, for a path that holds no metrics.
+`valid_set` names its set; one without is the only set, "validation", or the weighted total over named ones,
+"validation total"), learning rate, grad norm, loss scale and TFLOPs per GPU. A run is labelled by its folder
+(its file name when that is not `metrics.jsonl`). matplotlib (`pip install matplotlib`) is imported here only,
+with the headless Agg backend. Exit 2, with one line naming the argument and the fix, for a path that holds no
+metrics.
 """
 import argparse
 import os
@@ -52,8 +53,9 @@ def split_records(records: list, path: str = "metrics"):
     for r in records:
         if r.get("eval"):
             tokens = r.get("consumed_tokens", r["consumed_samples"] * per_sample)
-            valid.setdefault(r.get("valid_set") or "validation", []).append(dict(r, tokens=tokens))
-    return train, valid
+            valid.setdefault(r.get("valid_set"), []).append(dict(r, tokens=tokens))
+    total = "validation total" if len(valid) > 1 else "validation"  # beside named sets it is their weighted total
+    return train, {name or total: evals for name, evals in valid.items()}
 
 
 def series(records: list, key: str):
