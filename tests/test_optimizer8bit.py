@@ -5,6 +5,7 @@ estimate: tests/test_precision.py; seed 002's 104B rows: tests/test_memory.py; t
 bench/bench_optimizer8bit.py.
 """
 import glob
+import os
 
 import pytest
 import torch
@@ -36,8 +37,12 @@ def runs(tmp_path_factory):
         plan += [(f"{name}_full", ["--config", full]),
                  (f"{name}_a", ["--config", split, "--set", "training.exit_interval=3"]),
                  (f"{name}_b", ["--config", split])]
-    # Last: the 8-bit checkpoint resumed with AdamW (whose state it does not hold) must be refused up front.
-    plan.append(("other_optimizer", ["--config", str(d / "zero1_split.json"), "--set", "training.optimizer=adamw"]))
+    # Last: the 8-bit checkpoint resumed with AdamW (whose state it does not hold), or at another (tp, pp, dp)
+    # (the universal form carries AdamW's moments only), must be refused up front.
+    split = ["--config", str(d / "zero1_split.json")]
+    plan += [("other_optimizer", split + ["--set", "training.optimizer=adamw"]),
+             ("other_shape", split + ["--set", "parallel.tensor_model_parallel_size=2",
+                                      "--set", "parallel.data_parallel_size=1"])]
     return d, run_distributed(run_mains, 2, (plan,), timeout=400)
 
 
@@ -71,14 +76,19 @@ def test_checkpoint_holds_the_quantised_moments(runs):
         assert "exp_avg" not in states
 
 
-def test_resuming_with_another_optimizer_is_refused(runs):
-    """Its state would not fit the other optimizer: exit 2 before training, naming both and the fix."""
+def test_resuming_with_another_optimizer_or_shape_is_refused(runs):
+    """Its state would not fit the other optimizer, and is not reshaped: exit 2 before training, naming the
+    difference and the fix."""
     d, out = runs
     rc, log = out[0]["other_optimizer"]
     assert rc == 2
     assert "training.optimizer: checkpoint 'adamw8bit', config 'adamw'" in log
     assert "resume with the config it was saved with" in log
+    rc, log = out[0]["other_shape"]
+    assert rc == 2
+    assert "training.optimizer=adamw8bit state cannot be reshaped" in log and "(tp, pp, dp) = (1, 1, 2)" in log
     assert (d / "zero1_ck" / "latest").read_text().strip() == "iter_0000006"  # nothing written
+    assert not os.path.exists(str(d / "zero1_ck") + "_universal")
 
 
 def _tensors_by_key(obj, out=None):

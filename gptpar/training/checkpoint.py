@@ -130,7 +130,8 @@ def plan_load(target: LoadTarget, shape: dict, world_size: int, universal_dir: O
     shape is this run's, else its universal copy, converted now or found in `universal_dir` (default
     `{target.directory}_universal`) under the checkpoint's tag. Raises CheckpointError for another model shape
     or a universal copy that cannot be used; never writes inside `target.directory`."""
-    model = {"model": {k: v for k, v in shape["model"].items() if k != "padded_vocab_size"}}
+    model = {"model": {k: v for k, v in shape["model"].items() if k != "padded_vocab_size"},
+             "training": shape["training"]}  # a universal copy holds AdamW's moments (the default)
     to = parallel_sizes(shape)
     if target.universal is not None:
         meta = _read_universal_meta(target.universal)
@@ -151,6 +152,11 @@ def plan_load(target: LoadTarget, shape: dict, world_size: int, universal_dir: O
         raise CheckpointError(f"checkpoint {target.path} has another parallel shape, and training.precision=fp16 "
                               "cannot be reshaped (its dynamic loss scale is not carried): resume it at the "
                               f"shape it was saved with, (tp, pp, dp) = {source}")
+    if shape["training"]["optimizer"] != "adamw":
+        raise CheckpointError(f"checkpoint {target.path} has another parallel shape, and training.optimizer="
+                              f"{shape['training']['optimizer']} state cannot be reshaped (the universal form "
+                              "carries AdamW's fp32 moments, not bitsandbytes' block-quantised ones): resume it at "
+                              f"the shape it was saved with, (tp, pp, dp) = {source}")
     out, how = universal_copy(target, saved, universal_dir, log)
     log(f"reshaping checkpoint {target.path} from (tp,pp,dp) {source} to {to}: {how} {out}")
     return LoadTarget(target.directory, target.tag, universal=out)
