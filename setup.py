@@ -17,7 +17,12 @@ setup(
         "tqdm",
     ],
     extras_require={
+        # Optional features, imported only where their option is used (the trainer and tools run without them):
+        # training.optimizer=adamw8bit (bitsandbytes' 8-bit AdamW, CUDA and CPU) and tools/plot_metrics.py.
+        "8bit": ["bitsandbytes==0.50.2"],
+        "plot": ["matplotlib"],
         # transformers is the reference model in tests and benchmarks; pinned so comparisons stay reproducible.
-        "dev": ["pytest", "transformers==5.23.0"],
+        # `make test` and `make demo` install this extra, so the 8-bit tests run and the demo draws its plot.
+        "dev": ["pytest", "transformers==5.23.0", "bitsandbytes==0.50.2", "matplotlib"],
     },
 )

@@ -177,3 +177,23 @@ def test_gpu_trainer_flow_on_cpu(tmp_path):
     assert set(summary["exit_codes"]) == set("abcde")
     assert summary["figures"]["d_fp16"]["skipped_iterations"] > 0
     assert not os.path.exists(tmp_path / "checkpoints" / "ck_bf16")  # cleaned up
+
+
+@pytest.mark.slow
+def test_bench_optimizer8bit_smoke(tmp_path):
+    """bench/bench_optimizer8bit.py end to end for 2 iterations per optimizer (the demo's data is built on first
+    use): both state figures, their ratio and the loss ratio come from the runs it made."""
+    pytest.importorskip("bitsandbytes")
+    out = subprocess.run([sys.executable, "bench/bench_optimizer8bit.py", "--out", str(tmp_path), "--train-iters", "2"],
+                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    state = summary["state"]
+    assert state["adamw"]["optimizer_state_bytes_per_param"] == pytest.approx(8, rel=1e-3)
+    assert state["adamw8bit"]["optimizer_state_bytes_per_param"] == pytest.approx(2.03, rel=0.01)
+    for name in ("adamw", "adamw8bit"):
+        records = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
+        assert summary["loss"][name]["final_lm_loss"] == [r for r in records if "train_iters" in r][-1]["lm_loss"]
+    assert summary["final_lm_loss_ratio"] == pytest.approx(summary["loss"]["adamw8bit"]["final_lm_loss"]
+                                                           / summary["loss"]["adamw"]["final_lm_loss"])
+    assert "optimizer=bitsandbytes AdamW8bit" in (tmp_path / "adamw8bit" / "train.log").read_text()

@@ -64,3 +64,33 @@ def test_no_import_circle_in_the_package():
             visit(name, [name])
     # gptpar/__init__.py re-exporting its submodules, which import gptpar.x (never gptpar itself), is no circle
     assert [c for c in circles if "gptpar" not in c] == []
+
+
+# Optional packages: only the option that needs one imports it, inside a function, so the trainer and the tools
+# run without them.
+OPTIONAL = {"bitsandbytes", "matplotlib", "wandb"}
+
+
+def import_time_modules(path):
+    """The modules a file imports when it is itself imported: every import outside a function body."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    pending = list(tree.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            yield node.module
+        pending.extend(ast.iter_child_nodes(node))
+
+
+def test_optional_packages_are_imported_only_where_used():
+    scripts = [os.path.join(ROOT, folder, name) for folder in ("tools", "bench")
+               for name in sorted(os.listdir(os.path.join(ROOT, folder))) if name.endswith(".py")]
+    files = [path for _, path in package_files()] + scripts + [os.path.join(ROOT, "pretrain_gpt.py")]
+    offenders = {os.path.relpath(path, ROOT): sorted(m for m in import_time_modules(path)
+                                                     if m.split(".")[0] in OPTIONAL) for path in files}
+    assert {rel: mods for rel, mods in offenders.items() if mods} == {}

@@ -131,7 +131,7 @@ def test_allreduce_bench_on_two_gloo_ranks():
 # -- one config reader: the tools print what the trainer's dry run prints ---------------------------------
 
 def _memory_figures(text, stage_row, header, heaviest):
-    """(precision, ZeRO, dp, micro batch, recompute), the per-stage GiB column and the heaviest stage."""
+    """(precision, optimizer, ZeRO, dp, micro batch, recompute), the per-stage GiB column and the heaviest stage."""
     head = re.search(header, text)
     stages = [line.split()[-1] for line in text.splitlines() if re.match(stage_row, line)]
     worst = re.search(heaviest, text)
@@ -154,12 +154,13 @@ def test_memory_tool_prints_what_the_dry_run_prints(tmp_path, capsys):
 
     for config in _configs_and_one_without_the_state_keys(tmp_path):
         tool = _memory_figures(run("memory.py", "--config", config).stdout, r"\s*\d+\s+[\d,]+\s",
-                               r"dp=(\d+) micro batch (\d+) (\w+) ZeRO-(\d) recompute (\w+)",
+                               r"dp=(\d+) micro batch (\d+) (\w+) (\w+) ZeRO-(\d) recompute (\w+)",
                                r"heaviest: stage (\d+), ([\d.]+) GiB")
         assert pretrain_gpt.main(["--config", os.path.join(ROOT, config), "--dry-run"]) == 0
         dry = _memory_figures(capsys.readouterr().out, r"\s*\d+\s+\[\d+, \d+\)",
-                              r"memory per GPU \((\w+), ZeRO-(\d) over dp=(\d+), micro batch (\d+), recompute (\w+)\)",
+                              r"memory per GPU \((\w+), (\w+), ZeRO-(\d) over dp=(\d+), micro batch (\d+), "
+                              r"recompute (\w+)\)",
                               r"heaviest stage (\d+):.* = ([\d.]+) GiB")
-        (dp, mbs, precision, zero, recompute), stages, worst = tool
-        assert (precision, zero, dp, mbs, recompute) == dry[0], config
+        (dp, mbs, precision, optimizer, zero, recompute), stages, worst = tool
+        assert (precision, optimizer, zero, dp, mbs, recompute) == dry[0], config
         assert (stages, worst) == dry[1:], config

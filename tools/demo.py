@@ -6,8 +6,9 @@ Set-up, once, cached under data/demo/ (about 20 s):
     tools/preprocess_data.py    Megatron .bin/.idx files
 Then the run (about 2.5 minutes on 2 cores), printed before it starts:
     deepspeed --num_gpus 2 pretrain_gpt.py --config configs/demo_cpu.json
-and, last, a continuation of the start of a Python function sampled from the model just trained:
+then a continuation of the start of a Python function sampled from the model just trained:
     tools/generate.py --load checkpoints/demo --prompt ... (decoded with the demo's tokenizer)
+and, last, the run's metrics drawn (tools/plot_metrics.py) into runs/demo/metrics.png, whose path it prints.
 Every `make demo` trains from scratch: the demo's checkpoints and metrics (checkpoints/demo, runs/demo) are
 cleared first; `--resume` keeps them and continues from the last checkpoint instead.
 
@@ -133,6 +134,21 @@ def main():
     summary(cfg, time.time() - start)
     print("\nthe trained model continues a prompt:", flush=True)
     run([sys.executable, "tools/generate.py", "--load", cfg["checkpoint"]["save"], "--prompt", PROMPT] + SAMPLE, env)
+    draw_plot(cfg)  # last: the picture of the run
+
+
+def draw_plot(cfg):
+    """The demo's loss curves and the rest of its metrics as a PNG beside the metrics file (tools/plot_metrics.py)."""
+    import plot_metrics  # beside this script
+
+    metrics = cfg["logging"]["metrics_file"]
+    output = os.path.join(os.path.dirname(metrics), "metrics.png")
+    try:
+        plot_metrics.write_plot([os.path.join(ROOT, metrics)], os.path.join(ROOT, output))
+    except ValueError as e:
+        print(f"  plot: not drawn: {e}", flush=True)
+        return
+    print(f"  plot: {output} (python tools/plot_metrics.py RUN_DIR_OR_JSONL [...] --output FILE.png)", flush=True)
 
 
 if __name__ == "__main__":

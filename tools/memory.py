@@ -4,6 +4,7 @@
     python tools/memory.py --config configs/200b.json
     python tools/memory.py --config configs/181b_48nodes.json --pipeline-model-parallel-size 12 --gpus 384
     python tools/memory.py --config configs/cpu_tiny.json --set training.precision=bf16
+    python tools/memory.py --config configs/104b.json --set training.optimizer=adamw8bit
 
 The config is read and checked as pretrain_gpt.py reads it (its defaults: fp32, ZeRO-0, no recompute): the
 figures are the ones `pretrain_gpt.py --config X --dry-run` prints. dp = --gpus / (tp * pp) when --gpus is
@@ -37,13 +38,14 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = {"tp_size": s["tp_size"], "pp_size": s["pp_size"], "dp_size": dp, "micro_batch_size": s["micro_batch_size"],
-           "precision": s["precision"], "zero_stage": s["zero_stage"], "stages": mem["stages"],
+           "precision": s["precision"], "optimizer": s["optimizer"], "zero_stage": s["zero_stage"],
+           "stages": mem["stages"],
            "max_stage": mem["max"]["stage"], "max_gib": mem["max"]["total"] / GIB}
     if args.json:
         print(json.dumps(out))
         return 0
     print(f"tp={s['tp_size']} pp={s['pp_size']} dp={dp} micro batch {s['micro_batch_size']} {s['precision']} "
-          f"ZeRO-{s['zero_stage']} recompute {s['activation_checkpointing']} (GiB)")
+          f"{s['optimizer']} ZeRO-{s['zero_stage']} recompute {s['activation_checkpointing']} (GiB)")
     print(f"{'stage':>5} {'params/rank':>14} {'weights':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'ctx':>6} "
           f"{'total':>8}")
     for st in mem["stages"]:

@@ -3,8 +3,8 @@
 Pure arithmetic, shared by tools/memory.py, the topology planner and the dry-run report.
 
 Model states: bytes per parameter that DeepSpeed 0.19.8 holds on one rank at the optimizer step (their peak),
-with the client AdamW gptpar passes. Measured on CPU with the real optimizers (tests/test_precision.py reads
-every tensor the engine holds and compares with this table):
+with the client AdamW gptpar passes (`training.optimizer=adamw`). Measured on CPU with the real optimizers
+(tests/test_precision.py reads every tensor the engine holds and compares with this table):
 
     precision, ZeRO   weights  grads (until the step)        sharded over dp (ZeRO-1)                 dp = 1
     fp32, 0           4        4                             - (Adam's 8 replicated)                  16
@@ -17,6 +17,12 @@ bf16 gradient is added into a full fp32 buffer as autograd produces it and freed
 not sharded - seed 000's 18 bytes at dp = 1. Mixed precision always runs at ZeRO-1 (a zero_stage of 0 is
 promoted, see gptpar.training.config); fp16 keeps its 2-byte gradients until the step, 2 more than the seed's
 18. Between steps the gradients are freed (bf16 keeps its fp32 buffer): 4 (fp32) and 2 + 4/dp (fp16) less.
+
+`training.optimizer=adamw8bit` (bitsandbytes' AdamW8bit) replaces Adam's 8 bytes by its two uint8 moments and
+one fp32 scale per 256-element block of each: 2 + 2*4/256 = 2.03 bytes, sharded or replicated as Adam's were
+(so bf16 at dp = 1 holds 12.03 instead of 18). bitsandbytes keeps fp32 moments for tensors under 4096 elements;
+under ZeRO-1 the optimizer steps on flat partitions, so that never applies, without ZeRO it applies to biases
+and LayerNorms, a negligible share of a large model (the estimate ignores it).
 
 Activations (Korthikanti et al. 2022, "Reducing activation recomputation", no sequence parallelism),
 per transformer layer and micro batch of b sequences, in bytes with 2-byte activations:
@@ -45,32 +51,40 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 CUDA_CONTEXT_BYTES = 1573 * 1024 ** 2
 
 
-# (weights, gradients that every dp rank holds, bytes ZeRO-1 shards over dp) per parameter; see the table above.
-_STATES = {("fp32", 0): (4, 4, 0, 8), ("fp32", 1): (4, 4, 16, 0), ("bf16", 1): (2, 4, 12, 0),
-           ("fp16", 1): (2, 2, 16, 0)}  # + the optimizer bytes replicated without ZeRO
+# (weights, gradients that every dp rank holds, the wrapper's bytes ZeRO-1 shards over dp: fp32 master copy and
+# fp32 gradient partition) per parameter; see the table above. The optimizer's moments come on top.
+_STATES = {("fp32", 0): (4, 4, 0), ("fp32", 1): (4, 4, 8), ("bf16", 1): (2, 4, 4), ("fp16", 1): (2, 2, 8)}
+# The client optimizer's own state per parameter (training.optimizer): sharded at ZeRO-1, else replicated.
+MOMENT_BYTES = {"adamw": 8.0,                    # exp_avg, exp_avg_sq in fp32
+                "adamw8bit": 2 + 2 * 4 / 256}    # both in uint8, plus an fp32 absmax per 256-element block each
 
 
-def _states(precision: str, zero_stage: int, dp_size: int):
+def _states(precision: str, zero_stage: int, dp_size: int, optimizer: str = "adamw"):
     if precision not in PRECISIONS:
         raise ValueError(f"training.precision must be one of {PRECISIONS}, got {precision!r}")
     if zero_stage not in (0, 1):
         raise ValueError(f"training.zero_stage {zero_stage} is not modelled: the pipeline engine allows 0 or 1")
     if dp_size < 1:
         raise ValueError(f"data_parallel_size must be >= 1, got {dp_size}")
+    if optimizer not in MOMENT_BYTES:
+        raise ValueError(f"training.optimizer must be one of {sorted(MOMENT_BYTES)}, got {optimizer!r}")
     if precision != "fp32":
         zero_stage = 1  # as the trainer runs mixed precision (gptpar.training.config)
-    weights, grads, sharded, replicated = _STATES[precision, zero_stage]
-    return weights, grads, sharded / dp_size + replicated
+    weights, grads, sharded = _STATES[precision, zero_stage]
+    moments = MOMENT_BYTES[optimizer]
+    optimizer_bytes = (sharded + moments) / dp_size if zero_stage == 1 else moments
+    return weights, grads, optimizer_bytes
 
 
-def state_bytes_per_param(precision: str, zero_stage: int = 1, dp_size: int = 1) -> float:
+def state_bytes_per_param(precision: str, zero_stage: int = 1, dp_size: int = 1, optimizer: str = "adamw") -> float:
     """Bytes of weights + gradients + optimizer state per parameter on one GPU at the step (18 for bf16, dp=1)."""
-    return sum(_states(precision, zero_stage, dp_size))
+    return sum(_states(precision, zero_stage, dp_size, optimizer))
 
 
-def model_state_bytes(params: int, precision: str, zero_stage: int = 1, dp_size: int = 1) -> Dict[str, float]:
+def model_state_bytes(params: int, precision: str, zero_stage: int = 1, dp_size: int = 1,
+                      optimizer: str = "adamw") -> Dict[str, float]:
     """Weights, gradients and optimizer bytes of `params` parameters on one GPU."""
-    weights, grads, optimizer = _states(precision, zero_stage, dp_size)
+    weights, grads, optimizer = _states(precision, zero_stage, dp_size, optimizer)
     return {"weights": params * weights, "gradients": params * grads, "optimizer": params * optimizer,
             "total": params * (weights + grads + optimizer)}
 
@@ -106,7 +120,8 @@ def activation_bytes(*, seq_length: int, micro_batch_size: int, hidden_size: int
 def memory_per_gpu(*, num_layers: int, hidden_size: int, num_attention_heads: int, vocab_size: int,
                    seq_length: int, micro_batch_size: int, global_batch_size: int, tp_size: int = 1,
                    pp_size: int = 1, dp_size: int = 1, partition_method: str = "transformer",
-                   precision: str = "bf16", zero_stage: int = 1, activation_checkpointing=True,
+                   precision: str = "bf16", zero_stage: int = 1, optimizer: str = "adamw",
+                   activation_checkpointing=True,
                    ffn_hidden_size: Optional[int] = None, make_vocab_size_divisible_by: int = 128,
                    max_position_embeddings: Optional[int] = None,
                    cuda_context_bytes: float = CUDA_CONTEXT_BYTES, embedding_weight: int = 1,
@@ -131,7 +146,7 @@ def memory_per_gpu(*, num_layers: int, hidden_size: int, num_attention_heads: in
     v_pad = pad_vocab_size(vocab_size, tp_size, make_vocab_size_divisible_by)
     stages = []
     for i, (params, (start, end)) in enumerate(zip(per_rank, ranges)):
-        st = model_state_bytes(params, precision, zero_stage, dp_size)
+        st = model_state_bytes(params, precision, zero_stage, dp_size, optimizer)
         act = activation_bytes(seq_length=seq_length, micro_batch_size=micro_batch_size, hidden_size=hidden_size,
                                num_attention_heads=num_attention_heads, layers_on_stage=end - start,
                                tp_size=tp_size, pp_size=pp_size, num_micro_batches=m,
@@ -144,5 +159,5 @@ def memory_per_gpu(*, num_layers: int, hidden_size: int, num_attention_heads: in
     return {"stages": stages, "max": max(stages, key=lambda d: d["total"])}
 
 
-__all__ = ["GIB", "PRECISIONS", "CUDA_CONTEXT_BYTES", "state_bytes_per_param", "model_state_bytes",
+__all__ = ["GIB", "PRECISIONS", "MOMENT_BYTES", "CUDA_CONTEXT_BYTES", "state_bytes_per_param", "model_state_bytes",
            "activation_bytes", "memory_per_gpu"]

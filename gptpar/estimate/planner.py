@@ -122,7 +122,8 @@ def predict_layout(s: dict, hw: Hardware) -> dict:
                          seq_length=s["seq_length"], micro_batch_size=mbs, global_batch_size=gbs, tp_size=tp,
                          pp_size=pp, dp_size=dp, partition_method=s["partition_method"], precision=s["precision"],
                          embedding_weight=s.get("embedding_weight", 1), zero_stage=s["zero_stage"],
-                         activation_checkpointing=s["activation_checkpointing"], ffn_hidden_size=s["ffn_hidden_size"],
+                         optimizer=s["optimizer"], activation_checkpointing=s["activation_checkpointing"],
+                         ffn_hidden_size=s["ffn_hidden_size"],
                          make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"],
                          **embedding_kind(s))["max"]["total"] / GIB
     out.update(mem_gib=mem, fits=mem <= hw.gpu_mem_gib)
@@ -237,8 +238,8 @@ def _candidate(s, tp, pp, dp, mbs, gbs_req, nodes, hw) -> Optional[Candidate]:
                          seq_length=s["seq_length"], micro_batch_size=mbs, global_batch_size=gbs, tp_size=tp,
                          pp_size=pp, dp_size=dp, partition_method=s["partition_method"], precision=s["precision"],
                          embedding_weight=s.get("embedding_weight", 1),
-                         zero_stage=s["zero_stage"], activation_checkpointing=s["activation_checkpointing"],
-                         ffn_hidden_size=s["ffn_hidden_size"],
+                         zero_stage=s["zero_stage"], optimizer=s["optimizer"],
+                         activation_checkpointing=s["activation_checkpointing"], ffn_hidden_size=s["ffn_hidden_size"],
                          make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"],
                          **embedding_kind(s))["max"]["total"] / GIB
     if mem > hw.gpu_mem_gib:

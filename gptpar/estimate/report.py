@@ -76,7 +76,8 @@ def render_dry_run(config: Config, dp_size: int, sec_per_iter: Optional[float] =
                      f"({'matches' if meta_param_count == exact else 'DIFFERS FROM'} the formula {_fmt(exact)})")
 
     worst = mem["max"]
-    lines += ["", f"== memory per GPU ({s['precision']}, ZeRO-{s['zero_stage']} over dp={dp}, micro batch {mbs}, "
+    lines += ["", f"== memory per GPU ({s['precision']}, {s['optimizer']}, ZeRO-{s['zero_stage']} over dp={dp}, "
+                  f"micro batch {mbs}, "
                   f"recompute {s['activation_checkpointing']}) ==",
               f"heaviest stage {worst['stage']}: weights {worst['weights'] / GIB:.1f} + grads "
               f"{worst['gradients'] / GIB:.1f} + optimizer {worst['optimizer'] / GIB:.1f} + activations "

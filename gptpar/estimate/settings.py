@@ -28,7 +28,7 @@ def settings_of(cfg: Config, dp_size: Optional[int] = None) -> dict:
         "tp_size": tp, "pp_size": p.pipeline_model_parallel_size, "dp_size": dp_size or p.data_parallel_size or 1,
         "partition_method": p.partition_method, "embedding_weight": p.embedding_weight or 1,
         "micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size,
-        "precision": t.precision, "zero_stage": t.zero_stage,
+        "precision": t.precision, "zero_stage": t.zero_stage, "optimizer": t.optimizer,
         "activation_checkpointing": recompute_mode(t.activation_checkpointing),
         "rampup_batch_size": t.rampup_batch_size,
     }
@@ -42,7 +42,8 @@ def memory_of(s: dict) -> dict:
                           global_batch_size=s["global_batch_size"], tp_size=s["tp_size"], pp_size=s["pp_size"],
                           dp_size=s["dp_size"], partition_method=s["partition_method"],
                           embedding_weight=s["embedding_weight"], precision=s["precision"],
-                          zero_stage=s["zero_stage"], activation_checkpointing=s["activation_checkpointing"],
+                          zero_stage=s["zero_stage"], optimizer=s["optimizer"],
+                          activation_checkpointing=s["activation_checkpointing"],
                           ffn_hidden_size=s["ffn_hidden_size"], max_position_embeddings=s["max_position_embeddings"],
                           make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"],
                           **embedding_kind(s))

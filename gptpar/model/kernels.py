@@ -46,12 +46,14 @@ def make_adamw(params, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weig
     return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
 
 
-def describe_kernels(device: torch.device) -> str:
-    """One line for the start-up log: which kernels this run uses."""
+def describe_kernels(device: torch.device, optimizer: str = "adamw") -> str:
+    """One line for the start-up log: which kernels this run uses (`optimizer`: training.optimizer)."""
     if device.type == "cuda":
         ln = "apex FusedLayerNorm" if use_apex() else "torch LayerNorm"
         opt = "apex FusedAdam" if use_apex() else "torch AdamW (fused)"
         attn = "SDPA (flash / memory-efficient when eligible)"
     else:
         ln, opt, attn = "torch LayerNorm", "torch AdamW (fused)", "SDPA (CPU flash kernel)"
+    if optimizer == "adamw8bit":
+        opt = "bitsandbytes AdamW8bit"
     return f"kernels: layernorm={ln} | optimizer={opt} | attention={attn}"

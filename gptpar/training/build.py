@@ -93,7 +93,7 @@ def build_trainer(cfg: Config, pstate, log, load_target, init_from=None):
     train_source, valid_sources = build_sources(
         cfg, pstate, train_samples=t.train_samples or train_iters(t, pstate.dp_size) * t.global_batch_size,
         eval_samples=t.eval_iters * t.global_batch_size if t.eval_interval else 0, log=log)
-    engine = build_engine(model, pstate, deepspeed_config(cfg, pstate.dp_size), lr=t.lr,
+    engine = build_engine(model, pstate, deepspeed_config(cfg, pstate.dp_size), optimizer=t.optimizer, lr=t.lr,
                           weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                           has_attention_mask=train_source.masks.has_attention_mask,
                           universal_checkpoint_info=deepspeed_universal_info(cfg.model))

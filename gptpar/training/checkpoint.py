@@ -55,7 +55,8 @@ MODEL_SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hid
                     "embed_layernorm")
 # Shape keys added after checkpoints were written without them: such a checkpoint has the default (None: not
 # checked; older checkpoints record the padded vocabulary, which is compared instead).
-_ADDED_SHAPE_KEYS = {"position_embedding_type": "learned", "embed_layernorm": False, "vocab_size": None}
+_ADDED_SHAPE_KEYS = {"position_embedding_type": "learned", "embed_layernorm": False, "vocab_size": None,
+                     "optimizer": "adamw"}
 # What a rank file holds besides the counters the run continues from.
 _NOT_COUNTERS = ("version", "shape", "rng", "config")
 PARALLEL_SHAPE_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
@@ -72,11 +73,13 @@ def shape_of(cfg_dict: dict, tp: int, pp: int, dp: int, padded_vocab: int, parti
     model["padded_vocab_size"] = padded_vocab
     return {"model": model, "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                                          "data_parallel_size": dp, "partition_method": partition_method,
-                                         "zero_stage": cfg_dict["training"]["zero_stage"]}}
+                                         "zero_stage": cfg_dict["training"]["zero_stage"]},
+            # the optimizer state's layout: AdamW's fp32 moments or bitsandbytes' 8-bit ones
+            "training": {"optimizer": cfg_dict["training"]["optimizer"]}}
 
 
 def check_shape(saved: dict, current: dict, where: str) -> None:
-    """Raise CheckpointError listing every model/parallel key that differs."""
+    """Raise CheckpointError listing every model/parallel/optimizer key that differs."""
     def saved_value(section, key):
         return saved.get(section, {}).get(key, _ADDED_SHAPE_KEYS.get(key))
 
@@ -87,7 +90,7 @@ def check_shape(saved: dict, current: dict, where: str) -> None:
              for section, values in current.items() for key, value in values.items()
              if saved_value(section, key) != value and not unrecorded(section, key)]
     if diffs:
-        raise CheckpointError(f"checkpoint {where} does not fit this config's model/parallel shape:\n  "
+        raise CheckpointError(f"checkpoint {where} does not fit this config's model/parallel shape or optimizer:\n  "
                               + "\n  ".join(diffs)
                               + "\nresume with the config it was saved with, or point checkpoint.load elsewhere")
 
@@ -127,7 +130,8 @@ def plan_load(target: LoadTarget, shape: dict, world_size: int, universal_dir: O
     shape is this run's, else its universal copy, converted now or found in `universal_dir` (default
     `{target.directory}_universal`) under the checkpoint's tag. Raises CheckpointError for another model shape
     or a universal copy that cannot be used; never writes inside `target.directory`."""
-    model = {"model": {k: v for k, v in shape["model"].items() if k != "padded_vocab_size"}}
+    model = {"model": {k: v for k, v in shape["model"].items() if k != "padded_vocab_size"},
+             "training": shape["training"]}  # a universal copy holds AdamW's moments (the default)
     to = parallel_sizes(shape)
     if target.universal is not None:
         meta = _read_universal_meta(target.universal)
@@ -148,6 +152,11 @@ def plan_load(target: LoadTarget, shape: dict, world_size: int, universal_dir: O
         raise CheckpointError(f"checkpoint {target.path} has another parallel shape, and training.precision=fp16 "
                               "cannot be reshaped (its dynamic loss scale is not carried): resume it at the "
                               f"shape it was saved with, (tp, pp, dp) = {source}")
+    if shape["training"]["optimizer"] != "adamw":
+        raise CheckpointError(f"checkpoint {target.path} has another parallel shape, and training.optimizer="
+                              f"{shape['training']['optimizer']} state cannot be reshaped (the universal form "
+                              "carries AdamW's fp32 moments, not bitsandbytes' block-quantised ones): resume it at "
+                              f"the shape it was saved with, (tp, pp, dp) = {source}")
     out, how = universal_copy(target, saved, universal_dir, log)
     log(f"reshaping checkpoint {target.path} from (tp,pp,dp) {source} to {to}: {how} {out}")
     return LoadTarget(target.directory, target.tag, universal=out)

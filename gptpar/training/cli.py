@@ -13,7 +13,7 @@ import typing
 from dataclasses import fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from gptpar.training.config import SECTIONS, Config, ConfigError, _suggest, load_config
+from gptpar.training.config import SECTIONS, Config, ConfigError, _suggest, load_config, package_installed
 
 
 # Flags that are not `--<key-with-dashes>` of a unique key.
@@ -25,6 +25,7 @@ SPECIAL_ALIASES = {
     "--recompute-activations": "training.activation_checkpointing=selective",  # Megatron-LM: selective
     "--log-num-zeros-in-grad": "logging.log_num_zeros=true",
     "--valid-weighted-split-paths": "data.valid_data_path",  # Megatron-DeepSpeed: "EN: 1.0 0.95:1 PREFIX" ...
+    "--use-bnb-optimizer": "training.optimizer=adamw8bit",  # Megatron-DeepSpeed's switch (seed 002)
 }
 LIST_ALIASES = {"--data-path": None, "--rampup-batch-size": 3,  # nargs: None = one or more
                 "--skip-train-iteration-range": None,  # Megatron-DeepSpeed: --skip-train-iteration-range 5-7 9-9
@@ -149,7 +150,7 @@ def parse(argv: Sequence[str]) -> Tuple[Optional[Config], Dict[str, Any], Option
         from gptpar.training.engine import detect_accelerator
 
         accelerator = detect_accelerator()
-    return cfg, flags, cfg.check(world, accelerator)
+    return cfg, flags, cfg.check(world, accelerator, installed=None if flags["dry_run"] else package_installed)
 
 
 def _json_or_str(value: str) -> Any:

@@ -28,6 +28,18 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message names `section.key` and how to fix it."""
 
 
+OPTIMIZERS = ("adamw", "adamw8bit")
+# The optional package an option needs and how to get it; imported only by the run that uses the option.
+OPTIONAL_PACKAGES = {("training", "optimizer", "adamw8bit"): ("bitsandbytes", "pip install bitsandbytes")}
+
+
+def package_installed(name: str) -> bool:
+    """Whether `name` can be imported, found without importing it."""
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
 @dataclass(frozen=True)
 class Accelerator:
     """What `Config.check` needs to know of the device a run will use (filled in from DeepSpeed's accelerator by
@@ -178,6 +190,12 @@ class TrainingConfig:
     lr_decay_samples: Optional[int] = _f(None, "Sample count where decay reaches min_lr; null = train_samples.")
     lr_decay_style: str = _f("linear", "Decay after warmup: constant, linear or cosine (Megatron's "
                                        "AnnealingLR).", choices=("constant", "linear", "cosine"))
+    optimizer: str = _f("adamw", "`adamw`: torch's fused AdamW (apex FusedAdam on a GPU that has it), fp32 moments, 8 "
+                                 "bytes of state per parameter. `adamw8bit`: bitsandbytes' 8-bit AdamW (CUDA and "
+                                 "CPU; `pip install bitsandbytes`), both moments block-wise quantised to 8 bits, ~2 "
+                                 "bytes per parameter (tensors under 4096 elements keep fp32 moments). Works with "
+                                 "every precision, ZeRO stage and pipeline; checkpoints hold its quantised state.",
+                        choices=OPTIMIZERS)
     weight_decay: float = _f(0.01, "AdamW weight decay.")
     adam_beta1: float = _f(0.9, "AdamW beta1.")
     adam_beta2: float = _f(0.999, "AdamW beta2.")
@@ -508,11 +526,13 @@ class Config:
         return resolve_partition_method(self.parallel.partition_method, self.model.num_layers, pp,
                                         self.parallel.embedding_weight or 1)
 
-    def check(self, world_size: int, accelerator: Optional[Accelerator] = None) -> Tuple[int, int, int]:
+    def check(self, world_size: int, accelerator: Optional[Accelerator] = None,
+              installed: Optional[typing.Callable[[str], bool]] = None) -> Tuple[int, int, int]:
         """Cross-section checks for a run on `world_size` ranks; returns (tp, pp, dp).
 
         Pure: call it before creating any process group. `accelerator` describes the device the run will use
-        (its fp16 support decides whether precision fp16 can run); None skips that check (dry runs, planning).
+        (its fp16 support decides whether precision fp16 can run); `installed(package)` says whether an optional
+        package an option needs is there (`package_installed`). None skips either check (dry runs, planning).
         """
         p, t, m = self.parallel, self.training, self.model
         try:
@@ -547,7 +567,15 @@ class Config:
         if t.precision == "fp16" and accelerator is not None and not accelerator.fp16:
             raise ConfigError(f"training.precision fp16 is not supported here: {accelerator.name} has no fp16 "
                               "support. Use training.precision=bf16 (or fp32), or run on a GPU")
+        if installed is not None:
+            self._check_optional_packages(installed)
         return tp, pp, dp
+
+    def _check_optional_packages(self, installed) -> None:
+        for (section, key, value), (package, command) in OPTIONAL_PACKAGES.items():
+            if getattr(getattr(self, section), key) == value and not installed(package):
+                raise ConfigError(f"{section}.{key}={value} needs the {package} package, which is not installed: "
+                                  f"run `{command}` in this environment, or set {section}.{key} to another value")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -633,6 +661,7 @@ def parse_override(item: str) -> Tuple[str, str, Any]:
     return section, key, value
 
 
-__all__ = ["ConfigError", "Accelerator", "Config", "ParallelConfig", "TrainingConfig", "DataConfig", "CheckpointConfig",
+__all__ = ["ConfigError", "Accelerator", "OPTIMIZERS", "package_installed", "Config", "ParallelConfig",
+           "TrainingConfig", "DataConfig", "CheckpointConfig",
            "LoggingConfig", "GPTConfig", "SECTIONS", "MODEL_DOCS", "load_config", "config_from_dict",
            "parse_override"]

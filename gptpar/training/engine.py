@@ -5,8 +5,9 @@ Nothing else in gptpar/ imports DeepSpeed except the pipeline-stage builder (gpt
 `PipelineModule`, `LayerSpec`, the topology); tests/test_package_structure.py keeps it so. The trainer and the
 checkpointer talk to `TrainEngine`, never to the DeepSpeed engine it holds.
 
-`build_engine` takes the model (a plain `GPTModel` for pp = 1, a `PipelineModule` for pp > 1), a client
-AdamW (so DeepSpeed does not JIT-build its CPU FusedAdam) and the dict `deepspeed_config` generates.
+`build_engine` takes the model (a plain `GPTModel` for pp = 1, a `PipelineModule` for pp > 1), the name of a
+client optimizer (`make_optimizer`: torch's AdamW, so DeepSpeed does not JIT-build its CPU FusedAdam, or
+bitsandbytes' 8-bit AdamW) and the dict `deepspeed_config` generates.
 `TrainEngine.train_step(micro_batches)` runs one optimizer step over the micro-batches of this
 data-parallel rank, the same way for both kinds of model, and exposes what the log line needs.
 
@@ -47,6 +48,8 @@ test that breaks when one changes:
     the ZeRO-1 / BF16_Optimizer shard files' `param_shapes`,             test_universal_checkpoint.py (every reshape), test_convert.py
       `param_slice_mappings`, `single_partition_of_fp32_groups`,
       `base_optimizer_state` (read by gptpar.model.universal)
+    `zero_allow_untested_optimizer` lets ZeRO-1 and BF16_Optimizer      test_optimizer8bit.py (resume equals uninterrupted),
+      wrap bitsandbytes' AdamW8bit, whose state_dict they save          test_precision.py (its bytes)
 """
 from __future__ import annotations
 
@@ -61,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 from gptpar.model.kernels import make_adamw
-from gptpar.training.config import Accelerator, Config
+from gptpar.training.config import OPTIMIZERS, Accelerator, Config
 from gptpar.training.schedules import BatchSizeRampup
 
 
@@ -312,8 +315,7 @@ class TrainEngine:
         DeepSpeed chose, read off the engine's real objects."""
         names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
         params = [p for p in self.ds.module.parameters() if p.requires_grad]
-        wrapper = self.ds.optimizer
-        inner = getattr(wrapper, "optimizer", wrapper)
+        wrapper, inner = self._optimizers()
         master = [p for g in inner.param_groups for p in g["params"]]
         own = {id(p) for p in params}
         if all(id(p) in own for p in master):
@@ -330,38 +332,26 @@ class TrainEngine:
     def held_state_bytes(self) -> dict:
         """Bytes this rank holds for parameters, gradients and the optimizer wrapper's buffers and state (each
         storage counted once, under the first of those it is found in): what gptpar.estimate.memory estimates."""
-        seen, out = set(), {"parameters": 0, "gradients": 0, "optimizer": 0}
-
-        def add(kind, t):
-            if torch.is_tensor(t) and t.device.type != "meta":
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in seen and storage.nbytes():
-                    seen.add(storage.data_ptr())
-                    out[kind] += storage.nbytes()
-
-        def walk(obj, depth=0):  # the optimizers' own tensors sit in lists / dicts of their attributes
-            if torch.is_tensor(obj):
-                add("optimizer", obj)
-            elif isinstance(obj, (list, tuple)) and depth < 4:
-                for item in obj:
-                    walk(item, depth + 1)
-            elif isinstance(obj, dict) and depth < 4:
-                for item in obj.values():
-                    walk(item, depth + 1)
-
+        seen, out = set(), {}
         params = list(self.ds.module.parameters())
-        for p in params:
-            add("parameters", p)
-        for p in params:
-            add("gradients", p.grad)
-        wrapper = self.ds.optimizer
-        inner = getattr(wrapper, "optimizer", wrapper)
-        for opt in {id(wrapper): wrapper, id(inner): inner}.values():
-            walk(list(vars(opt).values()))
-            walk([p.grad for g in opt.param_groups for p in g["params"]])
-        walk(list(inner.state.values()))
+        out["parameters"] = _storage_bytes(params, seen)
+        out["gradients"] = _storage_bytes([p.grad for p in params], seen)
+        wrapper, inner = self._optimizers()
+        held = [list(vars(opt).values()) + [p.grad for g in opt.param_groups for p in g["params"]]
+                for opt in {id(wrapper): wrapper, id(inner): inner}.values()]
+        out["optimizer"] = _storage_bytes(held + [list(inner.state.values())], seen)
         out["total"] = sum(out.values())
         return out
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of the client optimizer's own state on this rank: Adam's two moments (for adamw8bit their uint8
+        codes, block scales and quantisation maps), without the master weights a DeepSpeed wrapper keeps."""
+        return _storage_bytes(list(self._optimizers()[1].state.values()), set())
+
+    def _optimizers(self):
+        """(DeepSpeed's optimizer wrapper, the client optimizer inside it); the same object twice without one."""
+        wrapper = self.ds.optimizer
+        return wrapper, getattr(wrapper, "optimizer", wrapper)
 
     @property
     def grad_norm(self) -> Optional[float]:
@@ -382,6 +372,21 @@ class TrainEngine:
 
 
 _NO_TIMER = contextlib.nullcontext()
+
+
+def _storage_bytes(obj, seen: set, depth: int = 0) -> int:
+    """Bytes of the tensors in `obj` (nested lists, tuples and dicts: the optimizers keep theirs in attributes
+    of those kinds), each storage counted once across calls sharing `seen`; meta tensors hold nothing."""
+    if torch.is_tensor(obj):
+        storage = obj.untyped_storage() if obj.device.type != "meta" else None
+        if storage is None or storage.data_ptr() in seen or not storage.nbytes():
+            return 0
+        seen.add(storage.data_ptr())
+        return storage.nbytes()
+    if depth < 5 and isinstance(obj, (list, tuple, dict)):
+        items = obj.values() if isinstance(obj, dict) else obj
+        return sum(_storage_bytes(item, seen, depth + 1) for item in items)
+    return 0
 
 
 def _synchronize(device) -> None:
@@ -441,10 +446,28 @@ def _dp_mean(loss: torch.Tensor, pstate) -> float:
     return float(loss)
 
 
-def build_engine(model: torch.nn.Module, pstate, ds_config: dict, *, lr: float = 1e-4,
+def make_optimizer(name: str, param_groups: List[dict], *, lr: float, betas, eps: float, weight_decay: float,
+                   device: torch.device) -> torch.optim.Optimizer:
+    """The client optimizer `training.optimizer` names: `adamw` (gptpar.model.kernels.make_adamw) or `adamw8bit`
+    (bitsandbytes' AdamW8bit, block-wise 8-bit moments; imported here only, Config.check said how to install it)."""
+    if name == "adamw":
+        return make_adamw(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, device=device)
+    if name == "adamw8bit":
+        import logging
+
+        # On CPUs with AVX512-BF16 its CPU backend warns at import that an optional 4-bit GEMM kernel (another
+        # package) is missing: nothing the optimizer uses.
+        logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    raise ValueError(f"training.optimizer must be one of {OPTIMIZERS}, got {name!r}")
+
+
+def build_engine(model: torch.nn.Module, pstate, ds_config: dict, *, optimizer: str = "adamw", lr: float = 1e-4,
                  weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8,
                  has_attention_mask: bool = False, universal_checkpoint_info: Optional[dict] = None) -> TrainEngine:
-    """Wrap `model` in a DeepSpeed engine with a client AdamW. Call on every rank.
+    """Wrap `model` in a DeepSpeed engine with the client `optimizer` (`make_optimizer`). Call on every rank.
 
     `universal_checkpoint_info` (gptpar.model.universal.deepspeed_universal_info) is saved into every
     checkpoint, where DeepSpeed's ds_to_universal.py reads how the tp slices merge."""
@@ -457,8 +480,8 @@ def build_engine(model: torch.nn.Module, pstate, ds_config: dict, *, lr: float =
         setattr(model, UNIVERSAL_CHECKPOINT_INFO,
                 dict(universal_checkpoint_info, **{UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}))
     pipelined = isinstance(model, PipelineModule)
-    optimizer = make_adamw(optimizer_param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps,
-                           weight_decay=weight_decay, device=pstate.device)
+    optimizer = make_optimizer(optimizer, optimizer_param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps,
+                               weight_decay=weight_decay, device=pstate.device)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                            mpu=None if pipelined else ParallelStateMPU(pstate))
     if pipelined and has_attention_mask:
@@ -557,6 +580,10 @@ def deepspeed_config(cfg: Config, dp_size: int, consumed_samples: int = 0) -> di
         "steps_per_print": 2 ** 31 - 1,  # gptpar prints its own log line
         "wall_clock_breakdown": False,
     }
+    if t.optimizer != "adamw":
+        # ZeRO refuses client optimizers outside its list (torch's Adam/AdamW, its own) unless told; bitsandbytes'
+        # AdamW8bit steps on ZeRO's flat fp32 partitions like any torch optimizer (tests/test_optimizer8bit.py).
+        ds["zero_allow_untested_optimizer"] = True
     if t.precision == "bf16":
         # Without it DeepSpeed 0.19.8 sums bf16 gradients over the micro-batches (ZeRO-1 picks its bf16 ZeRO
         # optimizer; the pipeline at stage 0 warns "not safe numerically"). fp32 selects BF16_Optimizer: bf16
