@@ -107,7 +107,15 @@ def runs(tmp_path_factory):
 
     assert convert_checkpoint.main(["--load", str(d / "fp32_ref_ck"), "--tag", "iter_0000004", "--to", "universal",
                                     "--output", str(d / "offline_universal")]) == 0
+    # The (2, 2, 1) checkpoint at iteration 6 (pp = 2: DeepSpeed's pipeline names) in DeepSpeed's own universal
+    # form, and in gptpar's without counters: both resume at (1, 1, 2) with a fresh schedule.
+    _ds_to_universal(d / "fp32_221_ck" / "iter_0000006", d / "ds_221")
+    universal.convert_deepspeed_checkpoint(str(d / "fp32_221_ck" / "iter_0000006"), str(d / "own_221"),
+                                           log=lambda *a: None)
+    fresh = dict(train_iters=2, lr_warmup_iters=1)
     back = [("fp32_back", ["--config", _config(d, "fp32_back", load=d / "fp32_221_ck" / "iter_0000006")]),
+            ("ds_fresh", ["--config", _config(d, "ds_fresh", load=d / "ds_221", training=fresh)]),
+            ("own_fresh", ["--config", _config(d, "own_fresh", load=d / "own_221", training=fresh)]),
             ("fp32_offline", ["--config", _config(d, "fp32_offline", load=d / "offline_universal",
                                                   parallel=dict(tensor_model_parallel_size=2, data_parallel_size=1))]),
             ("fp32_zero0", ["--config", _config(d, "fp32_zero0", load=d / "fp32_ref_ck" / "iter_0000004",
@@ -118,8 +126,23 @@ def runs(tmp_path_factory):
     back += [("wrong_model", ["--config", tp2, "--set", "model.hidden_size=64",
                               "--set", f"checkpoint.universal_dir={d / 'wrong_u'}"]),
              ("inside_load", ["--config", tp2, "--set", f"checkpoint.universal_dir={d / 'fp32_ref_ck' / 'u'}"])]
-    c = run_distributed(_runs_and_probe, 2, (back, None), timeout=400)
+    ds_probe = ["--config", _config(d, "ds_probe", load=d / "ds_221", training=fresh)]
+    c = run_distributed(_runs_and_probe, 2, (back, ds_probe), timeout=400)
     return d, {"a": a, "b": b, "c": c}
+
+
+def _ds_to_universal(ckpt, out):
+    """DeepSpeed's own ds_to_universal.py on checkpoint folder `ckpt` (reads the universal_checkpoint_info
+    gptpar's engine saved; strict: every pattern of it must be used)."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    argv = ["ds_to_universal", "--input_folder", str(ckpt), "--output_folder", str(out), "--num_extract_workers",
+            "1", "--num_merge_workers", "1"]
+    saved, sys.argv = sys.argv, argv
+    try:
+        ds_to_universal.main(ds_to_universal.parse_arguments())
+    finally:
+        sys.argv = saved
 
 
 def _losses(d, name):
@@ -291,18 +314,14 @@ def test_universal_checkpoint_loads_with_unpickling_disabled(runs, monkeypatch):
                 real_load(os.path.join(root, f), weights_only=True)
 
 
-def test_deepspeeds_own_converter_agrees(runs, tmp_path, monkeypatch):
+def test_deepspeeds_own_converter_agrees(runs, tmp_path):
     """DeepSpeed's ds_to_universal.py, reading the universal_checkpoint_info gptpar saves, converts the (2, 2, 1)
     bf16 checkpoint (balanced partitioning, embedding weight 2: the layer indices shifted) to the same tensors
     as gptpar's converter: every parameter's master weight, moments and step, under its pipeline name."""
-    from deepspeed.checkpoint import ds_to_universal
-
     d, _ = runs
     for name, weight in (("bf16_221", 2),):
         ckpt, theirs, ours = d / f"{name}_ck" / "iter_0000008", tmp_path / f"ds_{name}", tmp_path / f"gptpar_{name}"
-        monkeypatch.setattr(sys, "argv", ["ds_to_universal", "--input_folder", str(ckpt), "--output_folder",
-                                          str(theirs), "--num_extract_workers", "1", "--num_merge_workers", "1"])
-        ds_to_universal.main(ds_to_universal.parse_arguments())  # strict: every pattern of the info was used
+        _ds_to_universal(ckpt, theirs)
         meta = universal.convert_deepspeed_checkpoint(str(ckpt), str(ours), log=lambda *a: None)
         ds_names = sorted(n for n in os.listdir(theirs / "zero") if os.path.isdir(theirs / "zero" / n))
         mapped = {universal.gpt_parameter_name(n, True, 2, weight): n for n in ds_names}
@@ -313,6 +332,28 @@ def test_deepspeeds_own_converter_agrees(runs, tmp_path, monkeypatch):
                 assert torch.equal(universal.read_state(str(ours), full_name, key), want), (name, full_name, key)
             step = torch.load(theirs / "zero" / ds_name / "step.pt", weights_only=False)
             assert float(universal.read_state(str(ours), full_name, "step")) == float(step)
+
+
+def test_deepspeeds_universal_folder_resumes_like_gptpars_own(runs):
+    """ds_to_universal.py's output of the pp = 2 checkpoint (pipeline names, no gptpar metadata) resumed at
+    (1, 1, 2) trains as gptpar's own universal copy of it (without counters) resumed there; both start the
+    counters and LR schedule from 0 and carry the weights, Adam moments and step, which read back through the
+    engine equal the copy's tensors."""
+    d, out = runs
+    theirs, ours = _losses(d, "ds_fresh"), _losses(d, "own_fresh")
+    assert sorted(theirs) == sorted(ours) == [1, 2]
+    for it in theirs:
+        assert theirs[it] == pytest.approx(ours[it], rel=1e-6, abs=0), it
+    assert f"loading universal checkpoint {d / 'ds_221'} (no counters in it" in out["c"][0][0]["ds_fresh"][1]
+    assert not (d / "ds_221" / universal.META).exists()
+    probed = out["c"][0][1]  # dp rank 0 holds whole parameters after the gather
+    assert sorted(probed) == sorted(PROBED)
+    for name in PROBED:
+        state = probed[name][1]
+        assert state["step"] == float(universal.read_state(str(d / "own_221"), name, "step")) == 6.0
+        for key in universal.STATES:
+            want = universal.read_state(str(d / "own_221"), name, key)
+            assert torch.equal(state[key][:want.shape[0]], want), (name, key)
 
 
 @pytest.mark.slow
