@@ -112,7 +112,7 @@ def runs(tmp_path_factory):
     _ds_to_universal(d / "fp32_221_ck" / "iter_0000006", d / "ds_221")
     universal.convert_deepspeed_checkpoint(str(d / "fp32_221_ck" / "iter_0000006"), str(d / "own_221"),
                                            log=lambda *a: None)
-    fresh = dict(train_iters=2, lr_warmup_iters=1)
+    fresh = dict(train_iters=2, lr_warmup_iters=0)  # a step at iteration 1 (warmup would make its LR 0)
     back = [("fp32_back", ["--config", _config(d, "fp32_back", load=d / "fp32_221_ck" / "iter_0000006")]),
             ("ds_fresh", ["--config", _config(d, "ds_fresh", load=d / "ds_221", training=fresh)]),
             ("own_fresh", ["--config", _config(d, "own_fresh", load=d / "own_221", training=fresh)]),
