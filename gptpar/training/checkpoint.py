@@ -307,7 +307,7 @@ class Checkpointer:
         """Every parameter of this rank: its tp slice (vocab padding re-added for this tp) of the full fp32
         master weight and Adam moments, set through the engine (which cuts this dp rank's ZeRO partition) with
         the parameter's Adam step. Returns the counters; None (a fresh start of the counters and schedule) for a
-        folder DeepSpeed wrote, which has none."""
+        folder without them (one DeepSpeed wrote, or converted without gptpar's rank files)."""
         meta = _read_universal_meta(directory, self.model_config)
         for name, param in engine.named_parameters():
             full_name = self.parameter_name(name)
