@@ -370,3 +370,40 @@ def test_fp32_resumed_at_tp2_pp2_dp2_on_8_ranks(tmp_path):
     assert sorted(resumed) == [5, 6, 7, 8]
     for it in resumed:
         assert resumed[it] == pytest.approx(ref[it], rel=FP32_REL), it
+
+
+MEGATRON_LAYER = ("input_layernorm.weight", "input_layernorm.bias", "self_attention.query_key_value.weight",
+                  "self_attention.query_key_value.bias", "self_attention.dense.weight", "self_attention.dense.bias",
+                  "post_attention_layernorm.weight", "post_attention_layernorm.bias", "mlp.dense_h_to_4h.weight",
+                  "mlp.dense_h_to_4h.bias", "mlp.dense_4h_to_h.weight", "mlp.dense_4h_to_h.bias")
+
+
+@pytest.mark.parametrize("bloom", [False, True])
+def test_deepspeed_universal_names_cover_the_model(bloom):
+    """Every form docs/checkpoints.md lists, written out from Megatron-DeepSpeed's module names (GPT: learned
+    positions; BLOOM: the embedding LayerNorm) and DeepSpeed's pipeline names of gptpar's own PipelineModule
+    (embedding weight 2), maps one to one onto GPTModel's parameters (read off the model, not the map)."""
+    from gptpar.model.config import GPTConfig
+    from gptpar.model.pipeline import gpt_layer_prefixes
+
+    config = GPTConfig(num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
+                       **(dict(position_embedding_type="alibi", embed_layernorm=True) if bloom else {}))
+    embedding = ["word_embeddings.weight"] + (["word_embeddings.norm.weight", "word_embeddings.norm.bias"] if bloom
+                                              else ["position_embeddings.weight"])
+    L = config.num_layers
+    megatron_pipe = ([f"tied_modules.embed.{n}" for n in embedding] + [f"{3 + i}.{n}" for i in range(L)
+                     for n in MEGATRON_LAYER] + [f"{L + 4}.weight", f"{L + 4}.bias"])
+    megatron = ([f"language_model.embedding.{n}" for n in embedding] + [f"language_model.encoder.layers.{i}.{n}"
+                for i in range(L) for n in MEGATRON_LAYER] + ["language_model.encoder.final_layernorm.weight",
+                                                              "language_model.encoder.final_layernorm.bias"])
+    model = sorted(universal.parameter_tags(config))
+    by_prefix = {prefix: index for index, prefix in gpt_layer_prefixes(L, 2).items()}
+    gptpar_pipe = [("tied_modules.embed." + n[len("embedding."):]) if n.startswith("embedding.") else
+                   next(f"{i}.{n[len(p):]}" for p, i in by_prefix.items() if n.startswith(p)) for n in model]
+    for names in (megatron_pipe, megatron, gptpar_pipe, model):
+        mapped = universal.deepspeed_parameter_names(names, L)
+        assert sorted(mapped.values()) == model, names[:3]
+    assert universal.deepspeed_parameter_names(megatron_pipe, L)["4.self_attention.query_key_value.weight"] == \
+        "layers.1.query_key_value.weight"
+    with pytest.raises(universal.UniversalCheckpointError, match="model.num_layers = 2"):
+        universal.deepspeed_parameter_names(megatron_pipe, 2)
