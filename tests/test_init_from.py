@@ -39,26 +39,95 @@ def _make_hf(path, vocab=VOCAB, hidden=HIDDEN):
 
 def _hf_first_batch_loss(model_dir):
     """HF's mean loss over the run's first global batch (synthetic samples 0..7, shifted as gptpar shifts)."""
-    model = transformers.GPT2LMHeadModel.from_pretrained(model_dir).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
     text = torch.stack([synthetic_sample(SEED, i, VOCAB, SEQ) for i in range(GLOBAL_BATCH)])
     with torch.no_grad():
         logits = model(text[:, :-1]).logits
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), text[:, 1:].reshape(-1)).item()
 
 
+# A BLOOM of TINY's shape (gptpar's ALiBi + embedding LayerNorm, HF's BloomForCausalLM).
+BLOOM = dict(MODEL, position_embedding_type="alibi", embed_layernorm=True)
+MEGATRON_PADDED_VOCAB = 256  # Megatron pads the vocabulary to a multiple of 128 (x tp)
+
+
+def _make_hf_bloom(path):
+    """A BloomForCausalLM with random weights from a local config, every tensor (biases, LayerNorms too) moved
+    off HF's initial values so that each one changes the loss."""
+    torch.manual_seed(11)
+    config = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+                                      layer_norm_epsilon=1e-5, hidden_dropout=0.0, attention_dropout=0.0,
+                                      initializer_range=0.2, bos_token_id=0, eos_token_id=0)
+    model = transformers.BloomForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return str(path)
+
+
+def _megatron_name(hf_name):
+    """Megatron-DeepSpeed's GPTModelPipe name of a BloomForCausalLM tensor (None: the tied lm_head). HF's BLOOM
+    keeps Megatron's names inside a layer; GPTModelPipe's specs put the tied embedding first (`tied_modules.
+    embed`, its LayerNorm at `word_embeddings.norm`), transformer layer i at spec 3 + i (after a cast and a
+    transpose) and the final LayerNorm, a bare LayerNorm, at spec L + 4."""
+    name = hf_name[len("transformer."):]
+    if name.startswith("h."):
+        i, rest = name[2:].split(".", 1)
+        return f"{int(i) + 3}.{rest}"
+    return {"word_embeddings.weight": "tied_modules.embed.word_embeddings.weight",
+            "word_embeddings_layernorm.weight": "tied_modules.embed.word_embeddings.norm.weight",
+            "word_embeddings_layernorm.bias": "tied_modules.embed.word_embeddings.norm.bias",
+            "ln_f.weight": f"{LAYERS + 4}.weight", "ln_f.bias": f"{LAYERS + 4}.bias"}.get(name)
+
+
+def _write_megatron_universal(hf_dir, out):
+    """The folder DeepSpeed's ds_to_universal.py writes for a Megatron-DeepSpeed BLOOM run with these weights:
+    zero/{name}/{fp32,exp_avg,exp_avg_sq}.pt as {"param", "cat_dim" (tp-split ones), "vocab_tensor" (the word
+    embedding, here padded with random rows to MEGATRON_PADDED_VOCAB)} and step.pt a bare tensor; beside them
+    the pickles DeepSpeed copies (the mp_rank file with Megatron's args, zero/optimizer_state.pt)."""
+    import argparse
+
+    model = transformers.BloomForCausalLM.from_pretrained(hf_dir)
+    column = ("query_key_value.weight", "query_key_value.bias", "dense_h_to_4h.weight", "dense_h_to_4h.bias")
+    row = ("self_attention.dense.weight", "dense_4h_to_h.weight")
+    torch.manual_seed(12)
+    for hf_name, tensor in model.state_dict().items():
+        name = _megatron_name(hf_name)
+        if name is None:
+            continue
+        extra = {}
+        if name.endswith(column) or name.endswith(row):
+            extra["cat_dim"] = 1 if name.endswith(row) else 0
+        if name.endswith("word_embeddings.weight"):
+            tensor = torch.cat([tensor, torch.randn(MEGATRON_PADDED_VOCAB - VOCAB, HIDDEN)])
+            extra.update(cat_dim=0, vocab_tensor=True)
+        os.makedirs(out / "zero" / name)
+        for key, value in (("fp32", tensor), ("exp_avg", 1e-3 * torch.randn_like(tensor)),
+                           ("exp_avg_sq", 1e-6 * torch.rand_like(tensor))):
+            torch.save(dict(extra, param=value.float()), out / "zero" / name / f"{key}.pt")
+        torch.save(torch.tensor(5.0), out / "zero" / name / "step.pt")
+    torch.save({"param_groups": [{"lr": 1e-4}], "args": argparse.Namespace(num_layers=LAYERS)},
+               out / "zero" / "optimizer_state.pt")
+    torch.save({"args": argparse.Namespace(num_layers=LAYERS), "iteration": 5}, out / "mp_rank_00_model_states.pt")
+    return str(out)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """HF -> init_from at (tp 2, pp 2) for 2 iterations, saved; that checkpoint -> init_from at (2, 1, dp 2); HF's
-    weights-only checkpoint written at (2, 2) -> checkpoint.load at (1, 2, dp 2)."""
+    weights-only checkpoint written at (2, 2) -> checkpoint.load at (1, 2, dp 2); a Megatron-DeepSpeed BLOOM
+    universal folder -> init_from at (2, 1, dp 2)."""
     import convert_checkpoint
 
     d = tmp_path_factory.mktemp("init_from")
     hf = _make_hf(d / "hf")
     assert convert_checkpoint.main(["--from-hf", hf, "--to", "gptpar", "--output", str(d / "w22"),
                                     "--tp", "2", "--pp", "2"]) == 0
+    megatron = _write_megatron_universal(_make_hf_bloom(d / "hf_bloom"), d / "megatron_bloom")
 
-    def config(name, iters, parallel, checkpoint):
-        return write_config(d / f"{name}.json", model=MODEL, parallel=parallel, checkpoint=checkpoint,
+    def config(name, iters, parallel, checkpoint, model=MODEL):
+        return write_config(d / f"{name}.json", model=model, parallel=parallel, checkpoint=checkpoint,
                             training=dict(train_iters=iters, lr_warmup_iters=0),
                             logging=dict(metrics_file=str(d / f"{name}.jsonl")))
 
@@ -68,6 +137,8 @@ def runs(tmp_path_factory):
                         dict(init_from=str(d / "a"))),
         "weights": config("weights", 1, dict(pipeline_model_parallel_size=2, data_parallel_size=2),
                           dict(load=str(d / "w22"))),
+        "megatron": config("megatron", 1, dict(tensor_model_parallel_size=2, data_parallel_size=2),
+                           dict(init_from=megatron), model=BLOOM),
     }
     out = run_distributed(run_mains, 4, ([(name, ["--config", path]) for name, path in configs.items()],),
                           timeout=600)
@@ -82,6 +153,60 @@ def test_init_from_hugging_face_at_tp2_pp2_gives_hf_loss(runs):
     assert first["iteration"] == 1
     assert first["lm_loss"] == pytest.approx(_hf_first_batch_loss(hf), rel=1e-5, abs=0)
     assert f"starting from the weights of checkpoint.init_from {hf}" in out["hf"][1]
+
+
+def test_init_from_a_megatron_deepspeed_bloom_universal_folder_at_tp2_gives_hf_loss(runs):
+    d, _, out = runs
+    first = read_jsonl(d / "megatron.jsonl")[0]
+    assert first["iteration"] == 1
+    assert first["lm_loss"] == pytest.approx(_hf_first_batch_loss(str(d / "hf_bloom")), rel=1e-5, abs=0)
+
+
+def test_megatron_universal_folder_reads_with_unpickling_disabled(runs, monkeypatch):
+    """read_weights maps every name, drops the padding rows and reads nothing but weights_only files (the
+    pickles DeepSpeed copies beside them are never opened); the tensors are HF's."""
+    from gptpar.model.convert import load_hf, read_weights
+
+    d, _, _ = runs
+    reference, config = load_hf(str(d / "hf_bloom"))
+    real_load = torch.load
+
+    def safe_only(*args, **kwargs):
+        assert kwargs.get("weights_only") is True, "a universal folder's file was unpickled"
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", safe_only)
+    state, read_config = read_weights(str(d / "megatron_bloom"), config=config)
+    assert read_config == config and sorted(state) == sorted(reference)
+    for name, tensor in reference.items():
+        assert torch.equal(state[name], tensor), name
+
+
+def test_megatron_universal_folder_errors_name_the_file(runs, tmp_path):
+    """A parameter folder no model of the config has, a file holding a pickled object, and a model of another
+    shape: clear errors before anything is built."""
+    import argparse
+    import shutil
+
+    from gptpar.training.checkpoint_files import CheckpointError
+
+    d, _, _ = runs
+    folder = tmp_path / "megatron_bloom"
+    shutil.copytree(d / "megatron_bloom", folder)
+    with pytest.raises(CheckpointError, match="model.num_layers = 4"):
+        _check(tmp_path, init_from=str(folder), **dict(BLOOM, num_layers=4))
+    with pytest.raises(CheckpointError, match=r"zero/tied_modules.embed.position_embeddings.weight \(read as "
+                                              r"'embedding.position_embeddings.weight'\) is no parameter"):
+        os.makedirs(folder / "zero" / "tied_modules.embed.position_embeddings.weight")
+        _check(tmp_path, init_from=str(folder), **BLOOM)
+    os.rmdir(folder / "zero" / "tied_modules.embed.position_embeddings.weight")
+    fp32 = folder / "zero" / "3.mlp.dense_h_to_4h.bias" / "fp32.pt"
+    torch.save({"param": torch.zeros(4 * HIDDEN), "shape": argparse.Namespace(rows=1)}, fp32)
+    with pytest.raises(CheckpointError, match="fp32.pt holds objects other than tensors and plain values"):
+        _check(tmp_path, init_from=str(folder), **BLOOM)
+    torch.save({"param": torch.zeros(2 * HIDDEN)}, fp32)
+    with pytest.raises(CheckpointError, match=r"fp32.pt has shape \[64\], the model \[128\]"):
+        _check(tmp_path, init_from=str(folder), **BLOOM)
 
 
 def test_init_from_a_checkpoint_of_another_topology(runs, tmp_path):

@@ -107,7 +107,15 @@ def runs(tmp_path_factory):
 
     assert convert_checkpoint.main(["--load", str(d / "fp32_ref_ck"), "--tag", "iter_0000004", "--to", "universal",
                                     "--output", str(d / "offline_universal")]) == 0
+    # The (2, 2, 1) checkpoint at iteration 6 (pp = 2: DeepSpeed's pipeline names) in DeepSpeed's own universal
+    # form, and in gptpar's without counters: both resume at (1, 1, 2) with a fresh schedule.
+    _ds_to_universal(d / "fp32_221_ck" / "iter_0000006", d / "ds_221")
+    universal.convert_deepspeed_checkpoint(str(d / "fp32_221_ck" / "iter_0000006"), str(d / "own_221"),
+                                           log=lambda *a: None)
+    fresh = dict(train_iters=2, lr_warmup_iters=0)  # a step at iteration 1 (warmup would make its LR 0)
     back = [("fp32_back", ["--config", _config(d, "fp32_back", load=d / "fp32_221_ck" / "iter_0000006")]),
+            ("ds_fresh", ["--config", _config(d, "ds_fresh", load=d / "ds_221", training=fresh)]),
+            ("own_fresh", ["--config", _config(d, "own_fresh", load=d / "own_221", training=fresh)]),
             ("fp32_offline", ["--config", _config(d, "fp32_offline", load=d / "offline_universal",
                                                   parallel=dict(tensor_model_parallel_size=2, data_parallel_size=1))]),
             ("fp32_zero0", ["--config", _config(d, "fp32_zero0", load=d / "fp32_ref_ck" / "iter_0000004",
@@ -118,8 +126,23 @@ def runs(tmp_path_factory):
     back += [("wrong_model", ["--config", tp2, "--set", "model.hidden_size=64",
                               "--set", f"checkpoint.universal_dir={d / 'wrong_u'}"]),
              ("inside_load", ["--config", tp2, "--set", f"checkpoint.universal_dir={d / 'fp32_ref_ck' / 'u'}"])]
-    c = run_distributed(_runs_and_probe, 2, (back, None), timeout=400)
+    ds_probe = ["--config", _config(d, "ds_probe", load=d / "ds_221", training=fresh)]
+    c = run_distributed(_runs_and_probe, 2, (back, ds_probe), timeout=400)
     return d, {"a": a, "b": b, "c": c}
+
+
+def _ds_to_universal(ckpt, out):
+    """DeepSpeed's own ds_to_universal.py on checkpoint folder `ckpt` (reads the universal_checkpoint_info
+    gptpar's engine saved; strict: every pattern of it must be used)."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    argv = ["ds_to_universal", "--input_folder", str(ckpt), "--output_folder", str(out), "--num_extract_workers",
+            "1", "--num_merge_workers", "1"]
+    saved, sys.argv = sys.argv, argv
+    try:
+        ds_to_universal.main(ds_to_universal.parse_arguments())
+    finally:
+        sys.argv = saved
 
 
 def _losses(d, name):
@@ -291,18 +314,14 @@ def test_universal_checkpoint_loads_with_unpickling_disabled(runs, monkeypatch):
                 real_load(os.path.join(root, f), weights_only=True)
 
 
-def test_deepspeeds_own_converter_agrees(runs, tmp_path, monkeypatch):
+def test_deepspeeds_own_converter_agrees(runs, tmp_path):
     """DeepSpeed's ds_to_universal.py, reading the universal_checkpoint_info gptpar saves, converts the (2, 2, 1)
     bf16 checkpoint (balanced partitioning, embedding weight 2: the layer indices shifted) to the same tensors
     as gptpar's converter: every parameter's master weight, moments and step, under its pipeline name."""
-    from deepspeed.checkpoint import ds_to_universal
-
     d, _ = runs
     for name, weight in (("bf16_221", 2),):
         ckpt, theirs, ours = d / f"{name}_ck" / "iter_0000008", tmp_path / f"ds_{name}", tmp_path / f"gptpar_{name}"
-        monkeypatch.setattr(sys, "argv", ["ds_to_universal", "--input_folder", str(ckpt), "--output_folder",
-                                          str(theirs), "--num_extract_workers", "1", "--num_merge_workers", "1"])
-        ds_to_universal.main(ds_to_universal.parse_arguments())  # strict: every pattern of the info was used
+        _ds_to_universal(ckpt, theirs)
         meta = universal.convert_deepspeed_checkpoint(str(ckpt), str(ours), log=lambda *a: None)
         ds_names = sorted(n for n in os.listdir(theirs / "zero") if os.path.isdir(theirs / "zero" / n))
         mapped = {universal.gpt_parameter_name(n, True, 2, weight): n for n in ds_names}
@@ -313,6 +332,28 @@ def test_deepspeeds_own_converter_agrees(runs, tmp_path, monkeypatch):
                 assert torch.equal(universal.read_state(str(ours), full_name, key), want), (name, full_name, key)
             step = torch.load(theirs / "zero" / ds_name / "step.pt", weights_only=False)
             assert float(universal.read_state(str(ours), full_name, "step")) == float(step)
+
+
+def test_deepspeeds_universal_folder_resumes_like_gptpars_own(runs):
+    """ds_to_universal.py's output of the pp = 2 checkpoint (pipeline names, no gptpar metadata) resumed at
+    (1, 1, 2) trains as gptpar's own universal copy of it (without counters) resumed there; both start the
+    counters and LR schedule from 0 and carry the weights, Adam moments and step, which read back through the
+    engine equal the copy's tensors."""
+    d, out = runs
+    theirs, ours = _losses(d, "ds_fresh"), _losses(d, "own_fresh")
+    assert sorted(theirs) == sorted(ours) == [1, 2]
+    for it in theirs:
+        assert theirs[it] == pytest.approx(ours[it], rel=1e-6, abs=0), it
+    assert f"loading universal checkpoint {d / 'ds_221'} (no counters in it" in out["c"][0][0]["ds_fresh"][1]
+    assert not (d / "ds_221" / universal.META).exists()
+    probed = out["c"][0][1]  # dp rank 0 holds whole parameters after the gather
+    assert sorted(probed) == sorted(PROBED)
+    for name in PROBED:
+        state = probed[name][1]
+        assert state["step"] == float(universal.read_state(str(d / "own_221"), name, "step")) == 6.0
+        for key in universal.STATES:
+            want = universal.read_state(str(d / "own_221"), name, key)
+            assert torch.equal(state[key][:want.shape[0]], want), (name, key)
 
 
 @pytest.mark.slow
@@ -329,3 +370,40 @@ def test_fp32_resumed_at_tp2_pp2_dp2_on_8_ranks(tmp_path):
     assert sorted(resumed) == [5, 6, 7, 8]
     for it in resumed:
         assert resumed[it] == pytest.approx(ref[it], rel=FP32_REL), it
+
+
+MEGATRON_LAYER = ("input_layernorm.weight", "input_layernorm.bias", "self_attention.query_key_value.weight",
+                  "self_attention.query_key_value.bias", "self_attention.dense.weight", "self_attention.dense.bias",
+                  "post_attention_layernorm.weight", "post_attention_layernorm.bias", "mlp.dense_h_to_4h.weight",
+                  "mlp.dense_h_to_4h.bias", "mlp.dense_4h_to_h.weight", "mlp.dense_4h_to_h.bias")
+
+
+@pytest.mark.parametrize("bloom", [False, True])
+def test_deepspeed_universal_names_cover_the_model(bloom):
+    """Every form docs/checkpoints.md lists, written out from Megatron-DeepSpeed's module names (GPT: learned
+    positions; BLOOM: the embedding LayerNorm) and DeepSpeed's pipeline names of gptpar's own PipelineModule
+    (embedding weight 2), maps one to one onto GPTModel's parameters (read off the model, not the map)."""
+    from gptpar.model.config import GPTConfig
+    from gptpar.model.pipeline import gpt_layer_prefixes
+
+    config = GPTConfig(num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
+                       **(dict(position_embedding_type="alibi", embed_layernorm=True) if bloom else {}))
+    embedding = ["word_embeddings.weight"] + (["word_embeddings.norm.weight", "word_embeddings.norm.bias"] if bloom
+                                              else ["position_embeddings.weight"])
+    L = config.num_layers
+    megatron_pipe = ([f"tied_modules.embed.{n}" for n in embedding] + [f"{3 + i}.{n}" for i in range(L)
+                     for n in MEGATRON_LAYER] + [f"{L + 4}.weight", f"{L + 4}.bias"])
+    megatron = ([f"language_model.embedding.{n}" for n in embedding] + [f"language_model.encoder.layers.{i}.{n}"
+                for i in range(L) for n in MEGATRON_LAYER] + ["language_model.encoder.final_layernorm.weight",
+                                                              "language_model.encoder.final_layernorm.bias"])
+    model = sorted(universal.parameter_tags(config))
+    by_prefix = {prefix: index for index, prefix in gpt_layer_prefixes(L, 2).items()}
+    gptpar_pipe = [("tied_modules.embed." + n[len("embedding."):]) if n.startswith("embedding.") else
+                   next(f"{i}.{n[len(p):]}" for p, i in by_prefix.items() if n.startswith(p)) for n in model]
+    for names in (megatron_pipe, megatron, gptpar_pipe, model):
+        mapped = universal.deepspeed_parameter_names(names, L)
+        assert sorted(mapped.values()) == model, names[:3]
+    assert universal.deepspeed_parameter_names(megatron_pipe, L)["4.self_attention.query_key_value.weight"] == \
+        "layers.1.query_key_value.weight"
+    with pytest.raises(universal.UniversalCheckpointError, match="model.num_layers = 2"):
+        universal.deepspeed_parameter_names(megatron_pipe, 2)

@@ -130,14 +130,16 @@ def is_hf_model_dir(path: str) -> bool:
         return "model_type" in json.load(f)
 
 
-def read_weights(path: str, tag: Optional[str] = None) -> Tuple[StateDict, GPTConfig]:
+def read_weights(path: str, tag: Optional[str] = None,
+                 config: Optional[GPTConfig] = None) -> Tuple[StateDict, GPTConfig]:
     """Full (tp = 1) weights with the real vocab rows, and the model config, from whatever `path` holds:
     a gptpar checkpoint (any tp x pp; a checkpoint directory or the save directory holding `latest`), a
-    universal checkpoint (its fp32 master weights, read with unpickling disabled) or a local Hugging Face
-    model directory. The one reader for every tool that starts from existing weights."""
-    if os.path.isdir(path) and universal.is_universal(path):
+    universal checkpoint (its fp32 master weights, read with unpickling disabled; one written by DeepSpeed's
+    ds_to_universal.py records no model gptpar reads, so it needs `config`) or a local Hugging Face model
+    directory. The one reader for every tool that starts from existing weights."""
+    if os.path.isdir(path) and (universal.is_universal(path) or universal.is_deepspeed_universal(path)):
         try:
-            return universal.read_weights(path)
+            return universal.read_weights(path, config)
         except universal.UniversalCheckpointError as e:
             raise ConversionError(str(e)) from None
     if os.path.isdir(path) and is_hf_model_dir(path):
@@ -146,10 +148,16 @@ def read_weights(path: str, tag: Optional[str] = None) -> Tuple[StateDict, GPTCo
     return state, config
 
 
-def read_weights_config(path: str, tag: Optional[str] = None) -> GPTConfig:
-    """The model config of what `read_weights(path, tag)` returns, read without the tensors where the source
-    keeps it apart (a Hugging Face or a gptpar checkpoint's config.json), so that shapes are checked before any
-    weight is read; any other source (a universal checkpoint) through `read_weights` itself."""
+def read_weights_config(path: str, tag: Optional[str] = None, config: Optional[GPTConfig] = None) -> GPTConfig:
+    """The model config of what `read_weights(path, tag, config)` returns, read without the tensors where the
+    source keeps it apart (a Hugging Face or a gptpar checkpoint's config.json), so that shapes are checked
+    before any weight is read; a universal folder written by DeepSpeed is `config` once its names and shapes
+    are checked against it; any other source (a universal checkpoint) through `read_weights` itself."""
+    if os.path.isdir(path) and universal.is_deepspeed_universal(path):
+        try:
+            return GPTConfig(**universal.read_meta(path, config)["model"])
+        except universal.UniversalCheckpointError as e:
+            raise ConversionError(str(e)) from None
     if os.path.isdir(path) and is_hf_model_dir(path):
         import transformers
 

@@ -17,6 +17,12 @@ The per-parameter folder and file names and the dict keys are DeepSpeed's univer
 which depends on tp, is dropped: the word embedding and its moments hold the real `vocab_size` rows.
 Every file holds only tensors and plain values: they load with `torch.load(..., weights_only=True)`.
 
+A universal folder written by DeepSpeed's own `ds_to_universal.py` (no gptpar_universal.json: from a gptpar
+checkpoint under DeepSpeed's names, or from a Megatron-DeepSpeed GPT/BLOOM run) is read too: its names are
+mapped to GPTModel's (`deepspeed_parameter_names`), its model shape is the run's config (DeepSpeed keeps
+Megatron's args only as a pickle, which gptpar does not unpickle), its word embedding's padding rows are
+dropped, and it carries no counters.
+
 `convert_deepspeed_checkpoint` streams a gptpar checkpoint (DeepSpeed's ZeRO-1 / BF16_Optimizer shards) into
 this form: one state of one full parameter in memory at a time, copied piece by piece out of memory-mapped
 shard files, each mapped only while its piece is read. DeepSpeed's own shard files are pickles (its checkpoint engine writes optimizer objects
@@ -24,11 +30,13 @@ into them) and are read with `weights_only=False`: convert only checkpoints you 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import pickle
 import re
 import shutil
-from typing import Callable, Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, Optional, Tuple
 
 import torch
 
@@ -117,15 +125,31 @@ def _either_name_pattern(name: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 def is_universal(path: str) -> bool:
+    """A universal checkpoint written by gptpar (its metadata file is there)."""
     return os.path.isfile(os.path.join(path, META))
+
+
+def is_deepspeed_universal(path: str) -> bool:
+    """A universal folder without gptpar's metadata: DeepSpeed's `zero/{name}/*.pt` files, as
+    `ds_to_universal.py` writes them (from a gptpar or a Megatron-DeepSpeed checkpoint)."""
+    return not is_universal(path) and os.path.isdir(os.path.join(path, "zero"))
 
 
 def state_path(directory: str, name: str, key: str) -> str:
     return os.path.join(directory, "zero", name, f"{key}.pt")
 
 
-def read_meta(directory: str) -> dict:
-    """The universal checkpoint's metadata (plain JSON); UniversalCheckpointError if it is not one."""
+def read_meta(directory: str, config: Optional[GPTConfig] = None) -> dict:
+    """The universal checkpoint's metadata; UniversalCheckpointError if it is not one. A folder DeepSpeed wrote
+    (`is_deepspeed_universal`) has none of gptpar's: its model shape is `config` (the run's), its names are
+    mapped by `deepspeed_parameter_names`, and it carries no counters. meta["names"] maps each GPTModel name to
+    its folder under zero/."""
+    if is_deepspeed_universal(directory):
+        if config is None:
+            raise UniversalCheckpointError(f"{directory} is a universal folder written by DeepSpeed, which records no "
+                                           "model config gptpar reads: give the model's config (checkpoint.load "
+                                           "and checkpoint.init_from use the run's)")
+        return _deepspeed_meta(directory, config)
     path = os.path.join(directory, META)
     try:
         with open(path) as f:
@@ -136,24 +160,121 @@ def read_meta(directory: str) -> dict:
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise UniversalCheckpointError(f"{path}: format {meta.get('format')!r} version {meta.get('version')!r}, "
                                        f"this gptpar reads {FORMAT!r} version {VERSION}")
+    meta["names"] = {name: name for name in meta["parameters"]}
     return meta
 
 
-def read_state(directory: str, name: str, key: str) -> torch.Tensor:
-    """One full tensor (`key` in STATES, or "step") of parameter `name`, loaded with unpickling disabled and
-    memory-mapped: a rank that takes its tp slice of it reads only that slice's pages."""
-    path = state_path(directory, name, key)
+def read_state(directory: str, name: str, key: str, meta: Optional[dict] = None) -> torch.Tensor:
+    """One full tensor (`key` in STATES, or "step") of GPTModel parameter `name`, loaded with unpickling
+    disabled and memory-mapped: a rank that takes its tp slice of it reads only that slice's pages. With the
+    folder's `meta` (read_meta), the file is found under the folder's own name, checked against the model's
+    shape, and a word embedding's rows past model.vocab_size (a foreign folder's padding) are left out."""
+    path = state_path(directory, meta["names"][name] if meta else name, key)
     if not os.path.isfile(path):
         raise UniversalCheckpointError(f"{path} is missing: the universal checkpoint {directory} is incomplete")
-    value = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    return value if key == "step" else value[PARAM]
+    try:
+        value = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        raise UniversalCheckpointError(
+            f"{path} holds objects other than tensors and plain values, which gptpar does not unpickle "
+            f"(torch.load(weights_only=True) refused: {str(e).splitlines()[0]}): write it with tensors, numbers "
+            "and strings only") from None
+    if key == "step":
+        return value
+    if not isinstance(value, dict) or not torch.is_tensor(value.get(PARAM)):
+        raise UniversalCheckpointError(f"{path} is not a dict with a tensor under {PARAM!r}, as DeepSpeed's "
+                                       "universal checkpoint files are")
+    return _fitted(value[PARAM], meta["parameters"][name], path) if meta else value[PARAM]
 
 
-def read_weights(directory: str) -> Tuple[Dict[str, torch.Tensor], GPTConfig]:
-    """GPTModel-named full fp32 weights (real vocab rows) and the model config of a universal checkpoint."""
-    meta = read_meta(directory)
-    return ({name: read_state(directory, name, "fp32") for name in meta["parameters"]},
+def _fitted(tensor: torch.Tensor, tag: dict, path: str) -> torch.Tensor:
+    """`tensor` checked against the model's shape `tag["shape"]`; a word embedding keeps at most the real
+    vocabulary rows (fewer start at zero, as gptpar.model.sharding pads them)."""
+    shape = list(tag["shape"])
+    if tag["vocab_tensor"]:
+        tensor = tensor[:shape[0]]
+        shape[0] = tensor.shape[0]
+    if list(tensor.shape) != shape:
+        raise UniversalCheckpointError(f"{path} has shape {list(tensor.shape)}, the model {tag['shape']}: the "
+                                       "folder holds a model of another shape (set the model fields to its shape)")
+    return tensor
+
+
+def read_weights(directory: str, config: Optional[GPTConfig] = None) -> Tuple[Dict[str, torch.Tensor], GPTConfig]:
+    """GPTModel-named full fp32 weights (real vocab rows) and the model config of a universal checkpoint
+    (`config`: the model of a folder DeepSpeed wrote, which records none gptpar reads)."""
+    meta = read_meta(directory, config)
+    return ({name: read_state(directory, name, "fp32", meta) for name in meta["parameters"]},
             GPTConfig(**meta["model"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading a universal folder written by DeepSpeed's ds_to_universal.py (gptpar's or Megatron-DeepSpeed's names)
+# ---------------------------------------------------------------------------------------------
+
+# Megatron-DeepSpeed's module names -> GPTModel's, applied in order to a name already in GPTModel's form of
+# prefixes: its non-pipeline prefixes, the sub-modules of its transformer layer, its embedding LayerNorm
+# (BLOOM's `word_embeddings.norm`) and its final LayerNorm (a bare LayerNorm, no `.norm`).
+_MEGATRON_NAMES = ((r"^language_model\.embedding\.", "embedding."),
+                   (r"^language_model\.encoder\.layers\.", "layers."),
+                   (r"^language_model\.encoder\.final_layernorm\.", "final_layernorm."),
+                   (r"^(layers\.\d+\.)(self_attention|mlp)\.", r"\1"),
+                   (r"^embedding\.word_embeddings\.norm\.", "embedding.word_embeddings_layernorm."),
+                   (r"^final_layernorm\.(weight|bias)$", r"final_layernorm.norm.\1"))
+
+
+def deepspeed_parameter_names(names: Iterable[str], num_layers: int) -> Dict[str, str]:
+    """{name in a DeepSpeed universal folder: GPTModel's name}, for the names of docs/checkpoints.md: GPTModel's
+    own (gptpar at pp = 1), a PipelineModule's `tied_modules.embed.*` and `{layer index}.*` (gptpar at pp > 1,
+    Megatron-DeepSpeed's GPTModelPipe) and Megatron-DeepSpeed's non-pipeline `language_model.*`. The pipeline
+    indices depend on the layer specs (embedding weight, Megatron's lambdas), so they are taken in order: the
+    first `num_layers` are the transformer layers, the last the final LayerNorm; renumbered to gptpar's specs,
+    gptpar.model.pipeline.gpt_parameter_name names them. Unknown names come back as they are (no model has them)."""
+    names = list(names)
+    indices = sorted({int(n.split(".", 1)[0]) for n in names if n.split(".", 1)[0].isdigit()})
+    if indices and len(indices) != num_layers + 1:
+        raise UniversalCheckpointError(
+            f"the folder's pipeline layers {indices} are not {num_layers} transformer layers and a final LayerNorm "
+            f"(model.num_layers = {num_layers}): set model.num_layers to the checkpoint's")
+    spec_index = {index: 1 + k for k, index in enumerate(indices)}  # embedding weight 1: layers 1.., final 1 + L
+    mapped = {}
+    for name in names:
+        head, _, rest = name.partition(".")
+        gpt = name
+        if head == "tied_modules" or head.isdigit():
+            pipeline_name = f"{spec_index[int(head)]}.{rest}" if head.isdigit() else name
+            gpt = gpt_parameter_name(pipeline_name, True, num_layers)
+        for pattern, replacement in _MEGATRON_NAMES:
+            gpt = re.sub(pattern, replacement, gpt)
+        mapped[name] = gpt
+    return mapped
+
+
+def _deepspeed_meta(directory: str, config: GPTConfig) -> dict:
+    """read_meta of a folder DeepSpeed wrote: every parameter folder under zero/ mapped to a GPTModel name of
+    `config`'s model (any other is an error naming it), every parameter of the model present once."""
+    zero = os.path.join(directory, "zero")
+    folders = sorted(n for n in os.listdir(zero) if os.path.isdir(os.path.join(zero, n)))
+    tags = parameter_tags(config)
+    names = {}
+    for folder, name in deepspeed_parameter_names(folders, config.num_layers).items():
+        if name not in tags:
+            raise UniversalCheckpointError(
+                f"{directory}: zero/{folder} (read as {name!r}) is no parameter of the model the config describes: "
+                "gptpar reads GPTModel's, DeepSpeed's pipeline and Megatron-DeepSpeed's GPT/BLOOM names "
+                "(docs/checkpoints.md); check the model fields (embed_layernorm, position_embedding_type)")
+        if name in names:
+            raise UniversalCheckpointError(f"{directory}: zero/{names[name]} and zero/{folder} are both {name!r}")
+        names[name] = folder
+    missing = sorted(set(tags) - set(names))
+    if missing:
+        raise UniversalCheckpointError(f"{directory} has no zero/ folder for the model's {missing[:5]}: check the "
+                                       "model fields (embed_layernorm, position_embedding_type, num_layers)")
+    meta = {"format": "deepspeed-universal", "model": dataclasses.asdict(config), "parameters": tags,
+            "names": names, "counters": {}, "source": {"path": os.path.abspath(directory)}}
+    for name in tags:  # every shape checked now, before anything is built (the files are mapped, not read)
+        read_state(directory, name, "fp32", meta)
+    return meta
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,5 +435,5 @@ def _full_tensor(name: str, tag: dict, tp: int, read) -> torch.Tensor:
 
 
 __all__ = ["META", "STATES", "UniversalCheckpointError", "gpt_parameter_name",
-           "parameter_tags", "deepspeed_universal_info", "is_universal", "state_path", "read_meta", "read_state", "read_weights",
-           "convert_deepspeed_checkpoint"]
+           "parameter_tags", "deepspeed_universal_info", "is_universal", "is_deepspeed_universal", "state_path",
+           "read_meta", "read_state", "read_weights", "deepspeed_parameter_names", "convert_deepspeed_checkpoint"]

@@ -103,7 +103,8 @@ def build_trainer(cfg: Config, pstate, log, load_target, init_from=None):
                                 parameter_name=functools.partial(
                                     gpt_parameter_name, pipelined=pstate.pp_size > 1,
                                     num_layers=cfg.model.num_layers,
-                                    embedding_weight=cfg.parallel.embedding_weight or 1))
+                                    embedding_weight=cfg.parallel.embedding_weight or 1),
+                                model_config=cfg.model)
     return Trainer(cfg, pstate, engine, train_source, valid_sources, checkpointer, tracker,
                    log=functools.partial(print, flush=True))
 

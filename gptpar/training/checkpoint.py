@@ -25,7 +25,9 @@ resumed through its universal form (gptpar.model.universal, docs/checkpoints.md)
 into `checkpoint.universal_dir` (default: `{load folder}_universal/`, never inside the load folder) or reuses
 the copy already there, and every rank takes its slices of each parameter's fp32 master weight and Adam
 moments from it. The counters (iteration, consumed samples and tokens, the LR schedule's inputs) travel with
-it; the RNG streams are per rank and restart from the seed. gptpar's own files are read with unpickling
+it; the RNG streams are per rank and restart from the seed. A universal folder without counters (one
+DeepSpeed's ds_to_universal.py wrote, from a gptpar or a Megatron-DeepSpeed run) gives the weights, moments and
+Adam's step, and the counters and LR schedule start from 0. gptpar's own files are read with unpickling
 disabled (`weights_only=True`); DeepSpeed's per-rank files are pickles, which its engine loads itself.
 """
 from __future__ import annotations
@@ -42,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from gptpar.model import universal
+from gptpar.model.config import GPTConfig
 from gptpar.model.sharding import shard_tensor
 from gptpar.training.checkpoint_files import (CONFIG, LATEST, TAG_RE, CheckpointError, LoadTarget, is_complete,
                                               read_latest, saved_world_size, state_file, tag_of, verify_checkpoint,
@@ -125,22 +128,23 @@ def parallel_sizes(shape: dict) -> Tuple[int, int, int]:
 
 
 def plan_load(target: LoadTarget, shape: dict, world_size: int, universal_dir: Optional[str], precision: str,
-              log: Callable[[str], None]) -> LoadTarget:
+              log: Callable[[str], None], model_config: Optional[GPTConfig] = None) -> LoadTarget:
     """What this run loads for `target` (rank 0, before the model is built): the checkpoint itself when its
     shape is this run's, else its universal copy, converted now or found in `universal_dir` (default
     `{target.directory}_universal`) under the checkpoint's tag. Raises CheckpointError for another model shape
-    or a universal copy that cannot be used; never writes inside `target.directory`."""
+    or a universal copy that cannot be used; never writes inside `target.directory`. `model_config`: the
+    run's model, the shape of a universal folder DeepSpeed wrote (its names and shapes are checked here)."""
     model = {"model": {k: v for k, v in shape["model"].items() if k != "padded_vocab_size"},
              "training": shape["training"]}  # a universal copy holds AdamW's moments (the default)
     to = parallel_sizes(shape)
     if target.universal is not None:
-        meta = _read_universal_meta(target.universal)
+        meta = _read_universal_meta(target.universal, model_config)
         check_shape({"model": meta["model"]}, model, target.universal)
-        if "iteration" not in meta["counters"]:
-            raise CheckpointError(f"universal checkpoint {target.universal} holds no training counters (converted "
-                                  "from a checkpoint without gptpar's rank files): a run cannot resume from it")
-        log(f"loading universal checkpoint {target.universal} (iteration {meta['counters'].get('iteration')}) "
-            f"at (tp, pp, dp) = {to}")
+        iteration = meta["counters"].get("iteration")
+        carried = (f"iteration {iteration}" if iteration is not None else "no counters in it (written by DeepSpeed, "
+                   "or converted without gptpar's rank files): its weights, Adam moments and step, with iteration, "
+                   "consumed samples and the LR schedule starting from 0")
+        log(f"loading universal checkpoint {target.universal} ({carried}) at (tp, pp, dp) = {to}")
         return target
     verify_checkpoint(target, saved_world_size(target, world_size))  # every file there and whole, first
     saved = read_rank_state(target.path)
@@ -192,9 +196,9 @@ def universal_copy(target: LoadTarget, saved: dict, universal_dir: Optional[str]
     return out, how
 
 
-def _read_universal_meta(directory: str) -> dict:
+def _read_universal_meta(directory: str, model_config: Optional[GPTConfig] = None) -> dict:
     try:
-        return universal.read_meta(directory)
+        return universal.read_meta(directory, model_config)
     except universal.UniversalCheckpointError as e:
         raise CheckpointError(str(e)) from None
 
@@ -239,6 +243,7 @@ class Checkpointer:
     tp_size: int = 1
     # GPTModel's name of each of the engine's parameter names (gptpar.model.universal.gpt_parameter_name)
     parameter_name: Callable[[str], str] = field(default=lambda name: name)
+    model_config: Optional[GPTConfig] = None  # the model of a universal folder DeepSpeed wrote (it has none)
 
     # -- save ----------------------------------------------------------------------------------
     def save(self, engine, iteration: int, client_state: dict, tracker) -> str:
@@ -298,21 +303,25 @@ class Checkpointer:
                  f"{state['consumed_samples']} consumed samples")
         return state
 
-    def _load_universal(self, engine, directory: str) -> dict:
+    def _load_universal(self, engine, directory: str) -> Optional[dict]:
         """Every parameter of this rank: its tp slice (vocab padding re-added for this tp) of the full fp32
-        master weight and Adam moments, set through the engine (which cuts this dp rank's ZeRO partition)."""
-        meta = _read_universal_meta(directory)
-        counters = meta["counters"]
+        master weight and Adam moments, set through the engine (which cuts this dp rank's ZeRO partition) with
+        the parameter's Adam step. Returns the counters; None (a fresh start of the counters and schedule) for a
+        folder without them (one DeepSpeed wrote, or converted without gptpar's rank files)."""
+        meta = _read_universal_meta(directory, self.model_config)
         for name, param in engine.named_parameters():
             full_name = self.parameter_name(name)
             try:
-                states = {key: shard_tensor(universal.read_state(directory, full_name, key), param, self.tp_rank,
-                                            self.tp_size).to(param.device) for key in universal.STATES}
+                states = {key: shard_tensor(universal.read_state(directory, full_name, key, meta), param,
+                                            self.tp_rank, self.tp_size).to(param.device) for key in universal.STATES}
+                step = float(universal.read_state(directory, full_name, "step", meta))
             except universal.UniversalCheckpointError as e:
                 raise CheckpointError(str(e)) from None
-            engine.set_full_state(param, states.pop("fp32"), states, meta["step"])
-        self.log(f"resumed from universal checkpoint {directory}: iteration {counters['iteration']}, "
-                 f"{counters['consumed_samples']} consumed samples, Adam step {meta['step']:g} (RNG streams "
+            engine.set_full_state(param, states.pop("fp32"), states, step)
+        counters = meta["counters"] or None
+        where = (f"iteration {counters['iteration']}, {counters['consumed_samples']} consumed samples" if counters
+                 else "iteration 0 (no counters in it)")
+        self.log(f"resumed from universal checkpoint {directory}: {where}, Adam step {step:g} (RNG streams "
                  "start from the seed: they are per rank)")
         return counters
 

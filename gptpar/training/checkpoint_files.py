@@ -21,7 +21,7 @@ import zipfile
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from gptpar.model.universal import is_universal
+from gptpar.model.universal import is_deepspeed_universal, is_universal
 
 LATEST = "latest"
 TAG_RE = re.compile(r"^iter_(\d{7,})$")
@@ -179,7 +179,7 @@ def resolve_load(load: Optional[str]) -> Tuple[Optional[LoadTarget], Optional[st
                               "checkpoint.save wrote (it holds `latest`) or one of its iter_N folders")
     load = os.path.normpath(load)
     name = os.path.basename(load)
-    if is_universal(load):
+    if is_universal(load) or is_deepspeed_universal(load):
         return LoadTarget(os.path.dirname(load), name, universal=load), None
     if (TAG_RE.match(name) or os.path.isfile(os.path.join(load, MANIFEST))) and \
             not os.path.exists(os.path.join(load, LATEST)):

@@ -3,9 +3,10 @@ checkpoint given as `checkpoint.load`. Weights only: the run starts at iteration
 schedule, ramp-up and counters.
 
 The weights may be a gptpar training checkpoint of any tp x pp (a checkpoint folder, or the save folder holding
-`latest`), a weights-only gptpar checkpoint (tools/convert_checkpoint.py --to gptpar), a universal checkpoint or a
-local Hugging Face model directory: `gptpar.model.convert.read_weights` reads each into one full (tp = 1) state
-dict, and every rank takes its blocks by the parameters' own tags (gptpar.model.sharding), a pipeline stage
+`latest`), a weights-only gptpar checkpoint (tools/convert_checkpoint.py --to gptpar), a universal checkpoint
+(gptpar's, or one DeepSpeed's ds_to_universal.py wrote from a gptpar or Megatron-DeepSpeed GPT/BLOOM run, whose
+model shape is this run's config) or a local Hugging Face model directory: `gptpar.model.convert.read_weights`
+reads each into one full (tp = 1) state dict, and every rank takes its blocks by the parameters' own tags (gptpar.model.sharding), a pipeline stage
 naming its parameters through gptpar.model.pipeline.gpt_parameter_name. They go into the model before
 DeepSpeed's engine is built, so the fp32 master weights (ZeRO-1, bf16's optimizer) start from them too.
 
@@ -58,7 +59,7 @@ def check_weights_fit(path: str, model: GPTConfig, field: str = "checkpoint.init
                               "iter_N folder), a weights-only or universal checkpoint, or a local Hugging Face "
                               "model directory")
     try:
-        source = read_weights_config(path)
+        source = read_weights_config(path, config=model)
     except (ConversionError, OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{field} {path} cannot be read as model weights: {e}") from None
     diffs = [f"model.{key}: {field} has {getattr(source, key)!r}, the config {getattr(model, key)!r}"
@@ -77,7 +78,7 @@ def load_initial_weights(model, cfg, pstate, path: str) -> None:
     from gptpar.model.pipeline import gpt_parameter_name
     from gptpar.model.sharding import load_full_state_dict
 
-    state, _ = read_weights(path)
+    state, _ = read_weights(path, config=cfg.model)
     full_name = None
     if pstate.pp_size > 1:
         full_name = functools.partial(gpt_parameter_name, num_layers=cfg.model.num_layers,

@@ -84,7 +84,7 @@ def check_on_rank0(cfg, world_size: int, tp: int, pp: int, shape: dict, log) -> 
     target, note = resolve_load(ck.load)
     target, init_from, note = choose_start(ck.init_from, target, note)
     if target is not None:
-        target = plan_load(target, shape, world_size, ck.universal_dir, cfg.training.precision, log)
+        target = plan_load(target, shape, world_size, ck.universal_dir, cfg.training.precision, log, cfg.model)
     if init_from is not None:
         check_weights_fit(init_from, cfg.model, "checkpoint.init_from" if init_from == ck.init_from
                           else "checkpoint.load")
