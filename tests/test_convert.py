@@ -118,7 +118,7 @@ def test_bloom_export_from_tp2_pp2_and_import(tmp_path):
     loss is the distributed model's, its logits the serial gptpar model's; importing it gives the tensors back."""
     import convert_checkpoint
 
-    from gptpar.model.convert import load_universal, read_weights
+    from gptpar.model.convert import read_checkpoint_weights, read_weights
     from gptpar.model.gpt import GPTModel
     from gptpar.model.sharding import load_full_state_dict
 
@@ -128,7 +128,7 @@ def test_bloom_export_from_tp2_pp2_and_import(tmp_path):
     assert convert_checkpoint.main(["--load", save, "--to", "hf", "--output", hf_dir]) == 0
     assert_close(_hf_loss(hf_dir, "BloomForCausalLM"), loss, rtol=1e-5, atol=0)
 
-    state, config, _ = load_universal(save)
+    state, config, _ = read_checkpoint_weights(save)
     model = GPTModel(config).eval()
     load_full_state_dict(model, state)
     hf = transformers.BloomForCausalLM.from_pretrained(hf_dir).eval()

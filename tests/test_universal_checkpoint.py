@@ -292,11 +292,11 @@ def _model_config():
 def test_universal_checkpoint_loads_with_unpickling_disabled(runs, monkeypatch):
     """Every file of the universal copy is tensors and plain values: read_weights (the reader the tools and
     init_from share) works with torch.load refusing anything but weights_only=True, and gives the fp32 model."""
-    from gptpar.model.convert import load_universal, read_weights
+    from gptpar.model.convert import read_checkpoint_weights, read_weights
 
     d, _ = runs
     udir = d / "fp32_ref_ck_universal" / "iter_0000004"
-    want, _, _ = load_universal(str(d / "fp32_ref_ck" / "iter_0000004"))  # DeepSpeed's model files (pickles)
+    want, _, _ = read_checkpoint_weights(str(d / "fp32_ref_ck" / "iter_0000004"))  # DeepSpeed's model files (pickles)
     real_load = torch.load
 
     def safe_only(*args, **kwargs):

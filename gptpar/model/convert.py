@@ -85,7 +85,7 @@ def _read_shards(ckpt: str, config: GPTConfig, tp: int, pp: int, embedding_weigh
     return shards
 
 
-def load_universal(path: str, tag: Optional[str] = None) -> Tuple[StateDict, GPTConfig, dict]:
+def read_checkpoint_weights(path: str, tag: Optional[str] = None) -> Tuple[StateDict, GPTConfig, dict]:
     """Read a gptpar checkpoint (any tp x pp) into one tp = 1 state dict with the real vocab rows.
 
     Returns (state dict, model config, the run's full config dict)."""
@@ -144,7 +144,7 @@ def read_weights(path: str, tag: Optional[str] = None,
             raise ConversionError(str(e)) from None
     if os.path.isdir(path) and is_hf_model_dir(path):
         return load_hf(path)
-    state, config, _ = load_universal(path, tag)
+    state, config, _ = read_checkpoint_weights(path, tag)
     return state, config
 
 
