@@ -149,6 +149,14 @@ def _losses(d, name):
     return {r["iteration"]: r["lm_loss"] for r in read_jsonl(d / f"{name}.jsonl") if not r.get("eval")}
 
 
+def _assert_follows_fp32_ref(d, name, iterations=(5, 6, 7, 8)):
+    """Run `name` trained exactly `iterations`, each with the uninterrupted dp = 2 run's loss (FP32_REL)."""
+    ref, resumed = _losses(d, "fp32_ref"), _losses(d, name)
+    assert sorted(resumed) == list(iterations)
+    for it in resumed:
+        assert resumed[it] == pytest.approx(ref[it], rel=FP32_REL), it
+
+
 REFUSED = ("wrong_model", "inside_load")
 
 
@@ -175,10 +183,7 @@ def test_refused_before_anything_is_written(runs):
 
 def test_fp32_resumed_at_tp2_pp2_follows_the_uninterrupted_dp2_run(runs):
     d, out = runs
-    ref, resumed = _losses(d, "fp32_ref"), _losses(d, "fp32_221")
-    assert sorted(resumed) == [5, 6, 7, 8]
-    for it in resumed:
-        assert resumed[it] == pytest.approx(ref[it], rel=FP32_REL), it
+    _assert_follows_fp32_ref(d, "fp32_221")
     text = out["b"][0][0]["fp32_221"][1]
     ck = d / "fp32_ref_ck" / "iter_0000004"
     assert f"reshaping checkpoint {ck} from (tp,pp,dp) (1, 1, 2) to (2, 2, 1): converted to its universal copy " \
@@ -195,19 +200,13 @@ def read_manifest_files(ck):
 
 def test_tp2_pp2_checkpoint_resumed_at_dp2(runs):
     d, _ = runs
-    ref, back = _losses(d, "fp32_ref"), _losses(d, "fp32_back")
-    assert sorted(back) == [7, 8]
-    for it in back:
-        assert back[it] == pytest.approx(ref[it], rel=FP32_REL), it
+    _assert_follows_fp32_ref(d, "fp32_back", (7, 8))
 
 
 def test_offline_conversion_resumed_at_tp2(runs):
     """tools/convert_checkpoint.py --to universal, then checkpoint.load pointing at its output, at tp = 2."""
     d, out = runs
-    ref, resumed = _losses(d, "fp32_ref"), _losses(d, "fp32_offline")
-    assert sorted(resumed) == [5, 6, 7, 8]
-    for it in resumed:
-        assert resumed[it] == pytest.approx(ref[it], rel=FP32_REL), it
+    _assert_follows_fp32_ref(d, "fp32_offline")
     assert f"loading universal checkpoint {d / 'offline_universal'} (iteration 4) at (tp, pp, dp) = (2, 1, 1)" \
         in out["c"][0][0]["fp32_offline"][1]
 
@@ -215,10 +214,7 @@ def test_offline_conversion_resumed_at_tp2(runs):
 def test_resumed_at_pp2_without_zero(runs):
     """Into an engine without a partitioned optimizer (fp32, ZeRO-0): the client AdamW's own state is set."""
     d, _ = runs
-    ref, resumed = _losses(d, "fp32_ref"), _losses(d, "fp32_zero0")
-    assert sorted(resumed) == [5, 6, 7, 8]
-    for it in resumed:
-        assert resumed[it] == pytest.approx(ref[it], rel=FP32_REL), it
+    _assert_follows_fp32_ref(d, "fp32_zero0")
 
 
 def test_ramp_up_resumed_mid_ramp_at_dp4(runs):
@@ -366,10 +362,7 @@ def test_fp32_resumed_at_tp2_pp2_dp2_on_8_ranks(tmp_path):
         None), timeout=600)
     for rank_out, _ in a + b:
         assert all(rc == 0 for rc, _ in rank_out.values())
-    ref, resumed = _losses(d, "fp32_ref"), _losses(d, "fp32_222")
-    assert sorted(resumed) == [5, 6, 7, 8]
-    for it in resumed:
-        assert resumed[it] == pytest.approx(ref[it], rel=FP32_REL), it
+    _assert_follows_fp32_ref(d, "fp32_222")
 
 
 MEGATRON_LAYER = ("input_layernorm.weight", "input_layernorm.bias", "self_attention.query_key_value.weight",
