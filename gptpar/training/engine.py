@@ -56,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import time
 from collections import defaultdict
 from typing import Dict, List, Optional
@@ -484,6 +485,7 @@ def build_engine(model: torch.nn.Module, pstate, ds_config: dict, *, optimizer: 
                                weight_decay=weight_decay, device=pstate.device)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                            mpu=None if pipelined else ParallelStateMPU(pstate))
+    release_shm_buffer(pstate)
     if pipelined and has_attention_mask:
         engine.set_has_attention_mask(True)  # the mask travels as the last tensor between stages
     if not (engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization()):
@@ -491,6 +493,30 @@ def build_engine(model: torch.nn.Module, pstate, ds_config: dict, *, optimizer: 
         # counts the tied embedding copy and skips later stages' replicated (LayerNorm, bias) parameters.
         engine.clip_fp32_gradients = functools.partial(_clip_and_keep_norm, engine, pstate)
     return TrainEngine(engine, pstate, pipelined)
+
+
+def shm_buffer_path(rank: int) -> str:
+    """Where DeepSpeed's CPU shared-memory all-reduce keeps rank `rank`'s buffer (csrc/cpu/comm/shm.cpp:
+    `deepspeed_allreduce_buffer_{uid}_{MASTER_ADDR}_{MASTER_PORT}_{rank}`, ~66 MB in RAM-backed /dev/shm)."""
+    return (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+
+
+def release_shm_buffer(pstate) -> None:
+    """Unlink this rank's DeepSpeed shared-memory buffer once every rank has mapped every other's.
+
+    DeepSpeed 0.19.8 creates the buffer when all ranks share one host (the CPU accelerator) and never unlinks
+    it, so every CPU run left one per rank in /dev/shm (RAM) for good: a day of test runs held 11 GB there. Each
+    rank maps all the others' buffers inside DeepSpeed's init, so after a barrier the names are no longer
+    needed; the mappings stay valid until the process exits, and nothing is left behind even on a kill."""
+    if torch.cuda.is_available():
+        return  # the shm op is DeepSpeed's CPU accelerator's
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()  # every rank past DeepSpeed's init: all buffers opened and mapped
+    try:
+        os.unlink(shm_buffer_path(pstate.rank))
+    except FileNotFoundError:
+        pass  # no shm op (ranks on several hosts, or the op not built)
 
 
 def _clip_and_keep_norm(engine, pstate) -> None:
