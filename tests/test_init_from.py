@@ -182,6 +182,25 @@ def test_megatron_universal_folder_reads_with_unpickling_disabled(runs, monkeypa
         assert torch.equal(state[name], tensor), name
 
 
+def test_convert_exports_a_megatron_universal_folder_given_the_run_config(runs, tmp_path, capsys):
+    """convert_checkpoint reads the folder with the model of --config (it records none gptpar reads): exported to
+    Hugging Face it holds the BLOOM tensors it was written from; without --config it is a clear error."""
+    import convert_checkpoint
+
+    from gptpar.model.convert import load_hf
+
+    d, _, _ = runs
+    out = tmp_path / "hf"
+    assert convert_checkpoint.main(["--load", str(d / "megatron_bloom"), "--to", "hf", "--output", str(out)]) == 2
+    assert "config" in capsys.readouterr().err
+    assert convert_checkpoint.main(["--load", str(d / "megatron_bloom"), "--config", str(d / "megatron.json"),
+                                    "--to", "hf", "--output", str(out)]) == 0
+    (want, _), (got, _) = load_hf(str(d / "hf_bloom")), load_hf(str(out))
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+
+
 def test_megatron_universal_folder_errors_name_the_file(runs, tmp_path):
     """A parameter folder no model of the config has, a file holding a pickled object, and a model of another
     shape: clear errors before anything is built."""

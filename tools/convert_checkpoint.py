@@ -32,6 +32,9 @@ def main(argv=None):
     parser.add_argument("--tag", help="checkpoint tag inside --load (default: what `latest` points at)")
     parser.add_argument("--to", choices=("hf", "universal", "gptpar"), required=True)
     parser.add_argument("--output", required=True, help="output directory")
+    parser.add_argument("--config", help="a gptpar run config whose `model` section describes the weights: needed "
+                             "for a universal folder written by DeepSpeed's ds_to_universal.py (it records no model "
+                             "gptpar reads); ignored for the other sources, which carry their own")
     parser.add_argument("--tp", type=int, help="--to gptpar: tensor-parallel size of the layout (default 1)")
     parser.add_argument("--pp", type=int, help="--to gptpar: pipeline-parallel size of the layout (default 1)")
     args = parser.parse_args(argv)
@@ -47,14 +50,20 @@ def main(argv=None):
     from gptpar.model.convert import (ConversionError, check_layout, load_hf, read_weights, read_weights_config,
                                       save_hf, save_weights_only)
 
+    from gptpar.training.config import ConfigError, load_config
+
+    try:
+        model = load_config(args.config).model if args.config else None
+    except ConfigError as e:
+        parser.error(f"--config: {e}")
     start = time.time()
     if args.to == "universal":
         return to_universal(args.load, args.tag, args.output, start)
     try:
         if args.to == "gptpar":  # a layout the model cannot take fails before any weight is read
-            check_layout(read_weights_config(args.load or args.from_hf, args.tag), args.tp or 1, args.pp or 1)
+            check_layout(read_weights_config(args.load or args.from_hf, args.tag, model), args.tp or 1, args.pp or 1)
         # --load may also be a weights-only or a universal checkpoint
-        state, config = read_weights(args.load, args.tag) if args.load else load_hf(args.from_hf)
+        state, config = read_weights(args.load, args.tag, model) if args.load else load_hf(args.from_hf)
         print(f"read {len(state)} tensors, {sum(t.numel() for t in state.values()):,} parameters "
               f"({config.num_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size})")
         if args.to == "hf":
