@@ -83,13 +83,14 @@ def generate(model: GPTModel, prompt_ids: Sequence[int], max_new_tokens: int, sa
     cache = KVCache(len(model.layers), len(prompt_ids) + max_new_tokens) if use_cache else None
     step_input, new = ids, []
     for _ in range(max_new_tokens):
-        logits = forward_with_cache(model, step_input, cache) if use_cache else model(ids)  # (1, s, V/tp)
+        logits = forward_with_cache(model, step_input, cache) if use_cache else model(step_input)  # (1, s, V/tp)
         token = next_token(full_vocab_logits(model, logits[0, -1]), sampling, generator)
         new.append(token)
         if token == stop_id:
             break
-        step_input = torch.tensor([[token]], dtype=torch.long, device=device)
-        ids = torch.cat([ids, step_input], dim=1)
+        token_ids = torch.tensor([[token]], dtype=torch.long, device=device)
+        # The cache needs only the new token; without it the whole sequence goes in again.
+        step_input = token_ids if use_cache else torch.cat([step_input, token_ids], dim=1)
     return new
 
 
