@@ -205,25 +205,28 @@ class IndexedDatasetBuilder:
         # What gptpar.data.token_stats caches beside the files, gathered while writing (no second pass).
         self._sha1, self._min_id, self._max_id = hashlib.sha1(), None, None
 
-    def _track(self, data, arr):
+    def _track(self, data, lo, hi):
+        """Fold written bytes and their smallest/largest id (None for no tokens) into the stats."""
         self._sha1.update(data)
-        if arr.size:
-            lo, hi = int(arr.min()), int(arr.max())
+        if lo is not None:
             self._min_id = lo if self._min_id is None else min(self._min_id, lo)
             self._max_id = hi if self._max_id is None else max(self._max_id, hi)
 
     def add_document(self, ids):
         """Append one document (one sequence) of token ids."""
         arr = np.asarray(ids)
-        if arr.size:
-            if arr.min() < 0 or (self.vocab_size is not None and arr.max() >= self.vocab_size):
-                raise DataError(f"{self.prefix}: token id {int(arr.max())} outside [0, {self.vocab_size}) "
+        lo = hi = None
+        if arr.size:  # one min and one max per document serve the checks and the stats
+            lo, hi = arr.min(), arr.max()
+            if lo < 0 or (self.vocab_size is not None and hi >= self.vocab_size):
+                raise DataError(f"{self.prefix}: token id {int(hi)} outside [0, {self.vocab_size}) "
                                 f"in document {len(self._doc_idx) - 1}")
-            if self.dtype.kind in "iu" and arr.max() > np.iinfo(self.dtype).max:
-                raise DataError(f"{self.prefix}: token id {int(arr.max())} does not fit {self.dtype.name}")
+            if self.dtype.kind in "iu" and hi > np.iinfo(self.dtype).max:
+                raise DataError(f"{self.prefix}: token id {int(hi)} does not fit {self.dtype.name}")
+            lo, hi = int(lo), int(hi)
         data = arr.astype(self.dtype, copy=False).tobytes()
         self._bin.write(data)
-        self._track(data, arr)
+        self._track(data, lo, hi)
         self._sizes.append(arr.size)
         self._doc_idx.append(len(self._sizes))
 
@@ -235,7 +238,8 @@ class IndexedDatasetBuilder:
         with open(data_file_path(other.prefix), "rb") as src:
             while block := src.read(1 << 24):  # a multiple of every dtype's size: whole tokens per block
                 self._bin.write(block)
-                self._track(block, np.frombuffer(block, dtype=self.dtype))
+                tokens = np.frombuffer(block, dtype=self.dtype)
+                self._track(block, int(tokens.min()), int(tokens.max()))
         base = len(self._sizes)
         self._sizes.frombytes(np.ascontiguousarray(other.sizes, dtype=np.int32).tobytes())
         self._doc_idx.frombytes((other.doc_idx[1:] + base).astype(np.int64).tobytes())
