@@ -45,10 +45,11 @@ def scan(ds, chunk_tokens=1 << 24):
     return {"num_tokens": n, "min_id": lo, "max_id": hi, "bin_sha1": h.hexdigest()}
 
 
-def write_stats(prefix, stats):
-    """Cache `stats` (scan's keys) for the current .idx/.bin of `prefix`; quietly skipped on a read-only folder."""
-    record = dict(version=STATS_VERSION, idx_sha1=file_sha1(index_file_path(prefix)), **_bin_identity(prefix),
-                  **stats)
+def write_stats(prefix, stats, idx_sha1=None):
+    """Cache `stats` (scan's keys) for the current .idx/.bin of `prefix` (`idx_sha1`: the .idx's checksum when the
+    caller already has it); quietly skipped on a read-only folder."""
+    record = dict(version=STATS_VERSION, idx_sha1=idx_sha1 or file_sha1(index_file_path(prefix)),
+                  **_bin_identity(prefix), **stats)
     tmp = f"{stats_path(prefix)}.tmp-{os.getpid()}"
     try:
         with open(tmp, "w") as f:
@@ -85,7 +86,7 @@ def token_stats(ds, log=print):
                         f"(checksum {stats['bin_sha1'][:12]}, recorded {str(cached.get('bin_sha1'))[:12]} in "
                         f"{stats_path(prefix)}): a .bin of another dataset? Copy the matching .bin and .idx together "
                         f"(or re-create both); if this .bin is right, delete {stats_path(prefix)}")
-    write_stats(prefix, stats)
+    write_stats(prefix, stats, idx_sha1)
     return stats
 
 
