@@ -38,7 +38,7 @@ def scan(ds, chunk_tokens=1 << 24):
     tokens = np.frombuffer(ds._bin, dtype=ds.dtype, count=n) if n else np.zeros(0, dtype=ds.dtype)
     for start in range(0, n, chunk_tokens):
         chunk = tokens[start: start + chunk_tokens]
-        h.update(chunk.tobytes())
+        h.update(chunk)  # the memory-mapped view itself, no copy
         c_lo, c_hi = int(chunk.min()), int(chunk.max())
         lo = c_lo if lo is None else min(lo, c_lo)
         hi = c_hi if hi is None else max(hi, c_hi)
