@@ -65,8 +65,6 @@ def _settings_from_config_args(args) -> dict:
 
 
 def _settings_from_flags(args) -> dict:
-    from gptpar.training.config import Config, config_from_dict, load_config
-
     defaults = Config()  # the trainer's defaults for what no flag sets (precision, ZeRO, micro batch, ...)
     s = {key: None for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
                                "global_batch_size", "max_position_embeddings", "padded_vocab_size")}
