@@ -253,7 +253,7 @@ class TrainEngine:
             for key, value in moments.items():
                 safe_set_full_optimizer_state(param, value, key)
         else:
-            state = self._inner_optimizer().state[param]
+            state = self._optimizers()[1].state[param]
             for key, value in moments.items():
                 state[key].copy_(value)
 
@@ -262,7 +262,7 @@ class TrainEngine:
         over the dp group under ZeRO-1 / BF16_Optimizer), read back through DeepSpeed."""
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-        inner = self._inner_optimizer()
+        inner = self._optimizers()[1]
         if not hasattr(param, "_hp_mapping"):
             state = inner.state[param]
             return dict({k: v.clone() for k, v in state.items() if k != "step"}, fp32=param.detach().float().clone(),
@@ -275,16 +275,12 @@ class TrainEngine:
         out["step"] = float(group["step"] if "step" in group else next(iter(inner.state.values()))["step"])
         return out
 
-    def _inner_optimizer(self):
-        wrapper = self.ds.optimizer
-        return getattr(wrapper, "optimizer", wrapper)
-
     def _init_optimizer_state(self, step: float) -> None:
         """Adam's state for every tensor the client AdamW steps on (DeepSpeed's flat fp32 partitions, or the
         parameters themselves), as torch's AdamW creates it at its first step, with `step` as its count; then
         DeepSpeed links each parameter's fragment of it (`_lazy_init_hp_params_optimizer_state`, which its
         optimizers otherwise run after their first step)."""
-        inner = self._inner_optimizer()
+        inner = self._optimizers()[1]
         for group in inner.param_groups:
             for p in group["params"]:
                 state = inner.state[p]
@@ -549,8 +545,8 @@ class ZeroCounter:
     """
 
     def __init__(self, engine: "TrainEngine", pstate, partitioned: bool):
-        self.ds_opt, self.pstate, self.partitioned = engine.ds.optimizer, pstate, partitioned
-        inner = getattr(self.ds_opt, "optimizer", self.ds_opt)
+        self.pstate, self.partitioned = pstate, partitioned
+        self.ds_opt, inner = engine._optimizers()
         self.local: Optional[int] = None
         self._handle = inner.register_step_pre_hook(self._count)
 
