@@ -558,15 +558,16 @@ class ZeroCounter:
         if self.local is None:  # the partitions' alignment padding is zero but not part of the model
             padding = getattr(self.ds_opt, "groups_padding", None) or getattr(self.ds_opt, "group_paddings", None)
             self.local = -(sum(padding) if self.partitioned and padding else 0)
-        self.local += sum(int((p.grad == 0).sum()) for g in optimizer.param_groups for p in g["params"]
-                          if p.grad is not None)
+        # summed on the device: one host sync in total(), not one per parameter per step
+        self.local = self.local + sum((p.grad == 0).sum() for g in optimizer.param_groups for p in g["params"]
+                                      if p.grad is not None)
 
     def total(self, step_applied: bool) -> Optional[float]:
         """Zeros over the whole model at the last step; None when it was skipped (an overflow is agreed by
         all ranks, so either every rank enters the all-reduces or none does)."""
         if not step_applied or self.local is None:
             return None
-        count = torch.tensor([self.local], dtype=torch.float64, device=self.pstate.device)
+        count = torch.as_tensor(self.local, dtype=torch.float64, device=self.pstate.device).reshape(1)
         groups = [self.pstate.tp_group, self.pstate.pp_group] + ([self.pstate.dp_group] if self.partitioned else [])
         for group in groups:
             if group is not None and dist.get_world_size(group) > 1:
