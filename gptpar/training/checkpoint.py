@@ -46,9 +46,9 @@ import torch.distributed as dist
 from gptpar.model import universal
 from gptpar.model.config import GPTConfig
 from gptpar.model.sharding import shard_tensor
-from gptpar.training.checkpoint_files import (CONFIG, LATEST, TAG_RE, CheckpointError, LoadTarget, is_complete,
-                                              read_latest, saved_world_size, state_file, tag_of, verify_checkpoint,
-                                              write_latest, write_manifest)
+from gptpar.training.checkpoint_files import (CONFIG, LATEST, TAG_RE, CheckpointError, LoadTarget,
+                                              complete_checkpoints, read_latest, saved_world_size, state_file, tag_of,
+                                              verify_checkpoint, write_latest, write_manifest)
 
 FORMAT_VERSION = 3  # 2: a manifest marks a complete checkpoint; 3: numpy's RNG state saved as a tensor
 
@@ -280,10 +280,9 @@ class Checkpointer:
         """Delete all but the newest `keep_last` complete checkpoints at or before the one `latest` points at."""
         if not self.keep_last:
             return
-        done = sorted(i for i in _iterations(self.save_dir)
-                      if i <= newest and is_complete(os.path.join(self.save_dir, tag_of(i))))
-        for i in done[:-self.keep_last]:
-            shutil.rmtree(os.path.join(self.save_dir, tag_of(i)), ignore_errors=True)
+        done = [tag for tag in complete_checkpoints(self.save_dir) if int(TAG_RE.match(tag).group(1)) <= newest]
+        for tag in done[:-self.keep_last]:
+            shutil.rmtree(os.path.join(self.save_dir, tag), ignore_errors=True)
 
     # -- load ----------------------------------------------------------------------------------
     def load(self, engine, tracker) -> Optional[dict]:
@@ -375,12 +374,6 @@ def _agree_or_raise(errors: list, device) -> None:
     if failed.item() > 0:
         raise CheckpointSaveError("another rank could not write its part of the checkpoint (its message says "
                                   "why); `latest` was not moved")
-
-
-def _iterations(directory: str):
-    if not os.path.isdir(directory):
-        return []
-    return [int(m.group(1)) for m in map(TAG_RE.match, os.listdir(directory)) if m]
 
 
 __all__ = ["Checkpointer", "CheckpointError", "CheckpointSaveError", "LoadTarget", "LATEST", "read_latest",

@@ -135,10 +135,12 @@ def partial_checkpoints(directory: str, latest: Optional[str]) -> List[str]:
 
 
 def complete_checkpoints(directory: str) -> List[str]:
+    """Tags of the complete checkpoints in `directory`, oldest iteration first."""
     if not os.path.isdir(directory):
         return []
-    return sorted(name for name in os.listdir(directory)
-                  if TAG_RE.match(name) and is_complete(os.path.join(directory, name)))
+    return sorted((name for name in os.listdir(directory)
+                   if TAG_RE.match(name) and is_complete(os.path.join(directory, name))),
+                  key=lambda name: int(TAG_RE.match(name).group(1)))
 
 
 # ---------------------------------------------------------------------------------------------
