@@ -64,13 +64,18 @@ def read_latest(directory: Optional[str]) -> Optional[str]:
     return tag
 
 
+def write_synced(path: str, text: str) -> None:
+    """Write `text` to `path` and fsync it (callers write a temporary name, then move it into place)."""
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def write_latest(directory: str, tag: str) -> None:
     """Point `latest` at `tag` atomically: a reader sees the old or the new pointer, never a partial one."""
     tmp = os.path.join(directory, f"{LATEST_TMP_PREFIX}{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(tag + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    write_synced(tmp, tag + "\n")
     os.replace(tmp, os.path.join(directory, LATEST))
 
 
@@ -93,10 +98,7 @@ def write_manifest(path: str, iteration: int, world_size: int, weights_only: boo
     manifest = {"version": 1, "iteration": iteration, "world_size": world_size, "files": files}
     if weights_only:
         manifest["weights_only"] = True
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    write_synced(tmp, json.dumps(manifest, indent=1))
     os.replace(tmp, os.path.join(path, MANIFEST))
 
 
@@ -270,6 +272,6 @@ def _choices(directory: str, exclude: Optional[str] = None) -> str:
 
 
 __all__ = ["LATEST", "TAG_RE", "MANIFEST", "LOCK", "CheckpointError", "LoadTarget", "tag_of", "state_file",
-           "read_latest", "write_latest", "write_manifest", "list_files", "is_weights_only", "is_complete",
-           "is_own_entry", "partial_checkpoints", "complete_checkpoints", "resolve_load", "verify_checkpoint",
-           "saved_world_size"]
+           "read_latest", "write_synced", "write_latest", "write_manifest", "list_files", "is_weights_only",
+           "is_complete", "is_own_entry", "partial_checkpoints", "complete_checkpoints", "resolve_load",
+           "verify_checkpoint", "saved_world_size"]

@@ -27,7 +27,7 @@ import time
 from typing import Callable, Optional
 
 from gptpar.training.checkpoint_files import (LATEST_TMP_PREFIX, LOCK, PROBE_PREFIX, CheckpointError,
-                                              partial_checkpoints, read_latest)
+                                              partial_checkpoints, read_latest, write_synced)
 from gptpar.training.launcher_watch import proc_stat
 
 
@@ -189,10 +189,7 @@ def _remove_quietly(path: str) -> None:
 
 
 def _write_json(path: str, obj: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    write_synced(path, json.dumps(obj))
 
 
 # ---------------------------------------------------------------------------------------------
