@@ -1,0 +1,153 @@
+"""The DeepSpeed engine built around gptpar's model: the client optimizer, the model-parallel unit DeepSpeed asks
+for, the accelerator, and the clean-up of DeepSpeed's CPU shared-memory buffers.
+
+`build_engine` takes the model (a plain `GPTModel` for pp = 1, a `PipelineModule` for pp > 1), the name of a
+client optimizer (`make_optimizer`: torch's AdamW, so DeepSpeed does not JIT-build its CPU FusedAdam, or
+bitsandbytes' 8-bit AdamW) and the dict `ds_config.deepspeed_config` generates, and returns a `TrainEngine`.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from gptpar.model.kernels import make_adamw
+from gptpar.training.config import OPTIMIZERS, Accelerator
+import gptpar.training.engine.deepspeed_api as deepspeed_api
+from gptpar.training.engine.step import TrainEngine, clip_and_keep_norm
+
+
+def detect_accelerator() -> Accelerator:
+    """The device this process will train on, as DeepSpeed's accelerator sees it (CUDA, or its CPU
+    accelerator, whose fp16 support depends on the CPU: oneDNN has fp16 kernels with AVX512-FP16 / AMX-FP16)."""
+    if torch.cuda.is_available():
+        return Accelerator(f"CUDA ({torch.cuda.get_device_name()})", fp16=True)
+    acc = deepspeed_api.accelerator()
+    fp16 = bool(acc.is_fp16_supported())
+    return Accelerator(f"DeepSpeed's {acc.device_name()} accelerator ({'reports' if fp16 else 'reports no'} fp16 "
+                       "support: oneDNN's fp16 kernels need AVX512-FP16 or AMX-FP16)", fp16=fp16)
+
+
+class ParallelStateMPU:
+    """The model-parallel-unit interface DeepSpeed asks for, answered from a `ParallelState`.
+
+    DeepSpeed takes its data-parallel group (gradient all-reduce, ZeRO sharding) and its model-parallel
+    group (global gradient norm without double-counting replicated parameters) from here."""
+
+    def __init__(self, pstate):
+        self.pstate = pstate
+
+    def get_model_parallel_rank(self):
+        return self.pstate.tp_rank
+
+    def get_model_parallel_world_size(self):
+        return self.pstate.tp_size
+
+    def get_model_parallel_group(self):
+        return self.pstate.tp_group
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_tensor_model_parallel_src_rank(self):
+        return self.pstate.rank - self.pstate.tp_rank
+
+    def get_data_parallel_rank(self):
+        return self.pstate.dp_rank
+
+    def get_data_parallel_world_size(self):
+        return self.pstate.dp_size
+
+    def get_data_parallel_group(self):
+        return self.pstate.dp_group
+
+    def get_pipeline_model_parallel_rank(self):
+        return self.pstate.pp_rank
+
+    def get_pipeline_model_parallel_world_size(self):
+        return self.pstate.pp_size
+
+    def get_pipeline_model_parallel_group(self):
+        return self.pstate.pp_group
+
+    def get_sequence_parallel_world_size(self):
+        return 1  # DeepSpeed's Ulysses sequence parallelism is not used
+
+
+def optimizer_param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
+    """Megatron's split: weight decay on matrices, none on biases, LayerNorms and embeddings' 1-d params."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def make_optimizer(name: str, param_groups: List[dict], *, lr: float, betas, eps: float, weight_decay: float,
+                   device: torch.device) -> torch.optim.Optimizer:
+    """The client optimizer `training.optimizer` names: `adamw` (gptpar.model.kernels.make_adamw) or `adamw8bit`
+    (bitsandbytes' AdamW8bit, block-wise 8-bit moments; imported here only, Config.check said how to install it)."""
+    if name == "adamw":
+        return make_adamw(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, device=device)
+    if name == "adamw8bit":
+        import logging
+
+        # On CPUs with AVX512-BF16 its CPU backend warns at import that an optional 4-bit GEMM kernel (another
+        # package) is missing: nothing the optimizer uses.
+        logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    raise ValueError(f"training.optimizer must be one of {OPTIMIZERS}, got {name!r}")
+
+
+def build_engine(model: torch.nn.Module, pstate, ds_config: dict, *, optimizer: str = "adamw", lr: float = 1e-4,
+                 weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8,
+                 has_attention_mask: bool = False, universal_checkpoint_info: Optional[dict] = None) -> TrainEngine:
+    """Wrap `model` in a DeepSpeed engine with the client `optimizer` (`make_optimizer`). Call on every rank.
+
+    `universal_checkpoint_info` (gptpar.model.universal.deepspeed_universal_info) is saved into every
+    checkpoint, where DeepSpeed's ds_to_universal.py reads how the tp slices merge."""
+    if universal_checkpoint_info is not None:
+        deepspeed_api.attach_universal_info(model, universal_checkpoint_info)
+    pipelined = deepspeed_api.is_pipeline_module(model)
+    optimizer = make_optimizer(optimizer, optimizer_param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps,
+                               weight_decay=weight_decay, device=pstate.device)
+    engine = deepspeed_api.initialize(model, optimizer, ds_config, None if pipelined else ParallelStateMPU(pstate))
+    release_shm_buffer(pstate)
+    if pipelined and has_attention_mask:
+        engine.set_has_attention_mask(True)  # the mask travels as the last tensor between stages
+    if not (engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization()):
+        # Plain fp32 without ZeRO: DeepSpeed's clip_grad_norm_ drops the norm, and under the pipeline grid
+        # counts the tied embedding copy and skips later stages' replicated (LayerNorm, bias) parameters.
+        engine.clip_fp32_gradients = functools.partial(clip_and_keep_norm, engine, pstate)
+    return TrainEngine(engine, pstate, pipelined)
+
+
+def shm_buffer_path(rank: int) -> str:
+    """Where DeepSpeed's CPU shared-memory all-reduce keeps rank `rank`'s buffer (csrc/cpu/comm/shm.cpp:
+    `deepspeed_allreduce_buffer_{uid}_{MASTER_ADDR}_{MASTER_PORT}_{rank}`, ~66 MB in RAM-backed /dev/shm)."""
+    return (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+
+
+def release_shm_buffer(pstate) -> None:
+    """Unlink this rank's DeepSpeed shared-memory buffer once every rank has mapped every other's.
+
+    DeepSpeed 0.19.8 creates the buffer when all ranks share one host (the CPU accelerator) and never unlinks
+    it, so every CPU run left one per rank in /dev/shm (RAM) for good: a day of test runs held 11 GB there. Each
+    rank maps all the others' buffers inside DeepSpeed's init, so after a barrier the names are no longer
+    needed; the mappings stay valid until the process exits, and nothing is left behind even on a kill."""
+    if torch.cuda.is_available():
+        return  # the shm op is DeepSpeed's CPU accelerator's
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()  # every rank past DeepSpeed's init: all buffers opened and mapped
+    try:
+        os.unlink(shm_buffer_path(pstate.rank))
+    except FileNotFoundError:
+        pass  # no shm op (ranks on several hosts, or the op not built)
+

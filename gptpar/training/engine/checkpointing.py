@@ -1,0 +1,33 @@
+"""DeepSpeed's part of a checkpoint: the model and optimizer shard files of one tag, written and read by the
+DeepSpeed engine (gptpar's own files, `latest`, the manifest and the save folder's rules live in
+gptpar/training/checkpoint.py, checkpoint_files.py and save_folder.py)."""
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+
+
+def save(ds, save_dir: str, tag: str, client_state: dict) -> None:
+    """DeepSpeed's part of checkpoint `tag` (model and optimizer shards); `latest` is gptpar's to move."""
+    ds.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
+
+
+def load(ds, directory: str, tag: str) -> bool:
+    """Restore DeepSpeed's part of checkpoint `tag`; False when DeepSpeed found nothing to load."""
+    loaded, _ = ds.load_checkpoint(directory, tag=tag)
+    return loaded is not None
+
+
+def checkpoint_loss_scale(iteration_dir: str) -> float:
+    """The dynamic loss scale DeepSpeed 0.19.8's fp16 ZeRO-1 optimizer wrote into a checkpoint folder (each
+    optimizer shard holds its loss scaler; they must agree): what `loss_scale` logged at that iteration."""
+    shards = sorted(glob.glob(os.path.join(iteration_dir, "*optim_states.pt")))
+    if not shards:
+        raise FileNotFoundError(f"{iteration_dir}: no DeepSpeed optimizer shards (*optim_states.pt)")
+    scales = {float(torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]["loss_scaler"]
+                    .cur_scale) for f in shards}
+    if len(scales) != 1:
+        raise ValueError(f"{iteration_dir}: the optimizer shards disagree on the loss scale: {sorted(scales)}")
+    return scales.pop()

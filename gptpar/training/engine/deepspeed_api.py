@@ -1,0 +1,118 @@
+"""The one file of gptpar/training/engine/ that imports DeepSpeed (the pipeline-stage builder,
+gptpar/model/pipeline.py, is the only other one in the package; tests/test_package_structure.py keeps it so).
+
+Every call into DeepSpeed goes through a function here, each importing DeepSpeed when first called (importing it
+takes seconds, and config, schedules, logging and batches never need it). The rest of the engine package holds
+gptpar's logic around those calls: `step.py` (the train/eval step and what the log line reads), `build.py` (the
+DeepSpeed engine, client optimizer and accelerator), `ds_config.py` (the generated DeepSpeed config),
+`checkpointing.py` (DeepSpeed's checkpoint files) and `optimizer_state.py` (one parameter's full optimizer state,
+bytes held).
+
+DeepSpeed 0.19.8 internals relied on (beyond `deepspeed.initialize` and the engine's public methods), where gptpar
+uses them, and the test that breaks when one changes:
+    `data_types.grad_accum_dtype = fp32` selects BF16_Optimizer        test_precision.py::test_bf16_accumulates_in_fp32_through_bf16_optimizer,
+      (ds_config.py)                                                    ::test_precision_plans_name_the_real_optimizers
+    the wrapper's `.optimizer` (the client AdamW) and its buffers      test_precision.py::test_state_bytes_match_the_memory_estimate,
+      (optimizer_state.py: `precision_plan`, `held_state_bytes`;        ::test_zero1_shards_the_optimizer_state
+      step.py: `ZeroCounter`)
+    `engine.clip_fp32_gradients` replaced and `engine._global_grad_norm` test_trainer.py::test_pipeline_without_zero_clips_by_the_same_norm,
+      written (fp32 without ZeRO; build.py, step.py)                    test_topology_equivalence.py (grad norms against serial)
+    ZeRO's `groups_padding` / `group_paddings` (step.py: ZeroCounter)  test_trainer.py::test_log_line_and_metrics_fields_recomputed (num zeros)
+    the fp16 scale in `loss_scale_config.cur_scale` / `cur_scale`      test_trainer_fp16.py::test_overflow_skips_halve_the_scale_and_hold_the_lr,
+      (step.py: `fp16_loss_scale`), and in the optimizer shards'        test_precision.py::test_deepspeed_fp16_stage0_does_not_scale_the_loss
+      `optimizer_state_dict.loss_scaler` (checkpointing.py:
+      `checkpoint_loss_scale`)
+    the CPU accelerator's `is_fp16_supported` / `supported_dtypes`     test_precision.py (every fp16 case runs through allow_fp16_on_cpu)
+      (`accelerator`, patched by `allow_fp16_on_cpu`)
+    `set_gradient_accumulation_boundary` after a ramp-up changes the   test_trainer.py::test_log_line_and_metrics_fields_recomputed (the ramp run)
+      number of micro-batches (step.py)
+    `save_checkpoint(..., save_latest=False)` / `load_checkpoint`      test_trainer.py::test_exact_resume
+      (checkpointing.py)
+    the module's `universal_checkpoint_info` saved into the model       test_universal_checkpoint.py::test_deepspeeds_own_converter_agrees
+      states, as `ds_to_universal.py` reads it (`attach_universal_info`)
+    `deepspeed.utils.safe_{set,get}_full_fp32_param` /                 test_universal_checkpoint.py::test_optimizer_state_moved_with_the_reshape,
+      `safe_{set,get}_full_optimizer_state`, the parameters'            ::test_fp32_resumed_at_tp2_pp2_follows_the_uninterrupted_dp2_run,
+      `_hp_mapping`, the optimizers' `_lazy_init_hp_params_optimizer_     ::test_bf16_resumed_at_tp2_pp2
+      state` (optimizer_state.py: `set_full_state`, `full_state`)
+    the ZeRO-1 / BF16_Optimizer shard files' `param_shapes`,             test_universal_checkpoint.py (every reshape), test_convert.py
+      `param_slice_mappings`, `single_partition_of_fp32_groups`,
+      `base_optimizer_state` (read by gptpar.model.universal)
+    `zero_allow_untested_optimizer` lets ZeRO-1 and BF16_Optimizer      test_optimizer8bit.py (resume equals uninterrupted),
+      wrap bitsandbytes' AdamW8bit, whose state_dict they save          test_precision.py (its bytes)
+      (ds_config.py)
+"""
+from __future__ import annotations
+
+import torch
+
+
+def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: dict, mpu):
+    """`deepspeed.initialize` with a client optimizer; returns DeepSpeed's engine (a PipelineEngine for a
+    PipelineModule)."""
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
+    return engine
+
+
+def is_pipeline_module(model: torch.nn.Module) -> bool:
+    from deepspeed.pipe import PipelineModule
+
+    return isinstance(model, PipelineModule)
+
+
+def attach_universal_info(model: torch.nn.Module, info: dict) -> None:
+    """Set the attribute DeepSpeed saves into every checkpoint's model states and `ds_to_universal.py` reads."""
+    from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
+                                                UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+
+    setattr(model, UNIVERSAL_CHECKPOINT_INFO, dict(info, **{UNIVERSAL_CHECKPOINT_VERSION_KEY:
+                                                            UNIVERSAL_CHECKPOINT_VERSION_VALUE}))
+
+
+def accelerator():
+    """DeepSpeed's accelerator object for this process (CUDA, or its CPU accelerator)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator()
+
+
+def set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    safe_set_full_fp32_param(param, value)
+
+
+def set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, key: str) -> None:
+    from deepspeed.utils import safe_set_full_optimizer_state
+
+    safe_set_full_optimizer_state(param, value, key)
+
+
+def get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return safe_get_full_fp32_param(param)
+
+
+def get_full_optimizer_state(param: torch.Tensor, key: str) -> torch.Tensor:
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    return safe_get_full_optimizer_state(param, key)
+
+
+def quiet_deepspeed_log() -> None:
+    """DeepSpeed's own log at WARNING: its INFO lines would drown gptpar's log line."""
+    import logging
+
+    from deepspeed.utils import logger as ds_logger
+
+    ds_logger.setLevel(logging.WARNING)
+
+
+def allow_fp16_on_cpu() -> None:
+    """Make DeepSpeed's CPU accelerator accept fp16 in this process (slow emulated math: tiny runs only), so
+    that fp16 tests and smoke runs do not depend on whether this CPU has AVX512-FP16 / AMX-FP16."""
+    cls = type(accelerator())
+    cls.is_fp16_supported = lambda self: True
+    cls.supported_dtypes = lambda self: [torch.float, torch.bfloat16, torch.float16]

@@ -1,0 +1,276 @@
+"""The step: `TrainEngine` runs one optimizer step per `train_step` over this data-parallel rank's micro-batches,
+the same way for a plain (pp = 1) and a pipelined model, and exposes what the log line reads (loss scale, grad
+norm, skipped steps, the phase timers); `ZeroCounter` counts the zero gradients.
+
+A micro-batch is a dict: `input_ids` (b, s) and `labels` (b, s) long tensors, and optionally
+`loss_mask` (b, s) float, `attention_mask` (b, 1, s, s) bool (True = may attend), `position_ids` (b, s).
+The data pipeline builds them on the host; `train_step` / `eval_step` move every tensor to the engine's
+device in one place (`to_device`) before anything else sees them, for pp = 1 and pp > 1 alike.
+
+The trainer and the checkpointer talk to `TrainEngine`, never to the DeepSpeed engine it holds (`.ds`); its
+checkpoint and optimizer-state methods are one-line doors into checkpointing.py and optimizer_state.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+import gptpar.training.engine.checkpointing as checkpointing
+import gptpar.training.engine.optimizer_state as optimizer_state
+
+
+class TrainEngine:
+    """One optimizer step per `train_step`, for a plain (pp = 1) or pipelined model."""
+
+    def __init__(self, ds_engine, pstate, pipelined: bool):
+        self.ds, self.pstate, self.pipelined = ds_engine, pstate, pipelined
+        self.device = torch.device(ds_engine.device)
+        self.phase_seconds: Optional[Dict[str, float]] = None  # `time_phases()` turns the timers on
+
+    # -- the step ------------------------------------------------------------------------------
+    def train_step(self, micro_batches: List[dict]) -> float:
+        """Forward, backward and optimizer step over this dp rank's micro-batches.
+
+        Returns the loss averaged over the micro-batches and the data-parallel ranks (on every rank)."""
+        self.ds.train()
+        with self._phase("batch"):
+            micro_batches = [to_device(mb, self.device) for mb in micro_batches]
+        if self.pipelined:
+            loss = self.ds.train_batch(data_iter=iter([_pipe_batch(mb) for mb in micro_batches]))
+            return float(loss)
+        losses = []
+        for i, mb in enumerate(micro_batches):
+            # Explicit boundary: DeepSpeed's micro-step counter misplaces it after a ramp-up changes the
+            # number of micro-batches (a step mid-batch, then a skipped one).
+            last = i == len(micro_batches) - 1
+            self.ds.set_gradient_accumulation_boundary(last)
+            with self._phase("forward"):
+                loss = self.ds(**mb)
+            with self._phase("backward"):
+                self.ds.backward(loss)
+            with self._phase("optimizer" if last else "micro-step"):  # reduce, clip, step / bookkeeping
+                self.ds.step()
+            losses.append(loss.detach().float())
+        return _dp_mean(torch.stack(losses).mean(), self.pstate)
+
+    def time_phases(self) -> None:
+        """Time each phase of `train_step` from now on (pp = 1): seconds summed in `phase_seconds`."""
+        if self.pipelined:
+            raise ValueError("logging.timers: the phases are timed at pp = 1 only (DeepSpeed's pipeline engine "
+                             "interleaves them across micro-batches); set it false for pp > 1")
+        self.phase_seconds = defaultdict(float)
+
+    def _phase(self, name: str):
+        """A context that times `name` when the timers are on, else a shared no-op (the step's hot path)."""
+        return _NO_TIMER if self.phase_seconds is None else self._timed(name)
+
+    @contextlib.contextmanager
+    def _timed(self, name: str):
+        _synchronize(self.device)
+        start = time.perf_counter()
+        yield
+        _synchronize(self.device)
+        self.phase_seconds[name] += time.perf_counter() - start
+
+    @torch.no_grad()
+    def eval_step(self, micro_batches: List[dict]) -> float:
+        """Mean loss over the micro-batches and dp ranks, without updating anything."""
+        self.ds.eval()
+        micro_batches = [to_device(mb, self.device) for mb in micro_batches]
+        if self.pipelined:
+            loss = self.ds.eval_batch(data_iter=iter([_pipe_batch(mb) for mb in micro_batches]),
+                                      num_micro_batches=len(micro_batches))
+            return float(loss)
+        losses = [self.ds.module(**mb).float() for mb in micro_batches]
+        return _dp_mean(torch.stack(losses).mean(), self.pstate)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.ds.optimizer.param_groups:
+            group["lr"] = lr
+
+    def set_micro_batches(self, num_micro_batches: int, micro_batch_size: int) -> None:
+        """Follow a batch-size ramp-up: the engine's accumulation steps and train batch size."""
+        self.ds.set_train_batch_size(num_micro_batches * micro_batch_size * self.pstate.dp_size)
+
+    # -- what the trainer and the checkpointer need --------------------------------------------
+    def parameters(self):
+        """This rank's model parameters (its tp shard of its pipeline stage)."""
+        return self.ds.module.parameters()
+
+    def named_parameters(self):
+        """This rank's parameters under the names of the module it trains (GPTModel's or the PipelineModule's)."""
+        return self.ds.module.named_parameters()
+
+    # -- checkpoints (checkpointing.py) and one parameter's full optimizer state (optimizer_state.py) -------------
+    def save_checkpoint(self, save_dir: str, tag: str, client_state: dict) -> None:
+        """DeepSpeed's part of checkpoint `tag` (model and optimizer shards); `latest` is gptpar's to move."""
+        checkpointing.save(self.ds, save_dir, tag, client_state)
+
+    def load_checkpoint(self, directory: str, tag: str) -> bool:
+        """Restore DeepSpeed's part of checkpoint `tag`; False when DeepSpeed found nothing to load."""
+        return checkpointing.load(self.ds, directory, tag)
+
+    def set_full_state(self, param: torch.Tensor, fp32: torch.Tensor, moments: Dict[str, torch.Tensor],
+                       step: float) -> None:
+        """Give `param` (this rank's tp slice, whole over dp) its fp32 master weight, Adam moments and step."""
+        optimizer_state.set_full_state(self.ds, param, fp32, moments, step)
+
+    def full_state(self, param: torch.Tensor) -> dict:
+        """{"fp32", each Adam moment, "step"} of `param` (this rank's tp slice, gathered over dp)."""
+        return optimizer_state.full_state(self.ds, param)
+
+    def precision_plan(self) -> str:
+        """One line: the dtypes and optimizer wrapper DeepSpeed chose, read off the engine's real objects."""
+        return optimizer_state.precision_plan(self.ds, self.pstate.dp_size)
+
+    def held_state_bytes(self) -> dict:
+        """Bytes this rank holds for parameters, gradients and the optimizer (what gptpar.estimate.memory estimates)."""
+        return optimizer_state.held_state_bytes(self.ds)
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of the client optimizer's own state on this rank (Adam's moments)."""
+        return optimizer_state.optimizer_state_bytes(self.ds)
+
+    # -- what the log line needs ---------------------------------------------------------------
+    # -- what the log line needs ---------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        """The dynamic loss scale the fp16 optimizer holds now; 1.0 in fp32/bf16 (nothing is scaled)."""
+        if not self.ds.fp16_enabled():
+            return 1.0
+        return float(fp16_loss_scale(self.ds.optimizer))
+
+    @property
+    def grad_norm(self) -> Optional[float]:
+        norm = self.ds.get_global_grad_norm()
+        if norm is None:
+            return None
+        norm = float(norm)
+        return None if norm < 0 else norm  # DeepSpeed reports -1 for an inf/nan norm
+
+    @property
+    def step_applied(self) -> bool:
+        """False when the last step was skipped (fp16 overflow)."""
+        return bool(self.ds.was_step_applied())
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self.ds.skipped_steps)
+
+
+
+_NO_TIMER = contextlib.nullcontext()
+
+def _synchronize(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def fp16_loss_scale(optimizer) -> float:
+    """Where DeepSpeed 0.19.8 keeps the current scale: FP16_Optimizer / FP16_UnfusedOptimizer (ZeRO-0) in
+    `loss_scale_config.cur_scale`, DeepSpeedZeroOptimizer (ZeRO-1) behind its `cur_scale` property (its
+    `loss_scaler`). Anything else is an error: a constant in the log line would hide the real scale."""
+    config = getattr(optimizer, "loss_scale_config", None)
+    if config is not None:
+        return config.cur_scale
+    if isinstance(getattr(type(optimizer), "cur_scale", None), property):
+        return optimizer.cur_scale
+    raise RuntimeError(f"fp16: no loss scale found on DeepSpeed's {type(optimizer).__name__} (neither "
+                       "loss_scale_config.cur_scale nor a cur_scale property): gptpar supports DeepSpeed 0.19.8's "
+                       "fp16 optimizers; pin deepspeed==0.19.8 or teach gptpar.training.engine.step.fp16_loss_scale")
+
+
+def to_device(micro_batch: dict, device) -> dict:
+    """Every tensor of a micro-batch on `device` (non-blocking from pinned host memory on a GPU)."""
+    return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in micro_batch.items()}
+
+
+def _pipe_batch(mb: dict):
+    """(inputs, labels) as DeepSpeed's pipeline wants them: tensors or tuples of tensors only."""
+    if mb.get("attention_mask") is not None or mb.get("position_ids") is not None:
+        ids = mb["input_ids"]
+        positions = mb.get("position_ids")
+        if positions is None:
+            positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        inputs = (ids, positions) if mb.get("attention_mask") is None else (ids, positions, mb["attention_mask"])
+    else:
+        inputs = mb["input_ids"]
+    labels = mb["labels"] if mb.get("loss_mask") is None else (mb["labels"], mb["loss_mask"])
+    return inputs, labels
+
+
+def _dp_mean(loss: torch.Tensor, pstate) -> float:
+    if pstate.dp_size > 1:
+        loss = loss.clone()
+        dist.all_reduce(loss, group=pstate.dp_group)
+        loss /= pstate.dp_size
+    return float(loss)
+
+
+def clip_and_keep_norm(engine, pstate) -> None:
+    """Clip to the global L2 norm over unique parameters (each tp shard once, replicas and the pipeline's
+    tied embedding copy once), summed over the tp and pp ranks; keep the norm for the log line."""
+    params = [p for p in engine.module.parameters() if p.grad is not None]
+    counted = [p for p in params if not getattr(p, "ds_pipe_replicated", False)
+               and (pstate.tp_rank == 0 or getattr(p, "tensor_model_parallel", False))]
+    squares = torch.zeros(1, dtype=torch.float32, device=pstate.device)
+    for p in counted:
+        squares += p.grad.detach().float().norm() ** 2
+    for group in (pstate.tp_group, pstate.pp_group):
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(squares, group=group)
+    norm = squares.sqrt()
+    coef = torch.clamp(engine.gradient_clipping() / (norm + 1e-6), max=1.0)
+    for p in params:
+        p.grad.detach().mul_(coef)
+    engine._global_grad_norm = float(norm)
+
+
+class ZeroCounter:
+    """Counts zero entries in the gradients the optimizer is about to step on (after clipping).
+
+    A step-pre-hook on the client optimizer: under ZeRO-1 it sees this dp rank's flat fp32 partition
+    (alignment padding subtracted), otherwise the full gradients. `total()` sums over the ranks that hold
+    different parameters (a collective). Under ZeRO the flat partitions no longer say which parameter is a
+    replica, so tensor-parallel replicas (LayerNorms, row-parallel biases) count once per tp rank and the
+    pipeline's tied embedding once per stage holding it.
+    """
+
+    def __init__(self, engine: "TrainEngine", pstate, partitioned: bool):
+        self.pstate, self.partitioned = pstate, partitioned
+        self.ds_opt, inner = optimizer_state.optimizers(engine.ds)
+        self.local: Optional[int] = None
+        self._handle = inner.register_step_pre_hook(self._count)
+
+    def reset(self) -> None:
+        """Before each iteration (ZeRO steps the inner optimizer once per parameter group)."""
+        self.local = None
+
+    def _count(self, optimizer, args, kwargs) -> None:
+        if self.local is None:  # the partitions' alignment padding is zero but not part of the model
+            padding = getattr(self.ds_opt, "groups_padding", None) or getattr(self.ds_opt, "group_paddings", None)
+            self.local = -(sum(padding) if self.partitioned and padding else 0)
+        # summed on the device: one host sync in total(), not one per parameter per step
+        self.local = self.local + sum((p.grad == 0).sum() for g in optimizer.param_groups for p in g["params"]
+                                      if p.grad is not None)
+
+    def total(self, step_applied: bool) -> Optional[float]:
+        """Zeros over the whole model at the last step; None when it was skipped (an overflow is agreed by
+        all ranks, so either every rank enters the all-reduces or none does)."""
+        if not step_applied or self.local is None:
+            return None
+        count = torch.as_tensor(self.local, dtype=torch.float64, device=self.pstate.device).reshape(1)
+        groups = [self.pstate.tp_group, self.pstate.pp_group] + ([self.pstate.dp_group] if self.partitioned else [])
+        for group in groups:
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(count, group=group)
+        return float(count.item())
+
+    def remove(self) -> None:
+        self._handle.remove()
+
