@@ -441,7 +441,7 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    """The Megatron log line, the metrics file, TensorBoard and wandb."""
+    """The Megatron log line, the metrics file, TensorBoard and the memory report."""
 
     log_interval: int = _f(100, "Print the log line (and write metrics) every this many iterations.")
     tensorboard_dir: Optional[str] = _f(None, "TensorBoard event directory; null = no TensorBoard.")
@@ -450,26 +450,29 @@ class LoggingConfig:
     tflops_formula: str = _f("improved", "TFLOPs estimate: `improved` (Narayanan et al. eq. 3, vocab term "
                                          "corrected without recompute) or `legacy` (params x factor x 2 x "
                                          "tokens).", choices=("improved", "legacy"))
-    log_num_zeros: bool = _f(False, "Count zero gradient entries for the `num zeros` field; false omits the "
-                                    "field.")
+    log_num_zeros: bool = _f(False, "Count zero gradient entries (after clipping, each parameter of the model "
+                                    "once) for the `num zeros` field; false omits the field.")
+    log_params_norm: bool = _f(False, "Megatron's --log-params-norm: the L2 norm of the whole model's weights "
+                                      "(the fp32 master weights where DeepSpeed keeps them, each parameter once) "
+                                      "as `params norm` in the log line and `params_norm` in the metrics file and "
+                                      "TensorBoard; false omits it. One all-reduce per log line.")
     tensorboard_tags: str = _f("megatron", "TensorBoard tag names: `megatron` writes Megatron-DeepSpeed's (`lm-loss-"
                                            "training/lm loss`, its `vs samples` / `vs tokens` twins, `learning-rate/"
                                            "learning-rate`, `lm-loss-validation/lm loss validation`, per named "
                                            "validation set `lm-loss-validation/NAME/lm loss validation`, ...: "
                                            "docs/reliability.md#tensorboard-tags); `gptpar` the older `train/<key>`, "
                                            "`eval/lm_loss`, `eval/NAME/lm_loss`.", choices=("megatron", "gptpar"))
-    wandb_project: Optional[str] = _f(None, "Also log to this Weights & Biases project (needs wandb "
-                                            "installed); null = off.")
     timers: bool = _f(False, "After each log line, print where an iteration's time went (Megatron's `time (ms)` "
                              "line: batch placement, forward, backward, optimizer step incl. gradient reduction "
-                             "and clipping, the rest), averaged over the interval; also in the metrics file. "
+                             "and clipping, the rest), averaged over the interval; also in the metrics file and "
+                             "TensorBoard (Megatron's `forward-compute-time`, ..., in seconds). "
                              "pp = 1 only. Synchronises the device around each phase, which costs a little "
                              "overlap.")
 
     def __post_init__(self):
         _check_fields("logging", self)
         _positive("logging", self, "log_interval")
-        for name in ("tensorboard_dir", "metrics_file", "wandb_project"):
+        for name in ("tensorboard_dir", "metrics_file"):
             if getattr(self, name) == "":
                 raise ConfigError(f"logging.{name} is an empty string: give a value or null")
 
@@ -500,6 +503,20 @@ MODEL_DOCS = {
 
 SECTIONS = {"model": GPTConfig, "parallel": ParallelConfig, "training": TrainingConfig, "data": DataConfig,
             "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+
+# Keys gptpar had once: a config that still sets one is told what took its place.
+REMOVED_KEYS = {
+    ("logging", "wandb_project"): "the wandb writer was removed (nothing tested it); write TensorBoard events "
+                                  "(logging.tensorboard_dir), which W&B imports (`wandb sync DIR`, or "
+                                  "`wandb.init(sync_tensorboard=True)`)",
+}
+
+
+def _unknown_key(section: str, key: str, known: Sequence[str], where: str = "") -> ConfigError:
+    removed = REMOVED_KEYS.get((section, key))
+    if removed is not None:
+        return ConfigError(f"{section}.{key}{where} is no longer a config key: {removed}. Remove it")
+    return ConfigError(f"unknown key {section}.{key}{where}{_suggest(key, known)}")
 
 
 @dataclass
@@ -592,7 +609,7 @@ def _build_section(name: str, cls: type, values: dict):
     hints = typing.get_type_hints(cls)
     for key, value in values.items():
         if key not in known:
-            raise ConfigError(f"unknown key {name}.{key}{_suggest(key, known)}")
+            raise _unknown_key(name, key, known)
         if not _type_ok(value, hints[key]):  # before __post_init__, which may compare it with numbers
             raise ConfigError(f"{name}.{key} must be {_type_name(hints[key])}, got {value!r} "
                               f"({type(value).__name__}): fix the value in the config or --set")
@@ -650,7 +667,7 @@ def parse_override(item: str) -> Tuple[str, str, Any]:
     cls = SECTIONS[section]
     known = [f.name for f in fields(cls)]
     if key not in known:
-        raise ConfigError(f"unknown key {section}.{key} in override {item!r}{_suggest(key, known)}")
+        raise _unknown_key(section, key, known, f" in override {item!r}")
     try:
         value = json.loads(raw)
     except json.JSONDecodeError:
@@ -663,5 +680,5 @@ def parse_override(item: str) -> Tuple[str, str, Any]:
 
 __all__ = ["ConfigError", "Accelerator", "OPTIMIZERS", "package_installed", "Config", "ParallelConfig",
            "TrainingConfig", "DataConfig", "CheckpointConfig",
-           "LoggingConfig", "GPTConfig", "SECTIONS", "MODEL_DOCS", "load_config", "config_from_dict",
-           "parse_override"]
+           "LoggingConfig", "GPTConfig", "SECTIONS", "REMOVED_KEYS",
+           "MODEL_DOCS", "load_config", "config_from_dict", "parse_override"]

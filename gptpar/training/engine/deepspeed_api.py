@@ -17,7 +17,6 @@ uses them, and the test that breaks when one changes:
       step.py: `ZeroCounter`)
     `engine.clip_fp32_gradients` replaced and `engine._global_grad_norm` test_trainer.py::test_pipeline_without_zero_clips_by_the_same_norm,
       written (fp32 without ZeRO; build.py, step.py)                    test_topology_equivalence.py (grad norms against serial)
-    ZeRO's `groups_padding` / `group_paddings` (step.py: ZeroCounter)  test_trainer.py::test_log_line_and_metrics_fields_recomputed (num zeros)
     the fp16 scale in `loss_scale_config.cur_scale` / `cur_scale`      test_trainer_fp16.py::test_overflow_skips_halve_the_scale_and_hold_the_lr,
       (step.py: `fp16_loss_scale`), and in the optimizer shards'        test_precision.py::test_deepspeed_fp16_stage0_does_not_scale_the_loss
       `optimizer_state_dict.loss_scaler` (checkpointing.py:
@@ -40,6 +39,12 @@ uses them, and the test that breaks when one changes:
     `zero_allow_untested_optimizer` lets ZeRO-1 and BF16_Optimizer      test_optimizer8bit.py (resume equals uninterrupted),
       wrap bitsandbytes' AdamW8bit, whose state_dict they save          test_precision.py (its bytes)
       (ds_config.py)
+    the parameters' `_hp_mapping.hp_fragment` (a narrow view of the   test_log_norms.py (params norm against the serial
+      flat fp32 partition the client optimizer steps on; None where      model, num zeros against DeepSpeed's gathered
+      none of the parameter is on this dp rank) and the pipeline's        gradients, at (2,1,1), (1,2,1), (1,1,2), (2,2,1))
+      `ds_pipe_replicated` mark on the tied embedding's later copies
+      (optimizer_state.py: `master_fragment`, `grad_fragment_of`;
+      step.py: `counted_once`, `params_norm`, `ZeroCounter`)
 """
 from __future__ import annotations
 
