@@ -7,6 +7,9 @@
 Sections and keys use Megatron's names: `model` (gptpar.model.config.GPTConfig), `parallel`, `training`,
 `data`, `checkpoint`, `logging`. Each field's meaning lives in its `metadata["doc"]`; docs/config.md is
 generated from it by tools/gen_config_docs.py. Every error is a `ConfigError` naming `section.key` and the fix.
+A seventh section, `deepspeed`, is DeepSpeed's own keys merged into the generated DeepSpeed config: kept here
+as a JSON object, checked against DeepSpeed by gptpar.training.engine.ds_config (`check_deepspeed_overrides`,
+called by the command line before any process group).
 This module is pure: it never imports DeepSpeed and never touches torch.distributed.
 """
 from __future__ import annotations
@@ -503,6 +506,9 @@ MODEL_DOCS = {
 
 SECTIONS = {"model": GPTConfig, "parallel": ParallelConfig, "training": TrainingConfig, "data": DataConfig,
             "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+# The section of DeepSpeed config keys (nested objects, DeepSpeed's names), not a dataclass: see Config.deepspeed.
+DEEPSPEED_SECTION = "deepspeed"
+ALL_SECTIONS = (*SECTIONS, DEEPSPEED_SECTION)
 
 # Keys gptpar had once: a config that still sets one is told what took its place.
 REMOVED_KEYS = {
@@ -529,10 +535,14 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # DeepSpeed's own keys, merged over the DeepSpeed config gptpar generates (nested objects merge key by key).
+    # gptpar.training.engine.ds_config.check_deepspeed_overrides decides what may be there.
+    deepspeed: Dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """Plain JSON-able dict; `load_config` / `config_from_dict` of it gives an equal Config."""
-        return {name: asdict(getattr(self, name)) for name in SECTIONS}
+        return dict({name: asdict(getattr(self, name)) for name in SECTIONS},
+                    **{DEEPSPEED_SECTION: json.loads(json.dumps(self.deepspeed))})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -627,15 +637,29 @@ def config_from_dict(d: dict, overrides: Sequence[str] = ()) -> Config:
         raise ConfigError(f"a config is a JSON object of sections {sorted(SECTIONS)}, got {type(d).__name__}")
     d = json.loads(json.dumps(d))  # a private deep copy
     for section in d:
-        if section not in SECTIONS:
-            raise ConfigError(f"unknown config section {section!r}{_suggest(section, SECTIONS)}")
+        if section not in ALL_SECTIONS:
+            raise ConfigError(f"unknown config section {section!r}{_suggest(section, ALL_SECTIONS)}")
         if not isinstance(d[section], dict):
             raise ConfigError(f"config section {section!r} must be an object of keys")
     for item in overrides:
         section, key, value = parse_override(item)
-        d.setdefault(section, {})[key] = value
+        if section == DEEPSPEED_SECTION:
+            _set_nested(d.setdefault(section, {}), key, value, item)
+        else:
+            d.setdefault(section, {})[key] = value
     built = {name: _build_section(name, cls, d.get(name, {})) for name, cls in SECTIONS.items()}
-    return Config(**built)
+    return Config(**built, deepspeed=d.get(DEEPSPEED_SECTION, {}))
+
+
+def _set_nested(obj: dict, dotted: str, value: Any, item: str) -> None:
+    """obj[a][b][c] = value for `a.b.c` (the deepspeed section's nested keys), creating objects on the way."""
+    *path, last = dotted.split(".")
+    for i, key in enumerate(path):
+        obj = obj.setdefault(key, {})
+        if not isinstance(obj, dict):
+            raise ConfigError(f"override {item!r}: deepspeed.{'.'.join(path[:i + 1])} is {obj!r}, not an object "
+                              "of keys")
+    obj[last] = value
 
 
 def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> Config:
@@ -662,8 +686,16 @@ def parse_override(item: str) -> Tuple[str, str, Any]:
     section, dot, key = name.strip().partition(".")
     if not sep or not dot or not key:
         raise ConfigError(f"override {item!r} must look like section.key=value, e.g. training.micro_batch_size=4")
-    if section not in SECTIONS:
-        raise ConfigError(f"unknown config section {section!r} in override {item!r}{_suggest(section, SECTIONS)}")
+    if section not in ALL_SECTIONS:
+        raise ConfigError(f"unknown config section {section!r} in override {item!r}"
+                          f"{_suggest(section, ALL_SECTIONS)}")
+    if section == DEEPSPEED_SECTION:  # DeepSpeed's nested keys (`deepspeed.zero_optimization.reduce_bucket_size`)
+        if any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r}: an empty key in {key!r}")
+        try:
+            return section, key, json.loads(raw)
+        except json.JSONDecodeError:
+            return section, key, raw
     cls = SECTIONS[section]
     known = [f.name for f in fields(cls)]
     if key not in known:
@@ -680,5 +712,5 @@ def parse_override(item: str) -> Tuple[str, str, Any]:
 
 __all__ = ["ConfigError", "Accelerator", "OPTIMIZERS", "package_installed", "Config", "ParallelConfig",
            "TrainingConfig", "DataConfig", "CheckpointConfig",
-           "LoggingConfig", "GPTConfig", "SECTIONS", "REMOVED_KEYS",
+           "LoggingConfig", "GPTConfig", "SECTIONS", "DEEPSPEED_SECTION", "ALL_SECTIONS", "REMOVED_KEYS",
            "MODEL_DOCS", "load_config", "config_from_dict", "parse_override"]
