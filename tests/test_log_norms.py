@@ -2,7 +2,7 @@
 one stage, the dp partitions summed): `params norm` (the metrics file's full-precision value) equals the norm of
 a plain PyTorch model trained with the same seed and batches, and `num zeros` the zeros of the same run's
 gradients gathered by DeepSpeed, at (tp, pp, dp) = (2,1,1) without ZeRO, (1,2,1), (1,1,2) and (2,2,1) with
-ZeRO-1. Also Megatron's memory report (printed once by each rank of the first dp replica, the peak never below
+ZeRO-1; under bf16 the norm is the fp32 master weights'. Also Megatron's memory report (printed once by each rank of the first dp replica, the peak never below
 the resident), and the norms, the memory and the timers in TensorBoard, read back with EventAccumulator.
 
 The model has gradients that are exactly zero for a structural reason, so that a count that missed them or
@@ -149,6 +149,42 @@ def test_params_norm_equals_the_serial_models_and_num_zeros_the_gathered_count(r
     assert len(printed) == ITERS  # one log rank
     for line, r in zip(printed, records):
         assert f" num zeros: {r['num_zeros']:.1f} | params norm: {r['params_norm']:.3f} |" in line
+
+
+def bf16_norms():
+    """On a harness rank (dp 2, bf16: BF16_Optimizer's fp32 master weights partitioned over dp), after 3 steps:
+    (params norm, the norm of the fp32 master weights DeepSpeed gathers, the norm of the bf16 weights)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from gptpar.parallel import init_parallel
+    from gptpar.training.build import build_gpt
+    from gptpar.training.engine import build_engine
+
+    st = init_parallel(tp=1, pp=1, dp=2)
+    model = build_gpt(GPTConfig(**MODEL), st, seed=SEED, dtype=torch.bfloat16)
+    config = {"train_batch_size": GBS, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GBS // 4,
+              "gradient_clipping": CLIP, "zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
+              "data_types": {"grad_accum_dtype": "fp32"}, "steps_per_print": 10 ** 9}
+    engine = build_engine(model, st, config, lr=1e-2)
+    for it in range(3):
+        text = torch.stack([synthetic_sample(SEED, it * GBS + i, VOCAB, SEQ) for i in range(GBS)])
+        mine = text[st.dp_rank * GBS // 2:(st.dp_rank + 1) * GBS // 2]
+        engine.train_step([{"input_ids": t[:, :-1], "labels": t[:, 1:]} for t in mine.split(2)])
+
+    def norm(tensors):
+        return float(torch.sqrt(sum(t.double().pow(2).sum() for t in tensors)))
+
+    params = list(engine.parameters())
+    return (engine.params_norm(), norm(safe_get_full_fp32_param(p) for p in params),
+            norm(p.detach() for p in params))
+
+
+def test_params_norm_is_the_fp32_master_weights_norm_under_bf16():
+    """Megatron-LM reads `main_param`: under BF16_Optimizer the norm is the fp32 master weights' (here partitioned
+    over dp 2 and summed), not their bf16 rounding's, which differs measurably after a few steps."""
+    for mine, master, bf16 in run_distributed(bf16_norms, 2, timeout=300):
+        assert mine == pytest.approx(master, rel=1e-6)
+        assert abs(mine - bf16) > 10 * abs(mine - master)
 
 
 MEMORY_LINE = re.compile(r"^\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\) \| resident: ([0-9.e+]+) "

@@ -247,6 +247,7 @@ def clip_and_keep_norm(engine, pstate) -> None:
     engine._global_grad_norm = float(norm)
 
 
+@torch.no_grad()
 def params_norm(ds, pstate) -> float:
     """The L2 norm of the whole model's master weights (Megatron's `params norm`), each parameter counted once
     (`counted_once`). Where DeepSpeed keeps fp32 master weights (ZeRO-1, BF16_Optimizer) the norm is theirs,
