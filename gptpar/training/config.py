@@ -458,7 +458,7 @@ class LoggingConfig:
     log_params_norm: bool = _f(False, "Megatron's --log-params-norm: the L2 norm of the whole model's weights "
                                       "(the fp32 master weights where DeepSpeed keeps them, each parameter once) "
                                       "as `params norm` in the log line and `params_norm` in the metrics file and "
-                                      "TensorBoard; false omits it. One all-reduce per log line.")
+                                      "TensorBoard; false omits it. Costs all-reduces of one number per log line.")
     tensorboard_tags: str = _f("megatron", "TensorBoard tag names: `megatron` writes Megatron-DeepSpeed's (`lm-loss-"
                                            "training/lm loss`, its `vs samples` / `vs tokens` twins, `learning-rate/"
                                            "learning-rate`, `lm-loss-validation/lm loss validation`, per named "
