@@ -2,8 +2,9 @@
 one stage, the dp partitions summed): `params norm` (the metrics file's full-precision value) equals the norm of
 a plain PyTorch model trained with the same seed and batches, and `num zeros` the zeros of the same run's
 gradients gathered by DeepSpeed, at (tp, pp, dp) = (2,1,1) without ZeRO, (1,2,1), (1,1,2) and (2,2,1) with
-ZeRO-1; under bf16 the norm is the fp32 master weights'. Also Megatron's memory report (printed once by each rank of the first dp replica, the peak never below
-the resident), and the norms, the memory and the timers in TensorBoard, read back with EventAccumulator.
+ZeRO-1; under bf16 the norm is the fp32 master weights'. Also Megatron's memory report (printed once by each
+rank of the first dp replica, the peak never below the resident), and the norms, the memory and the timers in
+TensorBoard, read back with EventAccumulator.
 
 The model has gradients that are exactly zero for a structural reason, so that a count that missed them or
 counted a replica twice shows: the padded vocabulary rows of the tied embedding (kept out of the softmax) and
