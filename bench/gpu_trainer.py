@@ -7,7 +7,8 @@
 Runs, each `deepspeed --num_gpus 1 pretrain_gpt.py --config configs/1.3b.json --set ...` with synthetic data,
 global batch 32 (8 micro-batches of 4 x 2048 tokens), an iteration-based schedule of 16 iterations:
   a. bf16 (BF16_Optimizer, ZeRO-1), no recompute: iterations 1-12, exit_interval 12 saves a checkpoint;
-  b. resume from it to iteration 16, with logging.timers (the per-iteration breakdown);
+  b. resume from it to iteration 16, with logging.timers (the per-iteration breakdown), params norm and num zeros,
+     and Megatron's memory report (on a GPU the caching allocator's allocated / reserved and their peaks);
   c. the same 16 iterations straight, activation checkpointing on: the reference for a + b's losses (full
      recompute replays dropout's RNG, so the arithmetic is the same up to the GPU's non-deterministic kernels);
   d. fp16 with dynamic loss scaling (initial scale 2**32, hysteresis 2), 4 layers, 16 iterations, saved: the
@@ -112,7 +113,8 @@ def main(argv=None) -> int:
                                         f"checkpoint.save={ck_bf16}"], out, cpu)
     if "b" in args.steps:
         runs["b"] = launch("b", bf16 + ["training.activation_checkpointing=false", f"checkpoint.load={ck_bf16}",
-                                        "logging.timers=true"], out, cpu)
+                                        "logging.timers=true", "logging.log_params_norm=true",
+                                        "logging.log_num_zeros=true"], out, cpu)
     if "c" in args.steps:
         runs["c"] = launch("c", bf16 + ["training.activation_checkpointing=true"], out, cpu)
     if "d" in args.steps:
@@ -137,6 +139,16 @@ def main(argv=None) -> int:
     return 0 if all(v is True for v in summary["checks"].values()) else 1
 
 
+def memory_report_ok(line, cpu) -> bool:
+    """Megatron's report_memory line: the allocator's numbers on a GPU, the process's resident memory on CPU,
+    each peak at least its current value."""
+    if line is None:
+        return False
+    values = {part.split(":")[0].strip(): float(part.split(":")[1]) for part in line.split("|")[1:]}
+    pairs = [("resident", "max resident")] if cpu else [("allocated", "max allocated"), ("reserved", "max reserved")]
+    return all(values[peak] >= values[now] > 0 for now, peak in pairs)
+
+
 def summarize(summary, out, ck_bf16, ck_fp16) -> None:
     checks, figures = summary["checks"], summary.setdefault("figures", {})
     a, _ = records(out, "a")
@@ -155,6 +167,14 @@ def summarize(summary, out, ck_bf16, ck_fp16) -> None:
         if timers:
             figures["b_ms_per_iteration"] = {k: statistics.median(t["ms_per_iteration"][k] for t in timers[1:] or timers)
                                              for k in timers[0]["ms_per_iteration"]}
+        figures["b_params_norm"] = [r["params_norm"] for r in b]
+        checks["b_params_norm_and_num_zeros_logged"] = all(
+            r["params_norm"] is not None and math.isfinite(r["params_norm"]) and r["params_norm"] > 0
+            and r["num_zeros"] is not None for r in b)
+        with open(os.path.join(out, "b.log")) as f:
+            report = next((line for line in f if "] (after " in line and "memory (MB)" in line), None)
+        figures["b_memory_report"] = report and report.strip()
+        checks["b_memory_report"] = memory_report_ok(report, summary["cpu_smoke"])
     if c:
         figures["c_bf16_full_recompute"] = speed(c)
         if a and b and len(c) == ITERS:

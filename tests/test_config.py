@@ -283,3 +283,12 @@ def test_every_shipped_config_loads_and_checks(path):
 def test_cpu_configs_exist():
     for name in ("cpu_tiny", "cpu_tp2", "cpu_pp2", "cpu_dp2", "demo_cpu", "1.3b"):
         assert os.path.exists(os.path.join(ROOT, "configs", f"{name}.json"))
+
+
+def test_removed_wandb_key_says_what_replaced_it():
+    """logging.wandb_project went with the untested wandb writer: a config or --set that still sets it is told to
+    use TensorBoard (which W&B imports), not just 'unknown key'."""
+    with pytest.raises(ConfigError, match=r"logging.wandb_project is no longer a config key: .*logging.tensorboard_dir"):
+        config_from_dict(base(logging={"wandb_project": "run"}))
+    with pytest.raises(ConfigError, match=r"logging.wandb_project in override 'logging.wandb_project=run' is no longer"):
+        config_from_dict(base(), ["logging.wandb_project=run"])

@@ -191,6 +191,7 @@ def test_interval_averages_loss_and_time(runs):
         assert r["consumed_samples"] == window[-1]["consumed_samples"]
         assert r["global_batch_size"] == window[-1]["global_batch_size"]
         assert r["num_zeros"] is None and "num zeros" not in format_log_line(**r)  # not counted: omitted
+        assert r["params_norm"] is None and "params norm" not in format_log_line(**r)  # log_params_norm unset
 
 
 @pytest.mark.parametrize("name", ["dp", "pp", "bf16_dp", "bf16_pp"])

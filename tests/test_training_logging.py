@@ -3,9 +3,11 @@ import math
 
 import pytest
 
+import torch
+
 from gptpar.training.logging import (METRIC_KEYS, IntervalStats, MetricsWriter, TensorBoardWriter, eval_record,
-                                     format_eval_block, format_eval_line, format_log_line, parse_log_line,
-                                     read_metrics)
+                                     format_eval_block, format_eval_line, format_log_line, format_memory_line,
+                                     is_training_record, memory_usage, parse_log_line, read_metrics)
 from trainer_runs import read_tensorboard
 
 # Quoted verbatim from /work/shared/seeds/003_c1a2cf81af8065a2.txt (Megatron-DeepSpeed output, fp16 and bf16).
@@ -65,13 +67,32 @@ def test_loss_scale_always_and_num_zeros_omitted():
 
 
 def test_order_of_fields_matches_anchor():
+    """Megatron-DeepSpeed's training_log order; `params norm: {:.3f}` right after num zeros, as it prints it."""
     line = format_log_line(iteration=1, train_iters=2, consumed_samples=3, consumed_tokens=4, elapsed_s=5.0, lr=6.0,
                            global_batch_size=7, lm_loss=8.0, loss_scale=9.0, grad_norm=10.0, num_zeros=11.0,
-                           skipped_iterations=12, nan_iterations=13, samples_per_second=14.0, tflops=15.0)
+                           params_norm=11.5, skipped_iterations=12, nan_iterations=13, samples_per_second=14.0,
+                           tflops=15.0)
     labels = [part.split(":")[0].strip() for part in line.strip(" |").split(" | ")[1:]]
     assert labels == ["consumed samples", "consumed tokens", "elapsed time per iteration (s)", "learning rate",
-                      "global batch size", "lm loss", "loss scale", "grad norm", "num zeros",
+                      "global batch size", "lm loss", "loss scale", "grad norm", "num zeros", "params norm",
                       "number of skipped iterations", "number of nan iterations", "samples per second", "TFLOPs"]
+    assert "| num zeros: 11.0 | params norm: 11.500 | number of skipped" in line
+    assert parse_log_line(line)["params_norm"] == 11.5
+
+
+def test_memory_line_is_megatrons_report_memory():
+    """`[Rank r] (after N iterations) memory (MB) | allocated: ... |` with Megatron's labels (utils.report_memory,
+    written out here), MB = 2**20 bytes printed unrounded; on CPU this process's VmRSS / VmHWM."""
+    usage = {"allocated": 3 * 2 ** 20, "max allocated": 5.5 * 2 ** 20, "reserved": 8 * 2 ** 20,
+             "max reserved": 9 * 2 ** 20}
+    assert format_memory_line(3, 10, usage) == ("[Rank 3] (after 10 iterations) memory (MB) | allocated: 3.0 | "
+                                                 "max allocated: 5.5 | reserved: 8.0 | max reserved: 9.0")
+    cpu = memory_usage(torch.device("cpu"))
+    with open("/proc/self/status") as f:
+        status = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.startswith(("VmRSS", "VmHWM"))}
+    assert list(cpu) == ["resident", "max resident"]
+    assert cpu["max resident"] >= cpu["resident"] > 0
+    assert cpu["max resident"] <= status["VmHWM"] and cpu["resident"] == pytest.approx(status["VmRSS"], rel=0.1)
 
 
 def test_eval_line_megatron_format():
@@ -103,7 +124,9 @@ def test_interval_stats():
 def test_metrics_writer_full_precision_and_append(tmp_path):
     path = tmp_path / "sub" / "metrics.jsonl"
     record = dict(zip(METRIC_KEYS, [5, 10, 80, 80 * 64, 0.123456789012345, 1.234567890123e-4, 16,
-                                    3.14159265358979, 1.0, 0.987654321, None, 0, 0, 129.870129870, 1.2e-6]))
+                                    3.14159265358979, 1.0, 0.987654321, None, 12.3456789012345, 0, 0, 129.870129870,
+                                    1.2e-6]))
+    assert len(record) == len(METRIC_KEYS)
     MetricsWriter(str(path)).write(record)
     writer = MetricsWriter(str(path))  # a resumed run appends
     writer.write_eval(eval_record(5, 80, 80 * 64, 3.0))
@@ -122,7 +145,7 @@ def test_metrics_writer_full_precision_and_append(tmp_path):
 
 def test_tensorboard_tags_gptpar(tmp_path):
     pytest.importorskip("tensorboard")
-    record = dict(zip(METRIC_KEYS, [3, 10, 48, 48 * 64, 0.5, 1e-3, 16, 4.5, 1.0, 2.0, None, 0, 0, 32.0, 0.0]))
+    record = dict(zip(METRIC_KEYS, [3, 10, 48, 48 * 64, 0.5, 1e-3, 16, 4.5, 1.0, 2.0, None, 6.5, 0, 0, 32.0, 0.0]))
     tb = TensorBoardWriter(str(tmp_path), tags="gptpar")
     tb.add_metrics(record)
     tb.add_eval(eval_record(3, 48, 48 * 64, 4.0))
@@ -142,7 +165,7 @@ def test_tensorboard_tags_megatron(tmp_path):
     """Megatron-DeepSpeed's tags (megatron/training.py training_log and evaluate_and_print_results, written out
     here): each value at step = iteration, and its `vs samples` / `vs tokens` twins at the consumed counts."""
     pytest.importorskip("tensorboard")
-    record = dict(zip(METRIC_KEYS, [3, 10, 48, 48 * 64, 0.5, 1e-3, 16, 4.5, 8.0, 2.0, 7.0, 0, 0, 32.0, 0.0]))
+    record = dict(zip(METRIC_KEYS, [3, 10, 48, 48 * 64, 0.5, 1e-3, 16, 4.5, 8.0, 2.0, 7.0, 6.5, 0, 0, 32.0, 0.0]))
     tb = TensorBoardWriter(str(tmp_path))  # megatron is the default
     tb.add_metrics(record)
     tb.add_eval(eval_record(3, 48, 48 * 64, 4.0))
@@ -157,6 +180,7 @@ def test_tensorboard_tags_megatron(tmp_path):
                 "batch-size/batch-size": [(it, 16)], "batch-size/batch-size vs samples": [(samples, 16)]}
     for tag, value in (("learning-rate/learning-rate", 1e-3), ("lm-loss-training/lm loss", 4.5),
                        ("loss-scale/loss-scale", 8.0), ("grad-norm/grad-norm", 2.0), ("num-zeros/num-zeros", 7.0),
+                       ("params-norm/params-norm", 6.5),
                        ("iteration-time/iteration-time", 0.5), ("lm-loss-validation/lm loss validation", 4.0),
                        ("lm-loss-validation/lm loss validation ppl", math.exp(4.0)),
                        ("lm-loss-validation/en/lm loss validation", 3.0),
@@ -166,3 +190,42 @@ def test_tensorboard_tags_megatron(tmp_path):
     assert set(scalars) == set(expected)
     for tag, points in expected.items():
         assert scalars[tag] == [(step, pytest.approx(value, rel=1e-6)) for step, value in points], tag
+
+
+def test_training_records_of_files_written_before_params_norm():
+    """A metrics file from before `params_norm` existed still holds training records (tools/plot_metrics.py reads
+    old runs); eval and timer records are not training records."""
+    record = dict(zip(METRIC_KEYS, [3, 10, 48, 48 * 64, 0.5, 1e-3, 16, 4.5, 1.0, 2.0, None, None, 0, 0, 32.0, 0.0]))
+    older = {k: v for k, v in record.items() if k != "params_norm"}
+    assert is_training_record(record) and is_training_record(older)
+    assert not is_training_record({k: v for k, v in older.items() if k != "tflops"})
+    assert not is_training_record(eval_record(3, 48, 48 * 64, 4.0))
+    assert not is_training_record({"timers": True, "iteration": 3, "ms_per_iteration": {"forward": 1.0}})
+
+
+@pytest.mark.parametrize("style", ["megatron", "gptpar"])
+def test_tensorboard_timers_and_memory(tmp_path, style):
+    """Timers under Megatron-DeepSpeed's `Timers.write` names (`<timer>-time`, seconds per iteration: the
+    trainer's phases mapped to batch-generator, forward-compute, backward-compute, optimizer) or gptpar's
+    `timers/<phase>_ms`; memory as Megatron-LM's `mem-<label>-bytes` or `memory/<label>_bytes`."""
+    pytest.importorskip("tensorboard")
+    phases = {"batch": 1.0, "forward": 20.0, "backward": 40.0, "micro-step": 2.0, "optimizer": 10.0, "other": 3.0}
+    usage = {"allocated": 1e9, "max allocated": 2e9, "reserved": 3e9, "max reserved": 4e9}
+    tb = TensorBoardWriter(str(tmp_path), tags=style)
+    tb.add_timers(7, phases)
+    tb.add_memory(7, usage)
+    tb.close()
+    scalars = read_tensorboard(tmp_path)
+    if style == "megatron":
+        names = {"batch": "batch-generator", "forward": "forward-compute", "backward": "backward-compute",
+                 "micro-step": "micro-step", "optimizer": "optimizer", "other": "other"}
+        expected = {f"{names[k]}-time": v / 1e3 for k, v in phases.items()}
+        expected.update({"mem-allocated-bytes": 1e9, "mem-max-allocated-bytes": 2e9, "mem-reserved-bytes": 3e9,
+                         "mem-max-reserved-bytes": 4e9})
+    else:
+        expected = {f"timers/{k}_ms": v for k, v in phases.items()}
+        expected.update({"memory/allocated_bytes": 1e9, "memory/max_allocated_bytes": 2e9,
+                         "memory/reserved_bytes": 3e9, "memory/max_reserved_bytes": 4e9})
+    assert set(scalars) == set(expected)
+    for tag, value in expected.items():
+        assert scalars[tag] == [(7, pytest.approx(value, rel=1e-6))], tag

@@ -4,8 +4,9 @@
     python tools/gen_config_docs.py --check    # exit 1 if docs/config.md is stale
 
 Keys, types and defaults come from the dataclass fields; meanings from each field's metadata["doc"]
-(the `model` section's from MODEL_DOCS beside them). tests/test_config_docs.py fails when the committed
-file differs from this output.
+(the `model` section's from MODEL_DOCS beside them); the `deepspeed` section's keys from
+gptpar.training.engine.ds_config (PASSED_THROUGH, OWNED_KEYS). tests/test_config_docs.py fails when the
+committed file differs from this output.
 """
 import argparse
 import json
@@ -19,6 +20,7 @@ sys.path.insert(0, ROOT)
 
 from gptpar.training.cli import cli_aliases  # noqa: E402
 from gptpar.training.config import MODEL_DOCS, SECTIONS, _type_name  # noqa: E402
+from gptpar.training.engine.ds_config import OWNED_KEYS, PASSED_THROUGH  # noqa: E402
 
 OUTPUT = os.path.join(ROOT, "docs", "config.md")
 
@@ -37,8 +39,35 @@ python pretrain_gpt.py --config configs/cpu_tiny.json --set training.micro_batch
 
 Checks that involve several sections or the launched world size (world size = tp x pp x dp, batch and
 ramp-up divisibility, pipeline partitioning, data path, fp16 on CPU) run before any process group is created.
-The DeepSpeed config is generated from this one (`gptpar.training.engine.deepspeed_config`).
+The DeepSpeed config is generated from this one (`gptpar.training.engine.deepspeed_config`); the `deepspeed`
+section (last below) is laid over it.
 """
+
+DEEPSPEED_DOC = """
+## `deepspeed`
+
+DeepSpeed's own config keys, for what gptpar does not decide, merged over the DeepSpeed config gptpar generates
+(a nested object merges key by key). `--set deepspeed.a.b=value` sets a nested key. Before any process group,
+each key is checked (`gptpar.training.engine.ds_config.check_deepspeed_overrides`): only the top-level keys
+below pass through, each checked by DeepSpeed's own config model or parser, so a typo (top-level, which DeepSpeed
+itself would silently ignore, or nested) or an ill-typed value exits 2 naming the key; a key gptpar generates
+exits 2 naming the gptpar key to set instead. Values mean what DeepSpeed 0.19.8 makes of them; gptpar's tests
+read the bucket sizes and the communication dtype back from the built engine.
+
+```
+"deepspeed": {"zero_optimization": {"reduce_bucket_size": 500000000, "allgather_bucket_size": 500000000},
+              "communication_data_type": "fp32"}
+python pretrain_gpt.py --config configs/cpu_dp2.json --set deepspeed.zero_optimization.reduce_bucket_size=1000000
+```
+"""
+
+
+def deepspeed_section() -> str:
+    out = [DEEPSPEED_DOC, "| key | meaning |", "|---|---|"]
+    out += [f"| `{key}` | {doc.replace('|', '/')} |" for key, doc in PASSED_THROUGH.items()]
+    out += ["", "Set by gptpar (refused here):", "", "| DeepSpeed key | set instead |", "|---|---|"]
+    out += [f"| `{key}` | {target} |" for key, target in OWNED_KEYS.items()]
+    return "\n".join(out)
 
 
 def section_doc(cls) -> str:
@@ -73,6 +102,7 @@ def render() -> str:
                 doc += " One of: " + ", ".join(f"`{json.dumps(c)}`" for c in choices) + "."
             out.append(f"| `{f.name}` | {_type_name(hints[f.name]).replace(' | ', ' or ')} | {default_of(f)} | {doc.replace('|', '/')} "
                        f"| `{aliases[f'{name}.{f.name}']}` |")
+    out.append(deepspeed_section())
     out.append("\nSwitch aliases: `--fp16`, `--bf16`, `--fp32` (training.precision), `--checkpoint-activations` "
                "(training.activation_checkpointing=true, i.e. full), `--recompute-activations` (=selective, as in "
                "Megatron-LM), `--log-num-zeros-in-grad` (logging.log_num_zeros=true). "

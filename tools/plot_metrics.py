@@ -19,7 +19,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gptpar.training.config import package_installed  # noqa: E402
-from gptpar.training.logging import METRIC_KEYS, read_metrics  # noqa: E402
+from gptpar.training.logging import is_training_record, read_metrics  # noqa: E402
 
 # (panel title, record key, y scale) for the panels after lm loss; each against consumed tokens.
 PANELS = (("learning rate", "lr", "linear"), ("grad norm", "grad_norm", "linear"),
@@ -43,9 +43,9 @@ def run_label(path: str) -> str:
 def split_records(records: list, path: str = "metrics"):
     """(training records, {validation set label: eval records}), each with its x value "tokens" added.
 
-    Training records are the logged iterations (every key of METRIC_KEYS). Eval records written before they
+    Training records are the logged iterations (`is_training_record`). Eval records written before they
     carried consumed_tokens get consumed_samples x the run's tokens per sample (from its training records)."""
-    train = [dict(r, tokens=r["consumed_tokens"]) for r in records if set(METRIC_KEYS) <= set(r)]
+    train = [dict(r, tokens=r["consumed_tokens"]) for r in records if is_training_record(r)]
     if not train:
         raise ValueError(f"{path}: no training records (logged iterations): is it a gptpar metrics file?")
     per_sample = next((r["consumed_tokens"] / r["consumed_samples"] for r in train if r["consumed_samples"]), 0)

@@ -40,8 +40,8 @@ def render_dry_run(config: Config, dp_size: int, sec_per_iter: Optional[float] =
                  max_position_embeddings=s["max_position_embeddings"],
                  make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"], **embedding_kind(s))
     lines = ["== resolved config =="]
-    for section in ("model", "parallel", "training", "data", "checkpoint", "logging"):
-        if section in cfg:
+    for section in ("model", "parallel", "training", "data", "checkpoint", "logging", "deepspeed"):
+        if cfg.get(section):
             lines.append(f"{section}: {json.dumps(cfg[section], sort_keys=True)}")
     world = tp * pp * dp
     lines.append(f"derived: world_size={world} (tp {tp} x pp {pp} x dp {dp}), padded_vocab_size={v_pad}, "

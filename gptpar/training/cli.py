@@ -1,5 +1,6 @@
 """pretrain_gpt.py's command line: `--config FILE`, `--set section.key=value`, and Megatron-style aliases;
-`parse` turns it into a checked `Config` and the (tp, pp, dp) grid, before any process group exists.
+`parse` turns it into a checked `Config` and the (tp, pp, dp) grid, before any process group exists (the
+`deepspeed` section included: `--set deepspeed.zero_optimization.reduce_bucket_size=5e8` sets a nested key).
 
 Every config key also has a flag `--key-with-dashes VALUE` (e.g. `--micro-batch-size 4`) when its name is
 unique across sections; a few Megatron flags (`--fp16`, `--checkpoint-activations`, ...) map to values.
@@ -140,6 +141,10 @@ def parse(argv: Sequence[str]) -> Tuple[Optional[Config], Dict[str, Any], Option
     if config_path is None:
         raise ConfigError("no config given: pass --config configs/<name>.json")
     cfg = load_config(config_path, overrides)
+    if cfg.deepspeed:  # DeepSpeed's own keys, checked through DeepSpeed's models (imports it: only when set)
+        from gptpar.training.engine.ds_config import check_deepspeed_overrides
+
+        check_deepspeed_overrides(cfg.deepspeed)
     p = cfg.parallel
     world = launched_world_size()
     if world is None:  # one rank, or the dry run's planned grid

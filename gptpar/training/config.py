@@ -7,6 +7,9 @@
 Sections and keys use Megatron's names: `model` (gptpar.model.config.GPTConfig), `parallel`, `training`,
 `data`, `checkpoint`, `logging`. Each field's meaning lives in its `metadata["doc"]`; docs/config.md is
 generated from it by tools/gen_config_docs.py. Every error is a `ConfigError` naming `section.key` and the fix.
+A seventh section, `deepspeed`, is DeepSpeed's own keys merged into the generated DeepSpeed config: kept here
+as a JSON object, checked against DeepSpeed by gptpar.training.engine.ds_config (`check_deepspeed_overrides`,
+called by the command line before any process group).
 This module is pure: it never imports DeepSpeed and never touches torch.distributed.
 """
 from __future__ import annotations
@@ -441,7 +444,7 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    """The Megatron log line, the metrics file, TensorBoard and wandb."""
+    """The Megatron log line, the metrics file, TensorBoard and the memory report."""
 
     log_interval: int = _f(100, "Print the log line (and write metrics) every this many iterations.")
     tensorboard_dir: Optional[str] = _f(None, "TensorBoard event directory; null = no TensorBoard.")
@@ -450,26 +453,29 @@ class LoggingConfig:
     tflops_formula: str = _f("improved", "TFLOPs estimate: `improved` (Narayanan et al. eq. 3, vocab term "
                                          "corrected without recompute) or `legacy` (params x factor x 2 x "
                                          "tokens).", choices=("improved", "legacy"))
-    log_num_zeros: bool = _f(False, "Count zero gradient entries for the `num zeros` field; false omits the "
-                                    "field.")
+    log_num_zeros: bool = _f(False, "Count zero gradient entries (after clipping, each parameter of the model "
+                                    "once) for the `num zeros` field; false omits the field.")
+    log_params_norm: bool = _f(False, "Megatron's --log-params-norm: the L2 norm of the whole model's weights "
+                                      "(the fp32 master weights where DeepSpeed keeps them, each parameter once) "
+                                      "as `params norm` in the log line and `params_norm` in the metrics file and "
+                                      "TensorBoard; false omits it. Costs all-reduces of one number per log line.")
     tensorboard_tags: str = _f("megatron", "TensorBoard tag names: `megatron` writes Megatron-DeepSpeed's (`lm-loss-"
                                            "training/lm loss`, its `vs samples` / `vs tokens` twins, `learning-rate/"
                                            "learning-rate`, `lm-loss-validation/lm loss validation`, per named "
                                            "validation set `lm-loss-validation/NAME/lm loss validation`, ...: "
                                            "docs/reliability.md#tensorboard-tags); `gptpar` the older `train/<key>`, "
                                            "`eval/lm_loss`, `eval/NAME/lm_loss`.", choices=("megatron", "gptpar"))
-    wandb_project: Optional[str] = _f(None, "Also log to this Weights & Biases project (needs wandb "
-                                            "installed); null = off.")
     timers: bool = _f(False, "After each log line, print where an iteration's time went (Megatron's `time (ms)` "
                              "line: batch placement, forward, backward, optimizer step incl. gradient reduction "
-                             "and clipping, the rest), averaged over the interval; also in the metrics file. "
+                             "and clipping, the rest), averaged over the interval; also in the metrics file and "
+                             "TensorBoard (Megatron's `forward-compute-time`, ..., in seconds). "
                              "pp = 1 only. Synchronises the device around each phase, which costs a little "
                              "overlap.")
 
     def __post_init__(self):
         _check_fields("logging", self)
         _positive("logging", self, "log_interval")
-        for name in ("tensorboard_dir", "metrics_file", "wandb_project"):
+        for name in ("tensorboard_dir", "metrics_file"):
             if getattr(self, name) == "":
                 raise ConfigError(f"logging.{name} is an empty string: give a value or null")
 
@@ -500,6 +506,23 @@ MODEL_DOCS = {
 
 SECTIONS = {"model": GPTConfig, "parallel": ParallelConfig, "training": TrainingConfig, "data": DataConfig,
             "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+# The section of DeepSpeed config keys (nested objects, DeepSpeed's names), not a dataclass: see Config.deepspeed.
+DEEPSPEED_SECTION = "deepspeed"
+ALL_SECTIONS = (*SECTIONS, DEEPSPEED_SECTION)
+
+# Keys gptpar had once: a config that still sets one is told what took its place.
+REMOVED_KEYS = {
+    ("logging", "wandb_project"): "the wandb writer was removed (nothing tested it); write TensorBoard events "
+                                  "(logging.tensorboard_dir), which W&B imports (`wandb sync DIR`, or "
+                                  "`wandb.init(sync_tensorboard=True)`)",
+}
+
+
+def _unknown_key(section: str, key: str, known: Sequence[str], where: str = "") -> ConfigError:
+    removed = REMOVED_KEYS.get((section, key))
+    if removed is not None:
+        return ConfigError(f"{section}.{key}{where} is no longer a config key: {removed}. Remove it")
+    return ConfigError(f"unknown key {section}.{key}{where}{_suggest(key, known)}")
 
 
 @dataclass
@@ -512,10 +535,14 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # DeepSpeed's own keys, merged over the DeepSpeed config gptpar generates (nested objects merge key by key).
+    # gptpar.training.engine.ds_config.check_deepspeed_overrides decides what may be there.
+    deepspeed: Dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """Plain JSON-able dict; `load_config` / `config_from_dict` of it gives an equal Config."""
-        return {name: asdict(getattr(self, name)) for name in SECTIONS}
+        return dict({name: asdict(getattr(self, name)) for name in SECTIONS},
+                    **{DEEPSPEED_SECTION: json.loads(json.dumps(self.deepspeed))})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -592,7 +619,7 @@ def _build_section(name: str, cls: type, values: dict):
     hints = typing.get_type_hints(cls)
     for key, value in values.items():
         if key not in known:
-            raise ConfigError(f"unknown key {name}.{key}{_suggest(key, known)}")
+            raise _unknown_key(name, key, known)
         if not _type_ok(value, hints[key]):  # before __post_init__, which may compare it with numbers
             raise ConfigError(f"{name}.{key} must be {_type_name(hints[key])}, got {value!r} "
                               f"({type(value).__name__}): fix the value in the config or --set")
@@ -610,15 +637,29 @@ def config_from_dict(d: dict, overrides: Sequence[str] = ()) -> Config:
         raise ConfigError(f"a config is a JSON object of sections {sorted(SECTIONS)}, got {type(d).__name__}")
     d = json.loads(json.dumps(d))  # a private deep copy
     for section in d:
-        if section not in SECTIONS:
-            raise ConfigError(f"unknown config section {section!r}{_suggest(section, SECTIONS)}")
+        if section not in ALL_SECTIONS:
+            raise ConfigError(f"unknown config section {section!r}{_suggest(section, ALL_SECTIONS)}")
         if not isinstance(d[section], dict):
             raise ConfigError(f"config section {section!r} must be an object of keys")
     for item in overrides:
         section, key, value = parse_override(item)
-        d.setdefault(section, {})[key] = value
+        if section == DEEPSPEED_SECTION:
+            _set_nested(d.setdefault(section, {}), key, value, item)
+        else:
+            d.setdefault(section, {})[key] = value
     built = {name: _build_section(name, cls, d.get(name, {})) for name, cls in SECTIONS.items()}
-    return Config(**built)
+    return Config(**built, deepspeed=d.get(DEEPSPEED_SECTION, {}))
+
+
+def _set_nested(obj: dict, dotted: str, value: Any, item: str) -> None:
+    """obj[a][b][c] = value for `a.b.c` (the deepspeed section's nested keys), creating objects on the way."""
+    *path, last = dotted.split(".")
+    for i, key in enumerate(path):
+        obj = obj.setdefault(key, {})
+        if not isinstance(obj, dict):
+            raise ConfigError(f"override {item!r}: deepspeed.{'.'.join(path[:i + 1])} is {obj!r}, not an object "
+                              "of keys")
+    obj[last] = value
 
 
 def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> Config:
@@ -645,12 +686,20 @@ def parse_override(item: str) -> Tuple[str, str, Any]:
     section, dot, key = name.strip().partition(".")
     if not sep or not dot or not key:
         raise ConfigError(f"override {item!r} must look like section.key=value, e.g. training.micro_batch_size=4")
-    if section not in SECTIONS:
-        raise ConfigError(f"unknown config section {section!r} in override {item!r}{_suggest(section, SECTIONS)}")
+    if section not in ALL_SECTIONS:
+        raise ConfigError(f"unknown config section {section!r} in override {item!r}"
+                          f"{_suggest(section, ALL_SECTIONS)}")
+    if section == DEEPSPEED_SECTION:  # DeepSpeed's nested keys (`deepspeed.zero_optimization.reduce_bucket_size`)
+        if any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r}: an empty key in {key!r}")
+        try:
+            return section, key, json.loads(raw)
+        except json.JSONDecodeError:
+            return section, key, raw
     cls = SECTIONS[section]
     known = [f.name for f in fields(cls)]
     if key not in known:
-        raise ConfigError(f"unknown key {section}.{key} in override {item!r}{_suggest(key, known)}")
+        raise _unknown_key(section, key, known, f" in override {item!r}")
     try:
         value = json.loads(raw)
     except json.JSONDecodeError:
@@ -663,5 +712,5 @@ def parse_override(item: str) -> Tuple[str, str, Any]:
 
 __all__ = ["ConfigError", "Accelerator", "OPTIMIZERS", "package_installed", "Config", "ParallelConfig",
            "TrainingConfig", "DataConfig", "CheckpointConfig",
-           "LoggingConfig", "GPTConfig", "SECTIONS", "MODEL_DOCS", "load_config", "config_from_dict",
-           "parse_override"]
+           "LoggingConfig", "GPTConfig", "SECTIONS", "DEEPSPEED_SECTION", "ALL_SECTIONS", "REMOVED_KEYS",
+           "MODEL_DOCS", "load_config", "config_from_dict", "parse_override"]

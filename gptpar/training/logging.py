@@ -1,20 +1,23 @@
-"""The Megatron-DeepSpeed log line, the metrics JSONL file, TensorBoard and wandb.
+"""The Megatron-DeepSpeed log line, the metrics JSONL file, TensorBoard, and Megatron's memory report.
 
 One logged iteration is one *record*: a dict with exactly `METRIC_KEYS`. The same record is printed as
 the log line (`format_log_line(**record)`), appended to the metrics file at full precision and sent to
 TensorBoard (Megatron-DeepSpeed's tags, or `train/<key>` with logging.tensorboard_tags=gptpar), so they never
 disagree. One evaluation of one validation set is one *eval record* (`eval_record`), written the same way.
+The phase timers (logging.timers) go to the metrics file and TensorBoard beside them, the memory in use
+(`memory_usage`) to TensorBoard and once as Megatron's `report_memory` line (`format_memory_line`).
 
 The line is Megatron-DeepSpeed's `training_log` output: each field is ' name: value |', in this order,
 with these formats (the iteration field is ' iteration {:8d}/{:8d} |'):
 
     consumed samples {:12d} · consumed tokens {:12d} · elapsed time per iteration (s) {:.2f} ·
     learning rate {:.3E} · global batch size {:5d} · lm loss {:.6E} · loss scale {:.1f} · grad norm {:.3f} ·
-    num zeros {:.1f} · number of skipped iterations {:3d} · number of nan iterations {:3d} ·
-    samples per second {:.3f} · TFLOPs {:.2f}
+    num zeros {:.1f} · params norm {:.3f} · number of skipped iterations {:3d} ·
+    number of nan iterations {:3d} · samples per second {:.3f} · TFLOPs {:.2f}
 
 Differences from the reference, on purpose: loss scale is always printed (1.0 unless fp16), num zeros is
-omitted (never a constant) when it is not counted, skipped and nan iterations are counted honestly.
+omitted (never a constant) when it is not counted, skipped and nan iterations are counted honestly. Num zeros
+and params norm are omitted unless asked for (logging.log_num_zeros, logging.log_params_norm), as in Megatron.
 """
 from __future__ import annotations
 
@@ -25,8 +28,10 @@ import re
 from typing import Dict, Optional
 
 METRIC_KEYS = ("iteration", "train_iters", "consumed_samples", "consumed_tokens", "elapsed_s", "lr",
-               "global_batch_size", "lm_loss", "loss_scale", "grad_norm", "num_zeros", "skipped_iterations",
-               "nan_iterations", "samples_per_second", "tflops")
+               "global_batch_size", "lm_loss", "loss_scale", "grad_norm", "num_zeros", "params_norm",
+               "skipped_iterations", "nan_iterations", "samples_per_second", "tflops")
+# Keys a training record gained after metrics files were first written: older files lack them.
+LATER_KEYS = ("params_norm",)
 
 # (label in the line, record key, format) after the iteration field, in Megatron-DeepSpeed's order.
 _FIELDS = (
@@ -39,6 +44,7 @@ _FIELDS = (
     ("loss scale", "loss_scale", "{:.1f}"),
     ("grad norm", "grad_norm", "{:.3f}"),
     ("num zeros", "num_zeros", "{:.1f}"),
+    ("params norm", "params_norm", "{:.3f}"),
     ("number of skipped iterations", "skipped_iterations", "{:3d}"),
     ("number of nan iterations", "nan_iterations", "{:3d}"),
     ("samples per second", "samples_per_second", "{:.3f}"),
@@ -51,12 +57,14 @@ _INT_KEYS = {"iteration", "train_iters", "consumed_samples", "consumed_tokens", 
 def format_log_line(*, iteration: int, train_iters: int, consumed_samples: int, consumed_tokens: int,
                     elapsed_s: float, lr: float, global_batch_size: int, lm_loss: Optional[float],
                     loss_scale: float = 1.0, grad_norm: Optional[float] = None, num_zeros: Optional[float] = None,
-                    skipped_iterations: int = 0, nan_iterations: int = 0, samples_per_second: float,
-                    tflops: float) -> str:
-    """The per-iteration line; `None` omits lm loss, grad norm or num zeros (as Megatron omits them)."""
+                    params_norm: Optional[float] = None, skipped_iterations: int = 0, nan_iterations: int = 0,
+                    samples_per_second: float, tflops: float) -> str:
+    """The per-iteration line; `None` omits lm loss, grad norm, num zeros or params norm (as Megatron omits
+    them)."""
     values = dict(consumed_samples=consumed_samples, consumed_tokens=consumed_tokens, elapsed_s=elapsed_s,
                   lr=lr, global_batch_size=global_batch_size, lm_loss=lm_loss, loss_scale=loss_scale,
-                  grad_norm=grad_norm, num_zeros=num_zeros, skipped_iterations=skipped_iterations,
+                  grad_norm=grad_norm, num_zeros=num_zeros, params_norm=params_norm,
+                  skipped_iterations=skipped_iterations,
                   nan_iterations=nan_iterations, samples_per_second=samples_per_second, tflops=tflops)
     line = " iteration {:8d}/{:8d} |".format(iteration, train_iters)
     for label, key, fmt in _FIELDS:
@@ -99,6 +107,40 @@ def format_timers_line(phases_ms: Dict[str, float]) -> str:
     return " time (ms) |" + "".join(f" {name}: {ms:.2f} |" for name, ms in phases_ms.items())
 
 
+def memory_usage(device) -> Dict[str, float]:
+    """This process's memory in bytes, labelled as Megatron's `report_memory` labels it.
+
+    On CUDA the caching allocator's `allocated`, `max allocated`, `reserved` and `max reserved`
+    (torch.cuda.memory_allocated / max_memory_allocated / memory_reserved / max_memory_reserved). On CPU the
+    process's `resident` memory and its peak, `max resident`: VmRSS and VmHWM of /proc/self/status (the kernel's
+    own counters of resident pages now and at most so far, read together, so the peak is never below the
+    resident). Empty where neither exists (a CPU without /proc: nothing is reported)."""
+    import torch
+
+    if device.type == "cuda":
+        return {"allocated": float(torch.cuda.memory_allocated(device)),
+                "max allocated": float(torch.cuda.max_memory_allocated(device)),
+                "reserved": float(torch.cuda.memory_reserved(device)),
+                "max reserved": float(torch.cuda.max_memory_reserved(device))}
+    try:
+        with open("/proc/self/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return {}
+    kib = {key: float(status[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM") if key in status}
+    if len(kib) < 2:
+        return {}
+    return {"resident": kib["VmRSS"], "max resident": kib["VmHWM"]}
+
+
+def format_memory_line(rank: int, iteration: int, usage: Dict[str, float]) -> str:
+    """Megatron's `report_memory` line for one rank: `[Rank r] (after N iterations) memory (MB) | allocated: ... |
+    max allocated: ... | reserved: ... | max reserved: ...` (on CPU: resident, max resident), MB = 2**20 bytes,
+    printed unrounded as Megatron does."""
+    return f"[Rank {rank}] (after {iteration} iterations) memory (MB)" + "".join(
+        f" | {label}: {value / 2 ** 20}" for label, value in usage.items())
+
+
 def format_eval_line(iteration: int, lm_loss: float, valid_set: Optional[str] = None) -> str:
     """Megatron's validation line (`evaluate_and_print_results`); PPL = exp(min(20, loss)). A named validation
     set says its name (`validation loss of en at iteration ...`)."""
@@ -119,7 +161,7 @@ def format_eval_block(iteration: int, lm_loss: float, per_set: Optional[Dict[str
 def eval_record(iteration: int, consumed_samples: int, consumed_tokens: int, lm_loss: float,
                 valid_set: Optional[str] = None) -> dict:
     """One evaluation of one validation set (`valid_set` None: the only set, or the total over named sets), as
-    the metrics file, TensorBoard and wandb take it."""
+    the metrics file and TensorBoard take it."""
     record = {"eval": True, "iteration": iteration, "consumed_samples": consumed_samples,
               "consumed_tokens": consumed_tokens, "lm_loss": lm_loss, "ppl": perplexity(lm_loss)}
     if valid_set is not None:
@@ -215,6 +257,12 @@ def read_metrics(path: str) -> list:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def is_training_record(record: dict) -> bool:
+    """Whether a metrics-file object is a logged iteration: every key of METRIC_KEYS (but LATER_KEYS, which
+    files written before them lack)."""
+    return set(METRIC_KEYS) - set(LATER_KEYS) <= set(record)
+
+
 # Megatron-DeepSpeed's training tags (megatron/training.py, training_log): record key -> (tag, the extra
 # x-axes it also writes as "<tag> vs samples" / "<tag> vs tokens"). The plain tag's step is the iteration.
 MEGATRON_TRAIN_TAGS = {
@@ -224,6 +272,7 @@ MEGATRON_TRAIN_TAGS = {
     "loss_scale": ("loss-scale/loss-scale", ("samples", "tokens")),
     "grad_norm": ("grad-norm/grad-norm", ("samples", "tokens")),
     "num_zeros": ("num-zeros/num-zeros", ("samples", "tokens")),
+    "params_norm": ("params-norm/params-norm", ("samples", "tokens")),
     "elapsed_s": ("iteration-time/iteration-time", ("samples", "tokens")),
 }
 
@@ -271,19 +320,50 @@ def gptpar_eval_scalars(record: Dict[str, object]) -> list:
             (f"{base}ppl", record["ppl"], record["iteration"])]
 
 
-TAG_STYLES = {"megatron": (megatron_train_scalars, megatron_eval_scalars),
-              "gptpar": (gptpar_train_scalars, gptpar_eval_scalars)}
+# The trainer's phases (logging.timers) under the names of Megatron's timers that measure the same thing
+# (pretrain_gpt.py's `batch-generator`, schedules.py's `forward-compute` / `backward-compute`, training.py's
+# `optimizer`); `micro-step` and `other` have no Megatron twin and keep their own names.
+MEGATRON_TIMER_NAMES = {"batch": "batch-generator", "forward": "forward-compute", "backward": "backward-compute",
+                        "optimizer": "optimizer"}
+
+
+def megatron_timer_scalars(iteration: int, phases_ms: Dict[str, float]) -> list:
+    """(tag, value, step) as Megatron-DeepSpeed's `Timers.write`: `<timer>-time`, seconds per iteration."""
+    return [(f"{MEGATRON_TIMER_NAMES.get(name, name)}-time", ms / 1e3, iteration) for name, ms in phases_ms.items()]
+
+
+def gptpar_timer_scalars(iteration: int, phases_ms: Dict[str, float]) -> list:
+    """(tag, value, step): `timers/<phase>_ms`, milliseconds per iteration."""
+    return [(f"timers/{name}_ms", ms, iteration) for name, ms in phases_ms.items()]
+
+
+def megatron_memory_scalars(iteration: int, usage: Dict[str, float]) -> list:
+    """(tag, value, step): Megatron-LM's `mem-allocated-bytes`, `mem-max-allocated-bytes`, `mem-reserved-bytes`,
+    `mem-max-reserved-bytes` (on CPU `mem-resident-bytes`, `mem-max-resident-bytes`), in bytes."""
+    return [(f"mem-{label.replace(' ', '-')}-bytes", value, iteration) for label, value in usage.items()]
+
+
+def gptpar_memory_scalars(iteration: int, usage: Dict[str, float]) -> list:
+    """(tag, value, step): `memory/<label>_bytes` (`memory/max_resident_bytes`, ...)."""
+    return [(f"memory/{label.replace(' ', '_')}_bytes", value, iteration) for label, value in usage.items()]
+
+
+# Each tag style's functions for training records, eval records, timers and memory.
+TAG_STYLES = {"megatron": (megatron_train_scalars, megatron_eval_scalars, megatron_timer_scalars,
+                           megatron_memory_scalars),
+              "gptpar": (gptpar_train_scalars, gptpar_eval_scalars, gptpar_timer_scalars, gptpar_memory_scalars)}
 
 
 class TensorBoardWriter:
-    """Scalars of the training and eval records under logging.tensorboard_tags' names (`TAG_STYLES`).
+    """Scalars of the training and eval records, the timers and the memory, under logging.tensorboard_tags'
+    names (`TAG_STYLES`).
 
     Imports TensorBoard only when `log_dir` is given; `log_dir` None makes every call a no-op.
     """
 
     def __init__(self, log_dir: Optional[str], tags: str = "megatron"):
         self.writer = None
-        self.train_scalars, self.eval_scalars = TAG_STYLES[tags]
+        self.train_scalars, self.eval_scalars, self.timer_scalars, self.memory_scalars = TAG_STYLES[tags]
         if log_dir is not None:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
@@ -294,6 +374,12 @@ class TensorBoardWriter:
 
     def add_eval(self, record: Dict[str, object]) -> None:
         self._add(self.eval_scalars(record))
+
+    def add_timers(self, iteration: int, phases_ms: Dict[str, float]) -> None:
+        self._add(self.timer_scalars(iteration, phases_ms))
+
+    def add_memory(self, iteration: int, usage: Dict[str, float]) -> None:
+        self._add(self.memory_scalars(iteration, usage))
 
     def _add(self, scalars: list) -> None:
         if self.writer is None:
@@ -307,34 +393,9 @@ class TensorBoardWriter:
             self.writer.close()
 
 
-class WandbWriter:
-    """Optional Weights & Biases logging with the same keys; `project` None makes every call a no-op."""
-
-    def __init__(self, project: Optional[str], config: Optional[dict] = None):
-        self.run = None
-        if project is None:
-            return
-        try:
-            import wandb
-        except ImportError:
-            raise RuntimeError("logging.wandb_project is set but wandb is not installed: pip install wandb, "
-                               "or set logging.wandb_project=null") from None
-        self.run = wandb.init(project=project, config=config)
-
-    def add_metrics(self, record: Dict[str, object]) -> None:
-        if self.run is not None:
-            self.run.log({f"train/{k}": v for k, v in record.items() if v is not None}, step=record["iteration"])
-
-    def add_eval(self, record: Dict[str, object]) -> None:
-        if self.run is not None:
-            self.run.log({tag: value for tag, value, _ in gptpar_eval_scalars(record)}, step=record["iteration"])
-
-    def close(self) -> None:
-        if self.run is not None:
-            self.run.finish()
-
-
-__all__ = ["METRIC_KEYS", "format_log_line", "parse_log_line", "format_eval_line", "format_eval_block", "eval_record",
-           "perplexity", "IntervalStats", "MetricsWriter", "read_metrics", "MEGATRON_TRAIN_TAGS", "TAG_STYLES",
-           "megatron_train_scalars", "megatron_eval_scalars", "gptpar_train_scalars", "gptpar_eval_scalars",
-           "TensorBoardWriter", "WandbWriter"]
+__all__ = ["METRIC_KEYS", "LATER_KEYS", "format_log_line", "parse_log_line", "format_timers_line", "memory_usage",
+           "format_memory_line", "format_eval_line", "format_eval_block", "eval_record", "perplexity",
+           "IntervalStats", "MetricsWriter", "read_metrics", "is_training_record", "MEGATRON_TRAIN_TAGS",
+           "MEGATRON_TIMER_NAMES", "TAG_STYLES", "megatron_train_scalars", "megatron_eval_scalars",
+           "gptpar_train_scalars", "gptpar_eval_scalars", "megatron_timer_scalars", "gptpar_timer_scalars",
+           "megatron_memory_scalars", "gptpar_memory_scalars", "TensorBoardWriter"]

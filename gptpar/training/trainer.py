@@ -15,9 +15,13 @@ writes no log line (a `skipped_data` record instead); evaluation, saves and exit
 Elapsed time per iteration is the mean over the interval of the time from fetching the batch to the end of
 the optimizer step (evaluation and checkpoint saves are not in it); samples/s and TFLOPs derive from it.
 The log line is printed by the last pipeline stage's first data-parallel rank (tp rank 0); the same record
-goes to the metrics JSONL, TensorBoard and wandb (gptpar.training.logging). Skipped iterations are counted
+goes to the metrics JSONL and TensorBoard (gptpar.training.logging). Skipped iterations are counted
 from the engine's `step_applied`, NaN iterations from the loss, num zeros from the gradients the optimizer
-steps on (only with logging.log_num_zeros, else omitted), TFLOPs from gptpar.estimate.flops.
+steps on (only with logging.log_num_zeros, else omitted), params norm from the master weights (only with
+logging.log_params_norm), TFLOPs from gptpar.estimate.flops; num zeros and params norm count each parameter
+of the model once. After the first log line whose step was applied (the optimizer state then exists), every
+rank of the first dp replica prints Megatron's memory report (`[Rank r] (after N iterations) memory (MB) | ...`);
+each log line's memory in use, the largest over the ranks, goes to TensorBoard.
 """
 from __future__ import annotations
 
@@ -33,8 +37,8 @@ import torch.distributed as dist
 
 from gptpar.estimate.flops import tflops_per_gpu
 from gptpar.training.engine import ZeroCounter
-from gptpar.training.logging import (IntervalStats, MetricsWriter, TensorBoardWriter, WandbWriter, eval_record,
-                                     format_eval_block, format_log_line, format_timers_line)
+from gptpar.training.logging import (IntervalStats, MetricsWriter, TensorBoardWriter, eval_record, format_eval_block,
+                                     format_log_line, format_memory_line, format_timers_line, memory_usage)
 from gptpar.training.schedules import BatchSizeRampup, LearningRateSchedule, SkipRanges, train_iters
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -109,9 +113,9 @@ class Trainer:
         self.saved_at = self.evaluated_at = None
         self.nan_streak = 0  # consecutive iterations with a NaN/Inf loss (the same on every rank: the loss is)
         self.is_log_rank = pstate.is_last_stage and pstate.dp_rank == 0 and pstate.tp_rank == 0
-        partitioned = t.zero_stage >= 1  # bf16 without ZeRO keeps full gradients on every dp rank
-        self.zeros = ZeroCounter(engine, pstate, partitioned) if cfg.logging.log_num_zeros else None
-        self.metrics = self.tensorboard = self.wandb = None
+        self.zeros = ZeroCounter(engine, pstate) if cfg.logging.log_num_zeros else None
+        self.memory_reported = False  # Megatron's report_memory_flag: the per-rank report, once
+        self.metrics = self.tensorboard = None
         if cfg.logging.timers:
             engine.time_phases()
 
@@ -196,20 +200,37 @@ class Trainer:
 
     # -- the log line --------------------------------------------------------------------------
     def log_interval(self) -> None:
-        iterations = self.stats.iterations
+        """The log line, its record in the metrics file and TensorBoard, the timers and the memory (every rank:
+        num zeros, params norm and the memory's maximum are collectives)."""
+        iteration, iterations = self.counters.iteration, self.stats.iterations
         interval = self.stats.pop()
         num_zeros = self.zeros.total(self.last["step_applied"]) if self.zeros is not None else None
+        params_norm = self.engine.params_norm() if self.cfg.logging.log_params_norm else None
         phases = self.phases_ms(iterations, interval["elapsed_s"])
-        if not self.is_log_rank:
-            return
-        record = self.record(interval, num_zeros)
-        self.log(format_log_line(**record))
-        self.metrics.write(record)
-        self.tensorboard.add_metrics(record)
-        self.wandb.add_metrics(record)
-        if phases is not None:
-            self.log(format_timers_line(phases))
-            self.metrics.write_timers(self.counters.iteration, phases)
+        usage = memory_usage(self.pstate.device)
+        largest = self._largest_over_ranks(usage) if usage and self.cfg.logging.tensorboard_dir else None
+        if self.is_log_rank:
+            record = self.record(interval, num_zeros, params_norm)
+            self.log(format_log_line(**record))
+            self.metrics.write(record)
+            self.tensorboard.add_metrics(record)
+            if phases is not None:
+                self.log(format_timers_line(phases))
+                self.metrics.write_timers(iteration, phases)
+                self.tensorboard.add_timers(iteration, phases)
+            if largest is not None:
+                self.tensorboard.add_memory(iteration, largest)
+        if not self.memory_reported and self.last["step_applied"]:
+            self.memory_reported = True
+            if self.pstate.dp_rank == 0 and usage:  # Megatron: one report per model-parallel rank
+                self.log(format_memory_line(self.pstate.rank, iteration, usage))
+
+    def _largest_over_ranks(self, usage: dict) -> dict:
+        """Each of `memory_usage`'s numbers, the largest over all ranks (one all-reduce MAX)."""
+        values = torch.tensor(list(usage.values()), dtype=torch.float64, device=self.pstate.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        return dict(zip(usage, values.tolist()))
 
     def phases_ms(self, iterations: int, elapsed_s: float) -> Optional[dict]:
         """With logging.timers: ms per iteration of each timed phase over the interval, and the rest of the
@@ -223,13 +244,13 @@ class Trainer:
         seconds.clear()
         return phases
 
-    def record(self, interval: dict, num_zeros: Optional[float]) -> dict:
+    def record(self, interval: dict, num_zeros: Optional[float], params_norm: Optional[float] = None) -> dict:
         """Every field of the log line (and of a metrics-file object)."""
         c, gbs, elapsed = self.counters, self.last["global_batch_size"], interval["elapsed_s"]
         return {"iteration": c.iteration, "train_iters": self.train_iters, "consumed_samples": c.consumed_samples,
                 "consumed_tokens": c.consumed_tokens, "elapsed_s": elapsed, "lr": self.last["lr"],
                 "global_batch_size": gbs, "lm_loss": interval["lm_loss"], "loss_scale": self.engine.loss_scale,
-                "grad_norm": self.last["grad_norm"], "num_zeros": num_zeros,
+                "grad_norm": self.last["grad_norm"], "num_zeros": num_zeros, "params_norm": params_norm,
                 "skipped_iterations": interval["skipped_iterations"],
                 "nan_iterations": interval["nan_iterations"], "samples_per_second": gbs / elapsed,
                 "tflops": self.tflops(gbs, elapsed)}
@@ -262,7 +283,6 @@ class Trainer:
             for record in records:
                 self.metrics.write_eval(record)
                 self.tensorboard.add_eval(record)
-                self.wandb.add_eval(record)
         return total
 
     def _eval_loss(self, source) -> float:
@@ -359,12 +379,10 @@ class Trainer:
         on = self.is_log_rank
         self.metrics = MetricsWriter(lg.metrics_file if on else None)
         self.tensorboard = TensorBoardWriter(lg.tensorboard_dir if on else None, lg.tensorboard_tags)
-        self.wandb = WandbWriter(lg.wandb_project if on else None, self.cfg.to_dict() if on else None)
 
     def _close_writers(self) -> None:
-        for writer in (self.tensorboard, self.wandb):
-            if writer is not None:
-                writer.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 __all__ = ["Trainer", "NonFiniteError", "Counters", "StopSignals", "STOP_SIGNALS"]

@@ -3,9 +3,11 @@ fp32/bf16/fp16), split by what changes together:
 
     deepspeed_api.py    the only file here that imports DeepSpeed; its docstring lists every DeepSpeed 0.19.8
                         internal gptpar relies on and the test that breaks when one changes
-    step.py             TrainEngine: the train/eval step, the phase timers, what the log line reads; ZeroCounter
+    step.py             TrainEngine: the train/eval step, the phase timers, what the log line reads (params norm);
+                        ZeroCounter; counted_once, the one rule that counts each parameter once in model-wide sums
     build.py            build_engine: the client optimizer, the model-parallel unit, the accelerator, shm clean-up
-    ds_config.py        deepspeed_config: the DeepSpeed config dict generated from gptpar's run config
+    ds_config.py        deepspeed_config: the DeepSpeed config dict generated from gptpar's run config, with the run
+                        config's `deepspeed` section merged over it (check_deepspeed_overrides: what may be there)
     checkpointing.py    DeepSpeed's checkpoint files of one tag (save, load, the fp16 loss scale saved in them)
     optimizer_state.py  one parameter's full optimizer state (universal checkpoints), the precision plan, bytes held
 

@@ -17,7 +17,6 @@ uses them, and the test that breaks when one changes:
       step.py: `ZeroCounter`)
     `engine.clip_fp32_gradients` replaced and `engine._global_grad_norm` test_trainer.py::test_pipeline_without_zero_clips_by_the_same_norm,
       written (fp32 without ZeRO; build.py, step.py)                    test_topology_equivalence.py (grad norms against serial)
-    ZeRO's `groups_padding` / `group_paddings` (step.py: ZeroCounter)  test_trainer.py::test_log_line_and_metrics_fields_recomputed (num zeros)
     the fp16 scale in `loss_scale_config.cur_scale` / `cur_scale`      test_trainer_fp16.py::test_overflow_skips_halve_the_scale_and_hold_the_lr,
       (step.py: `fp16_loss_scale`), and in the optimizer shards'        test_precision.py::test_deepspeed_fp16_stage0_does_not_scale_the_loss
       `optimizer_state_dict.loss_scaler` (checkpointing.py:
@@ -40,8 +39,19 @@ uses them, and the test that breaks when one changes:
     `zero_allow_untested_optimizer` lets ZeRO-1 and BF16_Optimizer      test_optimizer8bit.py (resume equals uninterrupted),
       wrap bitsandbytes' AdamW8bit, whose state_dict they save          test_precision.py (its bytes)
       (ds_config.py)
+    the parameters' `_hp_mapping.hp_fragment` (a narrow view of the   test_log_norms.py (params norm against the serial
+      flat fp32 partition the client optimizer steps on; None where      model, num zeros against DeepSpeed's gathered
+      none of the parameter is on this dp rank) and the pipeline's        gradients, at (2,1,1), (1,2,1), (1,1,2), (2,2,1))
+      `ds_pipe_replicated` mark on the tied embedding's later copies
+      (optimizer_state.py: `master_fragment`, `grad_fragment_of`;
+      step.py: `counted_once`, `params_norm`, `ZeroCounter`)
+    DeepSpeedZeroConfig (a pydantic model that forbids unknown keys)   test_deepspeed_overrides.py (typos, types, the values
+      and `get_communication_data_type`                                  read back from the built engine)
+      (`check_deepspeed_key`, for ds_config.check_deepspeed_overrides)
 """
 from __future__ import annotations
+
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -99,6 +109,43 @@ def get_full_optimizer_state(param: torch.Tensor, key: str) -> torch.Tensor:
     from deepspeed.utils import safe_get_full_optimizer_state
 
     return safe_get_full_optimizer_state(param, key)
+
+
+def check_deepspeed_key(key: str, value) -> Optional[Tuple[str, str, List[str]]]:
+    """DeepSpeed's own check of one top-level key of its config (`zero_optimization`: its pydantic model;
+    `communication_data_type`: the parser DeepSpeedConfig calls). None when DeepSpeed takes
+    `value`; else (the dotted path below `key` of the first problem, "" for the value itself; the message; the
+    keys DeepSpeed knows directly under `key`, for a suggestion)."""
+    if key == "communication_data_type":
+        from deepspeed.runtime.config import get_communication_data_type
+
+        if value is not None and not isinstance(value, str):  # DeepSpeed would fail on value.lower()
+            return "", f"must be a string (fp32, fp16 or bf16) or null, got {value!r} ({type(value).__name__})", []
+        try:
+            get_communication_data_type({key: value})
+        except ValueError as e:
+            return "", str(e), []
+        return None
+    import pydantic
+
+    if key != "zero_optimization":
+        raise ValueError(f"no DeepSpeed check for {key!r}")
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig as model
+
+    if not isinstance(value, dict):
+        return "", f"must be an object of keys, got {value!r} ({type(value).__name__})", []
+    known = sorted(set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias})
+    try:
+        model(**value)
+    except pydantic.ValidationError as e:
+        error = e.errors()[0]
+        path = ".".join(str(part) for part in error["loc"])
+        if error["type"] == "extra_forbidden":
+            return path, "unknown key", known
+        return path, f"{error['msg']}, got {error.get('input')!r}", known
+    except (AssertionError, ValueError, TypeError) as e:  # DeepSpeed's own checks after pydantic's
+        return "", str(e), known
+    return None
 
 
 def quiet_deepspeed_log() -> None:

@@ -1,4 +1,14 @@
-"""The DeepSpeed config dict, generated from gptpar's run config (never kept by hand beside it).
+"""The DeepSpeed config dict, generated from gptpar's run config (never kept by hand beside it), and the run
+config's `deepspeed` section merged over it.
+
+The `deepspeed` section takes DeepSpeed's own keys for what gptpar does not decide (bucket sizes, the gradient
+all-reduce dtype, ...). DeepSpeed checks the keys inside its modelled sections (`zero_optimization` is a pydantic
+model that forbids unknown keys) but silently ignores unknown top-level keys (`zero_optimisation` would do
+nothing) and type-checks few values (`communication_data_type: 123` fails deep inside with an AttributeError).
+So `check_deepspeed_overrides` admits only the top-level keys of `PASSED_THROUGH`, each checked through
+DeepSpeed's own model or parser (deepspeed_api.check_deepspeed_key), and refuses the keys gptpar generates
+(`OWNED_KEYS`) naming the gptpar key to set instead. The command line calls it before any process group
+(gptpar.training.cli.parse), and `deepspeed_config` again before merging.
 
 Precision (DeepSpeed 0.19.8, chosen by the generated config, reported by `TrainEngine.precision_plan`):
     fp32        fp32 weights and gradients; ZeRO-1: DeepSpeedZeroOptimizer (fp32 partition copy)
@@ -10,8 +20,74 @@ from __future__ import annotations
 
 import math
 
-from gptpar.training.config import Config
+from gptpar.training.config import Config, ConfigError, _suggest
 from gptpar.training.schedules import BatchSizeRampup
+
+# Top-level DeepSpeed keys the `deepspeed` section may set, each checked by DeepSpeed's own config model or
+# parser (deepspeed_api.check_deepspeed_key): what each does.
+PASSED_THROUGH = {
+    "zero_optimization": "ZeRO's knobs, checked by DeepSpeed's DeepSpeedZeroConfig: `reduce_bucket_size`, "
+                         "`allgather_bucket_size`, `overlap_comm`, `reduce_scatter`, `contiguous_gradients`, ... "
+                         "(its `stage` is training.zero_stage).",
+    "communication_data_type": "The dtype gradients are reduced in over dp: `fp32`, `fp16` or `bf16` (null: "
+                               "DeepSpeed's default, the dtype gradients are accumulated in).",
+}
+# DeepSpeed keys gptpar generates from its own config: the gptpar key that sets each.
+OWNED_KEYS = {
+    "train_batch_size": "training.global_batch_size",
+    "train_micro_batch_size_per_gpu": "training.micro_batch_size",
+    "gradient_accumulation_steps": "training.global_batch_size (micro-batches = global batch / (micro batch x dp))",
+    "gradient_clipping": "training.clip_grad",
+    "zero_optimization.stage": "training.zero_stage",
+    "bf16": "training.precision",
+    "fp16": "training.precision (and training.loss_scale, initial_loss_scale, loss_scale_window, hysteresis, "
+            "min_loss_scale)",
+    "amp": "training.precision",
+    "data_types": "training.precision (bf16 accumulates gradients in fp32)",
+    "optimizer": "training.optimizer (and training.lr, adam_beta1, adam_beta2, adam_eps, weight_decay)",
+    "zero_allow_untested_optimizer": "training.optimizer",
+    "scheduler": "training.lr_decay_style (and the other training.lr_* keys)",
+    "steps_per_print": "logging.log_interval",
+    "wall_clock_breakdown": "logging.timers",
+    "activation_checkpointing": "training.activation_checkpointing",
+    "tensorboard": "logging.tensorboard_dir",
+    "csv_monitor": "logging.metrics_file",
+}
+
+
+def check_deepspeed_overrides(overrides: dict) -> None:
+    """Raise ConfigError naming the first key of a `deepspeed` section that DeepSpeed or gptpar would not take:
+    a key gptpar generates (with the gptpar key to set instead), a top-level key outside PASSED_THROUGH, or a key
+    or value DeepSpeed's own model or parser refuses (which imports DeepSpeed)."""
+    import gptpar.training.engine.deepspeed_api as deepspeed_api
+
+    for key, value in overrides.items():
+        if key in OWNED_KEYS:
+            raise ConfigError(f"deepspeed.{key} is set by gptpar from {OWNED_KEYS[key]}: set that instead")
+        if key not in PASSED_THROUGH:
+            raise ConfigError(f"unknown key deepspeed.{key}{_suggest(key, [*PASSED_THROUGH, *OWNED_KEYS])}: the "
+                              f"deepspeed section passes {', '.join(PASSED_THROUGH)} through to DeepSpeed")
+        owned = next((f"{key}.{k}" for k in (value if isinstance(value, dict) else ()) if f"{key}.{k}" in OWNED_KEYS),
+                     None)
+        if owned is not None:
+            raise ConfigError(f"deepspeed.{owned} is set by gptpar from {OWNED_KEYS[owned]}: set that instead")
+        problem = deepspeed_api.check_deepspeed_key(key, value)
+        if problem is not None:
+            path, message, known = problem
+            where = f"deepspeed.{key}" + (f".{path}" if path else "")
+            hint = _suggest(path, known) if known and "." not in path and path not in known else ""
+            raise ConfigError(f"{where}: {message}{hint} (DeepSpeed's check of its `{key}` config)")
+
+
+def merge_overrides(generated: dict, overrides: dict) -> dict:
+    """`generated` with `overrides` laid over it: nested objects merge key by key, anything else replaces."""
+    out = dict(generated)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_overrides(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 def deepspeed_config(cfg: Config, dp_size: int, consumed_samples: int = 0) -> dict:
@@ -19,7 +95,8 @@ def deepspeed_config(cfg: Config, dp_size: int, consumed_samples: int = 0) -> di
 
     The batch size is the one in force at `consumed_samples` (the ramp-up start for a fresh run). There is
     no "optimizer" block: the engine is given a client torch.optim.AdamW (DeepSpeed's FusedAdam would
-    JIT-compile on CPU), and no "scheduler": the trainer sets the LR from `LearningRateSchedule`.
+    JIT-compile on CPU), and no "scheduler": the trainer sets the LR from `LearningRateSchedule`. The run
+    config's `deepspeed` section is merged over the result (`check_deepspeed_overrides` first).
     """
     t = cfg.training
     rampup = BatchSizeRampup.from_config(t, dp_size)
@@ -56,4 +133,7 @@ def deepspeed_config(cfg: Config, dp_size: int, consumed_samples: int = 0) -> di
             "hysteresis": t.hysteresis,
             "min_loss_scale": t.min_loss_scale,
         })
+    if cfg.deepspeed:
+        check_deepspeed_overrides(cfg.deepspeed)
+        ds = merge_overrides(ds, cfg.deepspeed)
     return ds

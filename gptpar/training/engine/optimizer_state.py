@@ -6,7 +6,7 @@ FP16_Optimizer) around the client optimizer, or the client optimizer itself (fp3
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
@@ -81,6 +81,35 @@ def _link_optimizer_state(ds) -> None:
     wrapper = ds.optimizer
     if hasattr(wrapper, "_lazy_init_hp_params_optimizer_state"):
         wrapper._lazy_init_hp_params_optimizer_state()
+
+
+def partitioned(ds) -> bool:
+    """Whether DeepSpeed's optimizer keeps the master weights as flat fp32 partitions over dp (ZeRO-1,
+    BF16_Optimizer: every parameter then has an `_hp_mapping`, None where none of it is on this dp rank)
+    rather than stepping on the parameters themselves (fp32 without ZeRO)."""
+    return optimizers(ds)[0] is not optimizers(ds)[1]
+
+
+def master_fragment(param: torch.Tensor) -> torch.Tensor:
+    """This dp rank's share of `param`'s master weight, flat: under a partitioned optimizer its fragment of
+    the fp32 partition (`_hp_mapping.hp_fragment`, empty when none of it lives here), else the parameter."""
+    if not hasattr(param, "_hp_mapping"):
+        return param.detach().reshape(-1)
+    mapping = param._hp_mapping
+    return mapping.hp_fragment if mapping is not None else param.detach().new_empty(0, dtype=torch.float32)
+
+
+def grad_fragment_of(flat: torch.Tensor, param: torch.Tensor) -> Optional[torch.Tensor]:
+    """The part of `flat.grad` (a flat fp32 partition the client optimizer steps on) that is `param`'s gradient
+    on this dp rank, or None when `param` has none of `flat`: located by where `param`'s master fragment sits
+    in `flat`'s storage (`_hp_mapping.hp_fragment` is a narrow view of it)."""
+    mapping = getattr(param, "_hp_mapping", None)
+    if mapping is None or flat.grad is None:
+        return None
+    fragment = mapping.hp_fragment
+    if fragment.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+        return None
+    return flat.grad.reshape(-1).narrow(0, fragment.storage_offset() - flat.storage_offset(), fragment.numel())
 
 
 def precision_plan(ds, dp_size: int) -> str:

@@ -1,6 +1,7 @@
 """The step: `TrainEngine` runs one optimizer step per `train_step` over this data-parallel rank's micro-batches,
 the same way for a plain (pp = 1) and a pipelined model, and exposes what the log line reads (loss scale, grad
-norm, skipped steps, the phase timers); `ZeroCounter` counts the zero gradients.
+norm, params norm, skipped steps, the phase timers); `ZeroCounter` counts the zero gradients. Every model-wide
+sum counts each parameter once (`counted_once`).
 
 A micro-batch is a dict: `input_ids` (b, s) and `labels` (b, s) long tensors, and optionally
 `loss_mask` (b, s) float, `attention_mask` (b, 1, s, s) bool (True = may attend), `position_ids` (b, s).
@@ -137,7 +138,6 @@ class TrainEngine:
         return optimizer_state.optimizer_state_bytes(self.ds)
 
     # -- what the log line needs ---------------------------------------------------------------
-    # -- what the log line needs ---------------------------------------------------------------
     @property
     def loss_scale(self) -> float:
         """The dynamic loss scale the fp16 optimizer holds now; 1.0 in fp32/bf16 (nothing is scaled)."""
@@ -162,9 +162,13 @@ class TrainEngine:
     def skipped_steps(self) -> int:
         return int(self.ds.skipped_steps)
 
+    def params_norm(self) -> float:
+        """The L2 norm of the model's master weights, each parameter once (a collective over every rank)."""
+        return params_norm(self.ds, self.pstate)
 
 
 _NO_TIMER = contextlib.nullcontext()
+
 
 def _synchronize(device) -> None:
     if device.type == "cuda":
@@ -212,65 +216,98 @@ def _dp_mean(loss: torch.Tensor, pstate) -> float:
     return float(loss)
 
 
-def clip_and_keep_norm(engine, pstate) -> None:
-    """Clip to the global L2 norm over unique parameters (each tp shard once, replicas and the pipeline's
-    tied embedding copy once), summed over the tp and pp ranks; keep the norm for the log line."""
-    params = [p for p in engine.module.parameters() if p.grad is not None]
-    counted = [p for p in params if not getattr(p, "ds_pipe_replicated", False)
-               and (pstate.tp_rank == 0 or getattr(p, "tensor_model_parallel", False))]
-    squares = torch.zeros(1, dtype=torch.float32, device=pstate.device)
-    for p in counted:
-        squares += p.grad.detach().float().norm() ** 2
-    for group in (pstate.tp_group, pstate.pp_group):
+def counted_once(param: torch.Tensor, pstate) -> bool:
+    """Whether this rank counts `param` in a model-wide sum (grad norm, params norm, num zeros), so that every
+    parameter of the model is counted exactly once over the tp and pp ranks: tensor-parallel shards on every tp
+    rank, replicated parameters (LayerNorms, row-parallel biases, position embeddings) on tp rank 0 only, and the
+    pipeline's tied embedding on its first stage only (DeepSpeed marks the other copies `ds_pipe_replicated`)."""
+    return not getattr(param, "ds_pipe_replicated", False) and (
+        pstate.tp_rank == 0 or getattr(param, "tensor_model_parallel", False))
+
+
+def _sum_over(value: torch.Tensor, groups) -> torch.Tensor:
+    for group in groups:
         if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(squares, group=group)
-    norm = squares.sqrt()
+            dist.all_reduce(value, group=group)
+    return value
+
+
+def clip_and_keep_norm(engine, pstate) -> None:
+    """Clip to the global L2 norm over unique parameters (`counted_once`), summed over the tp and pp ranks;
+    keep the norm for the log line."""
+    params = [p for p in engine.module.parameters() if p.grad is not None]
+    squares = torch.zeros(1, dtype=torch.float32, device=pstate.device)
+    for p in params:
+        if counted_once(p, pstate):
+            squares += p.grad.detach().float().norm() ** 2
+    norm = _sum_over(squares, (pstate.tp_group, pstate.pp_group)).sqrt()
     coef = torch.clamp(engine.gradient_clipping() / (norm + 1e-6), max=1.0)
     for p in params:
         p.grad.detach().mul_(coef)
     engine._global_grad_norm = float(norm)
 
 
-class ZeroCounter:
-    """Counts zero entries in the gradients the optimizer is about to step on (after clipping).
+@torch.no_grad()
+def params_norm(ds, pstate) -> float:
+    """The L2 norm of the whole model's master weights (Megatron's `params norm`), each parameter counted once
+    (`counted_once`). Where DeepSpeed keeps fp32 master weights (ZeRO-1, BF16_Optimizer) the norm is theirs,
+    partitioned over dp and summed over it, as Megatron-LM reads `main_param`: what the optimizer steps on,
+    not its bf16 rounding; without them (fp32 at ZeRO-0) the parameters are the master weights. A collective
+    over every rank."""
+    squares = torch.zeros(1, dtype=torch.float64, device=pstate.device)
+    for p in ds.module.parameters():
+        if counted_once(p, pstate):
+            fragment = optimizer_state.master_fragment(p)
+            if fragment.numel():
+                squares += torch.linalg.vector_norm(fragment.float()).double() ** 2
+    groups = (pstate.tp_group, pstate.pp_group)
+    if optimizer_state.partitioned(ds):
+        groups += (pstate.dp_group,)
+    return float(_sum_over(squares, groups).sqrt())
 
-    A step-pre-hook on the client optimizer: under ZeRO-1 it sees this dp rank's flat fp32 partition
-    (alignment padding subtracted), otherwise the full gradients. `total()` sums over the ranks that hold
-    different parameters (a collective). Under ZeRO the flat partitions no longer say which parameter is a
-    replica, so tensor-parallel replicas (LayerNorms, row-parallel biases) count once per tp rank and the
-    pipeline's tied embedding once per stage holding it.
+
+class ZeroCounter:
+    """Counts zero entries in the gradients the optimizer is about to step on (after clipping), each parameter
+    of the model once (`counted_once`: a tensor-parallel replica on tp rank 0 only, the tied embedding on its
+    first stage only).
+
+    A step-pre-hook on the client optimizer. Under a partitioned optimizer (ZeRO-1, BF16_Optimizer) it steps on
+    this dp rank's flat fp32 partitions; each counted parameter's fragment of them is read where its
+    `_hp_mapping` puts it (the alignment padding, no parameter's, is never read), and `total()` sums over dp too.
+    Otherwise it steps on the parameters, whose full gradients every dp rank holds.
     """
 
-    def __init__(self, engine: "TrainEngine", pstate, partitioned: bool):
-        self.pstate, self.partitioned = pstate, partitioned
-        self.ds_opt, inner = optimizer_state.optimizers(engine.ds)
-        self.local: Optional[int] = None
-        self._handle = inner.register_step_pre_hook(self._count)
+    def __init__(self, engine: "TrainEngine", pstate):
+        self.pstate = pstate
+        self.partitioned = optimizer_state.partitioned(engine.ds)
+        self.counted = [p for p in engine.parameters() if counted_once(p, pstate)]
+        self.local: Optional[torch.Tensor] = None
+        self._handle = optimizer_state.optimizers(engine.ds)[1].register_step_pre_hook(self._count)
 
     def reset(self) -> None:
         """Before each iteration (ZeRO steps the inner optimizer once per parameter group)."""
         self.local = None
 
     def _count(self, optimizer, args, kwargs) -> None:
-        if self.local is None:  # the partitions' alignment padding is zero but not part of the model
-            padding = getattr(self.ds_opt, "groups_padding", None) or getattr(self.ds_opt, "group_paddings", None)
-            self.local = -(sum(padding) if self.partitioned and padding else 0)
+        stepped = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if self.partitioned:
+            grads = [grad for flat in stepped for p in self.counted
+                     if (grad := optimizer_state.grad_fragment_of(flat, p)) is not None]
+        else:
+            mine = {id(p) for p in self.counted}
+            grads = [p.grad for p in stepped if id(p) in mine]
         # summed on the device: one host sync in total(), not one per parameter per step
-        self.local = self.local + sum((p.grad == 0).sum() for g in optimizer.param_groups for p in g["params"]
-                                      if p.grad is not None)
+        zeros = sum(((g == 0).sum() for g in grads), torch.zeros((), dtype=torch.int64, device=self.pstate.device))
+        self.local = zeros if self.local is None else self.local + zeros
 
     def total(self, step_applied: bool) -> Optional[float]:
         """Zeros over the whole model at the last step; None when it was skipped (an overflow is agreed by
         all ranks, so either every rank enters the all-reduces or none does)."""
         if not step_applied or self.local is None:
             return None
-        count = torch.as_tensor(self.local, dtype=torch.float64, device=self.pstate.device).reshape(1)
-        groups = [self.pstate.tp_group, self.pstate.pp_group] + ([self.pstate.dp_group] if self.partitioned else [])
-        for group in groups:
-            if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(count, group=group)
-        return float(count.item())
+        count = self.local.to(torch.float64).reshape(1)
+        groups = (self.pstate.tp_group, self.pstate.pp_group) + ((self.pstate.dp_group,) if self.partitioned else ())
+        return float(_sum_over(count, groups).item())
 
     def remove(self) -> None:
         self._handle.remove()
-
