@@ -20,7 +20,7 @@ from torch.testing import assert_close
 from gptpar.model.config import GPTConfig
 from gptpar.testing import run_distributed
 from tiny_tokenizer import source_texts, train_hf_tokenizer
-from trainer_runs import ROOT, run_mains, write_config
+from trainer_runs import ROOT, environ_kept, run_mains, write_config
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 transformers = pytest.importorskip("transformers")
@@ -71,18 +71,6 @@ def _generate_argvs(hf_dirs, eval_file, tp):
         argvs += [(f"{model}:{case}", base + extra) for case, extra in cases]
         argvs.append((f"{model}:eval", ["--load", hf_dir, "--tp", str(tp), "--eval-file", eval_file]))
     return argvs
-
-
-@contextlib.contextmanager
-def environ_kept():
-    """generate.main called in the test process makes a one-rank world, which sets RANK, WORLD_SIZE and
-    MASTER_PORT in os.environ (gptpar.parallel.init_distributed): put the environment back for the tests after."""
-    saved = dict(os.environ)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def run_generate(runs):
