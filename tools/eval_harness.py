@@ -435,9 +435,6 @@ def report(args, results, provenance, log):
                                          if iteration is not None else "")
         + f", tp {provenance['tp']}, {provenance['dtype']}, max length {provenance['max_length']}, "
           f"batch size {args.batch_size}, limit {args.limit}, num_fewshot {args.num_fewshot}")
-    log(make_table(results))
-    if results.get("groups"):
-        log(make_table(results, "groups"))
     if args.output:
         out = dict(results, gptpar=provenance)
         tmp = f"{args.output}.tmp-{os.getpid()}"
@@ -445,13 +442,16 @@ def report(args, results, provenance, log):
             json.dump(out, f, indent=1, default=handle_non_serializable, ensure_ascii=False)
         os.replace(tmp, args.output)
         log(f"results: {args.output}")
+    log(make_table(results))
+    if results.get("groups"):
+        log(make_table(results, "groups"))
 
 
 def run(args, seeds, tokenizer, tokenizer_path, config, log):
     import torch.distributed as dist
 
-    from gptpar.model.gpt import GPTModel
     from gptpar.model.inference import checkpoint_provenance, load_model
+    from gptpar.model.pipeline import model_parameter_count
     from gptpar.parallel import init_parallel
     from gptpar.training.build import share_cpu_threads
 
@@ -479,7 +479,7 @@ def run(args, seeds, tokenizer, tokenizer_path, config, log):
         return
     provenance.update(tp=args.tp, dtype=str(dtype).replace("torch.", ""), max_length=length,
                       tokenizer=os.path.abspath(tokenizer_path))
-    info = {"model_num_parameters": sum(p.numel() for p in GPTModel(config, device="meta").parameters()),
+    info = {"model_num_parameters": model_parameter_count(config),
             "model_dtype": provenance["dtype"], "gptpar_checkpoint": provenance["checkpoint"]}
     # HFLM's prefix for a request without context: the tokenizer's declared BOS, else its end-of-document token.
     prefix = tokenizer.bos if tokenizer.bos is not None else tokenizer.eod

@@ -1,4 +1,6 @@
-"""Text generation and held-out perplexity with a `GPTModel` at any tp (the library behind tools/generate.py).
+"""Text generation and held-out perplexity with a `GPTModel` at any tp (the library behind tools/generate.py and
+tools/eval_harness.py). Prompts of different lengths generate together (`generate_batch`): left-padded, one
+forward per step for the batch, each row computing what it would alone (gpt.padded_attention).
 
 Every tp rank runs the same loop: the model's vocab-parallel logits are gathered into the full vocabulary on
 every rank (an all-gather hands each rank identical tensors), and each rank draws from its own generator seeded
