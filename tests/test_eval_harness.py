@@ -383,7 +383,7 @@ def test_bad_input_exits_2_before_reading_weights(runs, monkeypatch, capsys):
     base = ["--load", gpt2, "--tokenizer", runs["hf"]["gpt2"], "--include-path", tasks]
     cases = [
         (base + ["--tasks", "t_mc,t_ppll"], {}, "--tasks: unknown task 't_ppll' (close: t_ppl"),
-        (["--load", gpt2, "--tokenizer", big_tok, "--tasks", "t_mc"],
+        (["--load", gpt2, "--tokenizer", big_tok, "--include-path", tasks, "--tasks", "t_mc"],
          {}, "the tokenizer has 400 tokens but the model's model.vocab_size is 300"),
         (base + ["--tasks", "t_mc", "--tp", "3"], {"WORLD_SIZE": "3"},
          "model.num_attention_heads (4) must divide by parallel.tensor_model_parallel_size (3)"),
@@ -401,3 +401,24 @@ def test_bad_input_exits_2_before_reading_weights(runs, monkeypatch, capsys):
             assert eval_harness.main(argv) == 2, argv
         err = capsys.readouterr().err
         assert message in err and err.count("error:") == 1, (argv, err)
+
+
+def test_demo_tasks_run_offline_from_the_repository(runs, monkeypatch):
+    """`make demo`'s evaluation: the three tasks tagged demo_python (tools/eval_tasks, data_files relative to the
+    repository root) load from their jsonl and run; here on the imported GPT-2 with --limit 3."""
+    import datasets
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(runs["dir"] / "demo_datasets"))
+    out = runs["dir"] / "demo_eval.json"
+    argv = ["--load", str(runs["dir"] / "gpt2_tp2pp2"), "--tokenizer", runs["hf"]["gpt2"], "--tasks", "demo_python",
+            "--include-path", "tools/eval_tasks", "--limit", "3", "--batch-size", "4", "--bootstrap-iters", "0",
+            "--output", str(out)]
+    with no_env_report():
+        (rc, text), = run_evals([("demo", argv)]).values()
+    assert rc == 0, text
+    results = json.load(open(out))["results"]
+    assert set(results) == {"demo_python_mc", "demo_python_ppl", "demo_python_gen"}
+    assert {"acc,none", "acc_norm,none"} <= set(results["demo_python_mc"])
+    assert {"word_perplexity,none", "bits_per_byte,none"} <= set(results["demo_python_ppl"])
+    assert "exact_match,none" in results["demo_python_gen"]

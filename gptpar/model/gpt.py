@@ -363,8 +363,9 @@ def padded_attention(pad: Optional[torch.Tensor], start: int, s: int, device) ->
     tokens that follow `start` earlier ones in rows left-padded with `pad` (b,) tokens (None: no padding).
 
     A token sees its row's earlier real tokens and itself, and its position counts only the real tokens before
-    it, so each row of a padded batch computes what it would alone. A padding slot sees only itself: a query
-    that may attend to nothing would make the softmax NaN, and a NaN key is not hidden by masking it."""
+    it, so each row of a padded batch computes what it would alone. A padding slot sees only itself, so that no
+    query has an empty row: what attention gives for one differs by kernel (torch 2.13's SDPA on CPU returns
+    zeros, a plain softmax NaN), and a NaN there would reach the real tokens through that slot's keys."""
     steps = torch.arange(start, start + s, device=device)  # the new tokens' slots in the row
     keys = torch.arange(start + s, device=device)
     causal = keys.unsqueeze(0) <= steps.unsqueeze(1)  # (s, start + s)
