@@ -422,3 +422,24 @@ def test_demo_tasks_run_offline_from_the_repository(runs, monkeypatch):
     assert {"acc,none", "acc_norm,none"} <= set(results["demo_python_mc"])
     assert {"word_perplexity,none", "bits_per_byte,none"} <= set(results["demo_python_ppl"])
     assert "exact_match,none" in results["demo_python_gen"]
+
+
+def test_universal_checkpoint_carries_provenance_and_tokenizer(runs, monkeypatch):
+    """The trained checkpoint converted to its universal form: the tool reads the same counters and the run's
+    tokenizer from it, and its model config without its weights."""
+    import gptpar.model.convert as convert
+    import gptpar.model.inference as inference
+
+    universal_dir = str(runs["dir"] / "universal")
+    _convert(["--load", str(runs["dir"] / "ck"), "--to", "universal", "--output", universal_dir])
+    prov, trained = inference.checkpoint_provenance(universal_dir), runs["ours"][1]["trained"]["gptpar"]
+    assert prov["checkpoint"] == universal_dir
+    assert [prov[k] for k in ("iteration", "consumed_samples", "consumed_tokens")] == [
+        trained[k] for k in ("iteration", "consumed_samples", "consumed_tokens")]
+    assert inference.tokenizer_path(universal_dir) == trained["tokenizer"]
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were read")
+
+    monkeypatch.setattr(convert, "read_weights", no_weights)
+    assert convert.read_weights_config(universal_dir) == convert.read_weights_config(str(runs["dir"] / "ck"))

@@ -110,14 +110,14 @@ def check_args(args):
 def load_tokenizer(args):
     """(tokenizer, its path) of --tokenizer or the checkpoint; raises UsageError."""
     from gptpar.data.tokenizer import load_tokenizer as load
-    from gptpar.model.inference import checkpoint_tokenizer
+    from gptpar.model.inference import tokenizer_path
 
-    path = args.tokenizer or checkpoint_tokenizer(args.load, args.tag)
+    try:
+        path = tokenizer_path(args.load, args.tag, args.tokenizer)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if not path:
         raise UsageError(f"{args.load} names no tokenizer to encode the tasks' text with: pass --tokenizer PATH")
-    if not args.tokenizer and not os.path.exists(path):
-        raise UsageError(f"{args.load} was trained with data.tokenizer_model {path}, not found from {os.getcwd()}: "
-                         f"run from the training's directory or pass --tokenizer PATH")
     return load(path), path
 
 

@@ -75,12 +75,12 @@ def load_inputs(args):
     """(tokenizer or None, prompt ids or None, eval documents or None) from the arguments; raises UsageError."""
     from gptpar.data.jsonl import iter_texts
     from gptpar.data.tokenizer import load_tokenizer
-    from gptpar.model.inference import checkpoint_tokenizer
+    from gptpar.model.inference import tokenizer_path
 
-    path = args.tokenizer or checkpoint_tokenizer(args.load, args.tag)
-    if path and not args.tokenizer and not os.path.exists(path):
-        raise UsageError(f"{args.load} was trained with data.tokenizer_model {path}, not found from {os.getcwd()}: "
-                         f"run from the training's directory or pass --tokenizer PATH")
+    try:
+        path = tokenizer_path(args.load, args.tag, args.tokenizer)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     tokenizer = load_tokenizer(path) if path else None
     if tokenizer is None and (args.prompt is not None or args.eval_file or args.stop_at_eod):
         raise UsageError(f"{args.load} names no tokenizer to encode text with: pass --tokenizer PATH "

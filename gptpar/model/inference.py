@@ -31,12 +31,24 @@ def _run_config(load: str, tag: Optional[str]) -> Optional[dict]:
         return json.load(f)
 
 
-def checkpoint_tokenizer(load: str, tag: Optional[str] = None) -> Optional[str]:
+def _checkpoint_tokenizer(load: str, tag: Optional[str] = None) -> Optional[str]:
     """The tokenizer a checkpoint comes with: a Hugging Face directory's own (when it holds tokenizer.json), or
     the training run's data.tokenizer_model (None when it names none)."""
     if os.path.isdir(load) and is_hf_model_dir(load):
         return load if os.path.isfile(os.path.join(load, "tokenizer.json")) else None
     return ((_run_config(load, tag) or {}).get("data") or {}).get("tokenizer_model")
+
+
+def tokenizer_path(load: str, tag: Optional[str] = None, given: Optional[str] = None) -> Optional[str]:
+    """The tokenizer a tool encodes with: `given` (its --tokenizer), else the checkpoint's (None when it names
+    none). ValueError when the run's data.tokenizer_model, a path relative to where it trained, is not found."""
+    if given:
+        return given
+    path = _checkpoint_tokenizer(load, tag)
+    if path and not os.path.exists(path):
+        raise ValueError(f"{load} was trained with data.tokenizer_model {path}, not found from {os.getcwd()}: "
+                         f"run from the training's directory or pass --tokenizer PATH")
+    return path
 
 
 def check_tokenizer_fits(config: GPTConfig, tokenizer) -> None:
@@ -79,4 +91,4 @@ def load_model(load: str, tag: Optional[str], pstate, dtype: Optional[torch.dtyp
     return model.eval()
 
 
-__all__ = ["checkpoint_tokenizer", "check_tokenizer_fits", "checkpoint_provenance", "load_model"]
+__all__ = ["tokenizer_path", "check_tokenizer_fits", "checkpoint_provenance", "load_model"]
