@@ -20,7 +20,7 @@ from torch.testing import assert_close
 from gptpar.model.config import GPTConfig
 from gptpar.testing import run_distributed
 from tiny_tokenizer import source_texts, train_hf_tokenizer
-from trainer_runs import ROOT, run_mains, write_config
+from trainer_runs import ROOT, environ_kept, run_mains, write_config
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 transformers = pytest.importorskip("transformers")
@@ -71,18 +71,6 @@ def _generate_argvs(hf_dirs, eval_file, tp):
         argvs += [(f"{model}:{case}", base + extra) for case, extra in cases]
         argvs.append((f"{model}:eval", ["--load", hf_dir, "--tp", str(tp), "--eval-file", eval_file]))
     return argvs
-
-
-@contextlib.contextmanager
-def environ_kept():
-    """generate.main called in the test process makes a one-rank world, which sets RANK, WORLD_SIZE and
-    MASTER_PORT in os.environ (gptpar.parallel.init_distributed): put the environment back for the tests after."""
-    saved = dict(os.environ)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def run_generate(runs):
@@ -285,3 +273,29 @@ def test_generation_stops_after_the_stop_id():
     free = generate(model, PROMPT, 20, greedy)
     stop = free[6]
     assert generate(model, PROMPT, 20, greedy, stop_id=stop) == free[:free.index(stop) + 1]
+
+
+@pytest.mark.parametrize("position_embedding_type", ["learned", "alibi"])
+def test_batch_generation_equals_each_prompt_alone(position_embedding_type):
+    """Prompts of different lengths generated together (left-padded, one forward per step, with and without the
+    KV cache) give each prompt's own greedy continuation; a row stops at the stop id or when `stop` says so,
+    while the others go on."""
+    from gptpar.model.gpt import GPTModel
+    from gptpar.model.generation import Sampling, generate, generate_batch
+
+    alibi = position_embedding_type == "alibi"
+    # A random ALiBi model repeats one token sooner: its larger init keeps the continuations varied.
+    model = GPTModel(GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=100,
+                               init_method_std=0.8 if alibi else 0.3,
+                               position_embedding_type=position_embedding_type, embed_layernorm=alibi), seed=5)
+    greedy = Sampling(greedy=True)
+    prompts = [[5, 17, 42, 7, 9, 11], [3], [8, 8, 1]]
+    alone = [generate(model, p, 12, greedy) for p in prompts]
+    assert len({tuple(a) for a in alone}) == 3 and all(len(set(a)) > 1 for a in alone)
+    for use_cache in (True, False):
+        assert generate_batch(model, prompts, 12, greedy, use_cache=use_cache) == alone
+    stop_id = alone[0][3]
+    stopped = generate_batch(model, prompts, 12, greedy, stop_id=stop_id, stop=lambda i, new: i == 2 and len(new) == 5)
+    expected = [a[:a.index(stop_id) + 1] if stop_id in a else a for a in alone]
+    expected[2] = expected[2][:5]
+    assert stopped == expected

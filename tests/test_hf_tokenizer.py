@@ -33,6 +33,14 @@ def test_directory_and_json_encode_as_transformers_does(tokdir, tmp_path):
         ids = tok.encode(text)
         assert ids == ref.encode(text, add_special_tokens=False)
         assert tok.decode(ids) == text == ref.decode(ids)
+        with_special = [ref.pad_token_id] + ids + [ref.eos_token_id]
+        assert tok.decode(with_special) == ref.decode(with_special) != text
+        assert tok.decode(with_special, skip_special_tokens=True) == ref.decode(with_special,
+                                                                               skip_special_tokens=True) == text
+    assert tok.bos is None is ref.bos_token_id  # none declared
+    ref.bos_token = "</s>"
+    ref.save_pretrained(tmp_path / "with_bos")
+    assert load_tokenizer(str(tmp_path / "with_bos")).bos == ref.bos_token_id == ref.convert_tokens_to_ids("</s>")
     # The bare tokenizer.json declares no eos: the first known spelling is taken.
     bare = load_tokenizer(os.path.join(tokdir, "tokenizer.json"))
     assert bare.encode(TEXTS[0]) == tok.encode(TEXTS[0])

@@ -55,6 +55,18 @@ def run_mains(runs, env=None):
     return out
 
 
+@contextlib.contextmanager
+def environ_kept():
+    """A tool's main called in the test process makes a one-rank world, which sets RANK, WORLD_SIZE and
+    MASTER_PORT in os.environ (gptpar.parallel.init_distributed): put the environment back for the tests after."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def run_mains_fp16(runs):
     allow_fp16_on_cpu()
     return run_mains(runs)

@@ -8,7 +8,10 @@ Then the run (about 2.5 minutes on 2 cores), printed before it starts:
     deepspeed --num_gpus 2 pretrain_gpt.py --config configs/demo_cpu.json
 then a continuation of the start of a Python function sampled from the model just trained:
     tools/generate.py --load checkpoints/demo --prompt ... (decoded with the demo's tokenizer)
-and, last, the run's metrics drawn (tools/plot_metrics.py) into runs/demo/metrics.png, whose path it prints.
+then the run's metrics drawn (tools/plot_metrics.py) into runs/demo/metrics.png, whose path it prints, and, last,
+the model evaluated with EleutherAI's lm-evaluation-harness on three small local tasks (tools/eval_tasks: a
+multiple-choice, a perplexity and a generation task on Python; a few seconds, offline), its table printed:
+    tools/eval_harness.py --load checkpoints/demo --tasks demo_python --include-path tools/eval_tasks
 Every `make demo` trains from scratch: the demo's checkpoints and metrics (checkpoints/demo, runs/demo) are
 cleared first; `--resume` keeps them and continues from the last checkpoint instead.
 
@@ -32,6 +35,9 @@ MAX_DOCS = 2000
 # What the trained model is asked to continue, and how: top-k sampling (seeded, so a rerun prints the same text).
 PROMPT = 'def read_lines(path):\n    """Return the lines of a text file."""\n'
 SAMPLE = ["--max-new-tokens", "64", "--temperature", "0.8", "--top-k", "40", "--seed", "1234", "--stop-at-eod"]
+# The evaluation: the three tasks tagged demo_python in tools/eval_tasks (YAML + jsonl, read offline).
+EVAL = ["--tasks", "demo_python", "--include-path", "tools/eval_tasks", "--batch-size", "8",
+        "--bootstrap-iters", "1000", "--output", "runs/demo/eval.json"]
 
 
 def parse():
@@ -134,7 +140,9 @@ def main():
     summary(cfg, time.time() - start)
     print("\nthe trained model continues a prompt:", flush=True)
     run([sys.executable, "tools/generate.py", "--load", cfg["checkpoint"]["save"], "--prompt", PROMPT] + SAMPLE, env)
-    draw_plot(cfg)  # last: the picture of the run
+    draw_plot(cfg)  # the picture of the run
+    print("\nthe trained model evaluated with lm-evaluation-harness:", flush=True)
+    run([sys.executable, "tools/eval_harness.py", "--load", cfg["checkpoint"]["save"]] + EVAL, env)  # last: its table
 
 
 def draw_plot(cfg):

@@ -6,10 +6,9 @@
     python tools/generate.py --load CKPT --eval-file held_out.jsonl          # perplexity of the `text` fields
 
 --load takes a gptpar checkpoint saved at any tp x pp (a checkpoint directory, or the save directory holding
-`latest`) or a local Hugging Face model directory: gptpar.model.convert.read_weights reads the full weights, and
-each rank keeps its tensor-parallel blocks (gptpar.model.sharding.load_full_state_dict). Text is encoded and
-decoded with --tokenizer, else the checkpoint's own (the run's data.tokenizer_model, or the Hugging Face
-directory's tokenizer.json).
+`latest`), a universal checkpoint or a local Hugging Face model directory: gptpar.model.inference.load_model reads
+the full weights, and each rank keeps its tensor-parallel blocks. Text is encoded and decoded with --tokenizer,
+else the checkpoint's own (the run's data.tokenizer_model, or the Hugging Face directory's tokenizer.json).
 
 Output (rank 0, stdout): the prompt and its continuation as text when there is a tokenizer; `ids: a,b,c` (the
 new ids only, comma-separated) with --print-ids or when there is no tokenizer; for --eval-file one line
@@ -18,7 +17,6 @@ each document scored in windows of model.seq_length, its first token never predi
 before any weights are read.
 """
 import argparse
-import json
 import math
 import os
 import sys
@@ -73,26 +71,16 @@ def check_args(args):
         raise UsageError("--" + str(e).replace("top_", "top-", 1)) from None
 
 
-def checkpoint_tokenizer(load, tag):
-    """The tokenizer a checkpoint comes with: a Hugging Face directory's tokenizer.json, or the training run's
-    data.tokenizer_model (None when it names none)."""
-    from gptpar.model.convert import is_hf_model_dir, resolve_checkpoint_dir
-
-    if os.path.isdir(load) and is_hf_model_dir(load):
-        return load if os.path.isfile(os.path.join(load, "tokenizer.json")) else None
-    with open(os.path.join(resolve_checkpoint_dir(load, tag), "config.json")) as f:
-        return json.load(f).get("data", {}).get("tokenizer_model")
-
-
 def load_inputs(args):
     """(tokenizer or None, prompt ids or None, eval documents or None) from the arguments; raises UsageError."""
     from gptpar.data.jsonl import iter_texts
     from gptpar.data.tokenizer import load_tokenizer
+    from gptpar.model.inference import tokenizer_path
 
-    path = args.tokenizer or checkpoint_tokenizer(args.load, args.tag)
-    if path and not args.tokenizer and not os.path.exists(path):
-        raise UsageError(f"{args.load} was trained with data.tokenizer_model {path}, not found from {os.getcwd()}: "
-                         f"run from the training's directory or pass --tokenizer PATH")
+    try:
+        path = tokenizer_path(args.load, args.tag, args.tokenizer)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     tokenizer = load_tokenizer(path) if path else None
     if tokenizer is None and (args.prompt is not None or args.eval_file or args.stop_at_eod):
         raise UsageError(f"{args.load} names no tokenizer to encode text with: pass --tokenizer PATH "
@@ -114,46 +102,39 @@ def load_inputs(args):
     return tokenizer, None, documents
 
 
-def check_against_model(config, tokenizer, prompt_ids):
-    """Ids the model has no embedding for are refused, naming the field."""
-    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
-        raise UsageError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's model.vocab_size is "
-                         f"{config.vocab_size}: pass the tokenizer the model was trained with (--tokenizer)")
+def check_against_model(args, tokenizer, prompt_ids):
+    """The model's shape, read without its weights, against the tokenizer, the prompt, --max-new-tokens and --tp:
+    ids the model has no embedding for, a sequence longer than its positions and a tp that does not split it are
+    refused, naming the field."""
+    from gptpar.model.convert import read_weights_config
+    from gptpar.model.generation import check_length
+    from gptpar.model.inference import check_tokenizer_fits
+
+    config = read_weights_config(args.load, args.tag)
+    try:
+        check_tokenizer_fits(config, tokenizer)
+        config.check_parallel(args.tp, 1)
+        if prompt_ids is not None:
+            check_length(config, len(prompt_ids), args.max_new_tokens)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     bad = [i for i in prompt_ids or [] if not 0 <= i < config.vocab_size]
     if bad:
         raise UsageError(f"prompt ids {bad[:5]} are outside the model's vocabulary [0, {config.vocab_size}) "
                          f"(model.vocab_size)")
 
 
-def build_model(config, state, pstate):
-    """A GPTModel holding this rank's blocks of the full weights, in eval mode."""
-    from gptpar.model.gpt import GPTModel
-    from gptpar.model.sharding import load_full_state_dict
-
-    model = GPTModel(config, tp_group=pstate.tp_group, device=pstate.device)
-    load_full_state_dict(model, state, pstate.tp_group)
-    return model.eval()
-
-
 def run(args, sampling, tokenizer, prompt_ids, documents, log):
-    from gptpar.model.convert import read_weights
-    from gptpar.model.generation import check_length, generate, mean_token_loss
+    from gptpar.model.generation import generate, mean_token_loss
+    from gptpar.model.inference import load_model
     from gptpar.parallel import init_parallel
     from gptpar.training.build import share_cpu_threads
 
     share_cpu_threads()
     pstate = init_parallel(tp=args.tp, pp=1, dp=1)
-    state, config = read_weights(args.load, args.tag)
-    check_against_model(config, tokenizer, prompt_ids)
-    try:
-        config.check_parallel(pstate.tp_size, 1)
-        if prompt_ids is not None:
-            check_length(config, len(prompt_ids), args.max_new_tokens)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    model = build_model(config, state, pstate)
+    model = load_model(args.load, args.tag, pstate)
     if documents is not None:
-        loss, tokens = mean_token_loss(model, documents, config.seq_length)
+        loss, tokens = mean_token_loss(model, documents, model.config.seq_length)
         log(f"eval: {args.eval_file}: {len(documents)} documents, {tokens} tokens, loss {loss:.9g}, "
             f"perplexity {math.exp(loss):.9g}")
         return
@@ -177,6 +158,7 @@ def main(argv=None):
     try:
         sampling = check_args(args)
         tokenizer, prompt_ids, documents = load_inputs(args)
+        check_against_model(args, tokenizer, prompt_ids)
         rank = int(os.environ.get("RANK", "0"))
         run(args, sampling, tokenizer, prompt_ids, documents, log=print if rank == 0 else (lambda *a: None))
     except (UsageError, DataError, ConversionError) as e:

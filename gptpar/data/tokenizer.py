@@ -1,4 +1,5 @@
-"""The tokenizer interface shared by the tools and the trainer: encode, decode, vocab_size, eod, pad.
+"""The tokenizer interface shared by the tools and the trainer: encode, decode (optionally without the special
+tokens), vocab_size, eod, pad, bos (a Hugging Face tokenizer's declared bos_token, else None).
 
 Two backends: a SentencePiece `.model` (what tools/train_tokenizer.py writes; EOD is SentencePiece's EOS
 id, as in Megatron's GPTSentencePieceTokenizer) and, where the `tokenizers` package is installed, a
@@ -35,11 +36,13 @@ class SentencePieceTokenizer:
                                 f"retrain it with tools/train_tokenizer.py, which adds one")
         self.eod = eod
         self.pad = self._sp.pad_id() if self._sp.pad_id() >= 0 else None
+        self.bos = None  # gptpar's data carries no BOS: documents are separated by EOD
 
     def encode(self, text):
         return self._sp.encode(text)
 
-    def decode(self, ids):
+    def decode(self, ids, skip_special_tokens=False):
+        # SentencePiece's decode drops control pieces (EOS, BOS, PAD) either way
         return self._sp.decode(list(map(int, ids)))
 
 
@@ -72,12 +75,13 @@ class HFTokenizer:
             raise DataError(f"{path}: no end-of-document token (looked for the declared eos_token and "
                             f"{', '.join(HF_EOD_TOKENS)}); add one to the tokenizer")
         self.pad = _special_id(vocab, declared.get("pad_token"), HF_PAD_TOKENS)
+        self.bos = _special_id(vocab, declared.get("bos_token"), ())  # only a declared one
 
     def encode(self, text):
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids):
-        return self._tok.decode(list(map(int, ids)), skip_special_tokens=False)
+    def decode(self, ids, skip_special_tokens=False):
+        return self._tok.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)
 
 
 def _declared_special_tokens(directory):

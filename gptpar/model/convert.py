@@ -151,9 +151,9 @@ def read_weights(path: str, tag: Optional[str] = None,
 def read_weights_config(path: str, tag: Optional[str] = None, config: Optional[GPTConfig] = None) -> GPTConfig:
     """The model config of what `read_weights(path, tag, config)` returns, read without the tensors where the
     source keeps it apart (a Hugging Face or a gptpar checkpoint's config.json), so that shapes are checked
-    before any weight is read; a universal folder written by DeepSpeed is `config` once its names and shapes
-    are checked against it; any other source (a universal checkpoint) through `read_weights` itself."""
-    if os.path.isdir(path) and universal.is_deepspeed_universal(path):
+    before any weight is read; a universal folder is its metadata's model (gptpar's) or `config` once its names
+    and shapes are checked against it (DeepSpeed's); any other source through `read_weights` itself."""
+    if os.path.isdir(path) and (universal.is_universal(path) or universal.is_deepspeed_universal(path)):
         try:
             return GPTConfig(**universal.read_meta(path, config)["model"])
         except universal.UniversalCheckpointError as e:
@@ -163,7 +163,10 @@ def read_weights_config(path: str, tag: Optional[str] = None, config: Optional[G
 
         from gptpar.model.hf import config_from_hf
 
-        return config_from_hf(transformers.AutoConfig.from_pretrained(path))
+        try:
+            return config_from_hf(transformers.AutoConfig.from_pretrained(path))
+        except ValueError as e:
+            raise ConversionError(f"{path}: {e}") from None
     try:
         with open(os.path.join(resolve_checkpoint_dir(path, tag), "config.json")) as f:
             return GPTConfig(**json.load(f)["model"])

@@ -1,4 +1,6 @@
-"""Text generation and held-out perplexity with a `GPTModel` at any tp (the library behind tools/generate.py).
+"""Text generation and held-out perplexity with a `GPTModel` at any tp (the library behind tools/generate.py and
+tools/eval_harness.py). Prompts of different lengths generate together (`generate_batch`): left-padded, one
+forward per step for the batch, each row computing what it would alone (gpt.padded_attention).
 
 Every tp rank runs the same loop: the model's vocab-parallel logits are gathered into the full vocabulary on
 every rank (an all-gather hands each rank identical tensors), and each rank draws from its own generator seeded
@@ -10,12 +12,12 @@ tokens whose probability reaches p), then one draw from the rest. Greedy takes t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 from gptpar.model.config import GPTConfig
-from gptpar.model.gpt import GPTModel, KVCache, forward_with_cache
+from gptpar.model.gpt import GPTModel, KVCache, forward_with_cache, padded_attention
 from gptpar.tensor_parallel.comm import gather_from_tensor_parallel_region
 
 
@@ -75,21 +77,48 @@ def generate(model: GPTModel, prompt_ids: Sequence[int], max_new_tokens: int, sa
 
     With `use_cache` each step feeds only the newest token through the model (keys and values of the earlier
     ones come from a KVCache); without, each step reruns the model's own forward over the whole sequence."""
-    check_length(model.config, len(prompt_ids), max_new_tokens)
+    return generate_batch(model, [prompt_ids], max_new_tokens, sampling, use_cache=use_cache, stop_id=stop_id)[0]
+
+
+@torch.no_grad()
+def generate_batch(model: GPTModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling, *,
+                   use_cache: bool = True, stop_id: Optional[int] = None,
+                   stop: Optional[Callable[[int, List[int]], bool]] = None) -> List[List[int]]:
+    """The ids that follow each prompt, generated together: the prompts left-padded to the longest and one
+    forward per step for the whole batch (gpt.padded_attention: each row computes what it would alone). Row i
+    gets `max_new_tokens` ids, or fewer when it draws `stop_id` (kept last) or when `stop(i, its new ids)` says
+    it is done (a stop string in its text, say); the loop ends when every row is. Sampling draws the rows in
+    order from one generator, so a batch of one draws what it always did."""
+    for prompt in prompts:
+        check_length(model.config, len(prompt), max_new_tokens)
     model.eval()
     device = model.embedding.word_embeddings.weight.device
     generator = torch.Generator(device=device).manual_seed(sampling.seed)
-    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)  # (1, s)
-    cache = KVCache(len(model.layers), len(prompt_ids) + max_new_tokens) if use_cache else None
-    step_input, new = ids, []
+    longest = max(len(prompt) for prompt in prompts)
+    pads = [longest - len(prompt) for prompt in prompts]
+    ids = torch.tensor([[0] * p + list(prompt) for p, prompt in zip(pads, prompts)], dtype=torch.long,
+                       device=device)  # (b, s), left-padded with id 0 (masked)
+    pad = torch.tensor(pads, device=device) if any(pads) else None
+    cache = KVCache(len(model.layers), longest + max_new_tokens) if use_cache else None
+    step_input, new, done = ids, [[] for _ in prompts], [False] * len(prompts)
     for _ in range(max_new_tokens):
-        logits = forward_with_cache(model, step_input, cache) if use_cache else model(step_input)  # (1, s, V/tp)
-        token = next_token(full_vocab_logits(model, logits[0, -1]), sampling, generator)
-        new.append(token)
-        if token == stop_id:
+        if use_cache:
+            logits = forward_with_cache(model, step_input, cache, pad)  # (b, s, V/tp)
+        elif pad is None:
+            logits = model(step_input)
+        else:
+            position_ids, mask = padded_attention(pad, 0, step_input.shape[1], device)
+            logits = model(step_input, position_ids=position_ids, attention_mask=mask)
+        last = full_vocab_logits(model, logits[:, -1])  # (b, V)
+        for i, row in enumerate(new):
+            if not done[i]:
+                row.append(next_token(last[i], sampling, generator))
+                done[i] = row[-1] == stop_id or (stop is not None and stop(i, row))
+        if all(done):
             break
-        token_ids = torch.tensor([[token]], dtype=torch.long, device=device)
-        # The cache needs only the new token; without it the whole sequence goes in again.
+        # A finished row goes on with its last token: its outputs are no longer read.
+        token_ids = torch.tensor([[row[-1]] for row in new], dtype=torch.long, device=device)  # (b, 1)
+        # The cache needs only the new tokens; without it the whole sequence goes in again.
         step_input = token_ids if use_cache else torch.cat([step_input, token_ids], dim=1)
     return new
 
@@ -124,5 +153,5 @@ def mean_token_loss(model: GPTModel, documents: Iterable[Sequence[int]], window:
     return total / count, count
 
 
-__all__ = ["Sampling", "filter_logits", "next_token", "full_vocab_logits", "generate", "check_length",
+__all__ = ["Sampling", "filter_logits", "next_token", "full_vocab_logits", "generate", "generate_batch", "check_length",
            "mean_token_loss"]

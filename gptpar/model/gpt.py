@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -358,18 +358,38 @@ class KVCache:
         return self.keys[index][:, :, :end], self.values[index][:, :, :end]
 
 
+def padded_attention(pad: Optional[torch.Tensor], start: int, s: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Position ids (1 or b, s) and boolean attention mask (1 or b, 1, s, start + s), True = may attend, of s
+    tokens that follow `start` earlier ones in rows left-padded with `pad` (b,) tokens (None: no padding).
+
+    A token sees its row's earlier real tokens and itself, and its position counts only the real tokens before
+    it, so each row of a padded batch computes what it would alone. A padding slot sees only itself, so that no
+    query has an empty row: what attention gives for one differs by kernel (torch 2.13's SDPA on CPU returns
+    zeros, a plain softmax NaN), and a NaN there would reach the real tokens through that slot's keys."""
+    steps = torch.arange(start, start + s, device=device)  # the new tokens' slots in the row
+    keys = torch.arange(start + s, device=device)
+    causal = keys.unsqueeze(0) <= steps.unsqueeze(1)  # (s, start + s)
+    if pad is None:
+        return steps.unsqueeze(0), causal.view(1, 1, s, start + s)
+    pad = pad.view(-1, 1, 1)
+    real_key = keys.view(1, 1, -1) >= pad  # (b, 1, start + s)
+    itself = keys.view(1, 1, -1) == steps.view(1, -1, 1)  # (1, s, start + s)
+    position_ids = (steps.unsqueeze(0) - pad.view(-1, 1)).clamp(min=0)  # (b, s)
+    return position_ids, ((causal.unsqueeze(0) & real_key) | itself).unsqueeze(1)
+
+
 @torch.no_grad()
-def forward_with_cache(model: GPTModel, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+def forward_with_cache(model: GPTModel, input_ids: torch.Tensor, cache: KVCache,
+                       pad: Optional[torch.Tensor] = None) -> torch.Tensor:
     """This rank's logits (b, s, V/tp) of `input_ids` (b, s), the tokens that follow the `cache.length` cached
-    ones; their keys and values join the cache. Equals the last s positions of `model(all ids)` in eval mode."""
+    ones; their keys and values join the cache. Equals the last s positions of `model(all ids)` in eval mode.
+    `pad` (b,): the rows' left-padding (padded_attention), the same at every step of one batch."""
     if model.training or model.embedding.sequence_parallel:
         raise ValueError("forward_with_cache needs a model in eval mode built without sequence parallelism")
     start, s = cache.length, input_ids.shape[1]
-    position_ids = torch.arange(start, start + s, device=input_ids.device).unsqueeze(0)
-    # New query i (position start + i) sees keys 0 .. start + i: the causal mask offset by the cached tokens
+    # New query i (slot start + i) sees keys 0 .. start + i: the causal mask offset by the cached tokens
     # (SDPA's is_causal would align the new queries with the first keys instead).
-    keys = torch.arange(start + s, device=input_ids.device)
-    mask = (keys.unsqueeze(0) <= position_ids.t()).view(1, 1, s, start + s)
+    position_ids, mask = padded_attention(pad, start, s, input_ids.device)
     x = model.embedding((input_ids, position_ids, None))  # (s, b, h)
     for index, layer in enumerate(model.layers):
         q, k, v = layer.qkv_heads(layer.input_layernorm(x))

@@ -1,0 +1,94 @@
+"""A trained model made ready for inference at any tensor-parallel size: the one loader behind tools/generate.py
+and tools/eval_harness.py.
+
+What the tools accept as `load` (gptpar.model.convert.read_weights reads each): a gptpar checkpoint saved at any
+tp x pp (a checkpoint directory, or the save directory holding `latest`), a universal checkpoint, or a local
+Hugging Face GPT-2 / BLOOM directory. Everything a bad argument could contradict (the model's shape, its
+vocabulary, the tokenizer it came with) is read here without the weights, so a tool refuses it before reading
+any; `load_model` then reads the full weights once and keeps this rank's tensor-parallel blocks.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+
+from gptpar.model import universal
+from gptpar.model.config import GPTConfig
+from gptpar.model.convert import is_hf_model_dir, read_weights, resolve_checkpoint_dir
+
+
+def _run_config(load: str, tag: Optional[str]) -> Optional[dict]:
+    """The training run's config a gptpar or universal checkpoint saved (None for a Hugging Face directory or a
+    universal folder written by DeepSpeed, which record none)."""
+    if os.path.isdir(load) and universal.is_universal(load):
+        return universal.read_meta(load).get("config")
+    if os.path.isdir(load) and (is_hf_model_dir(load) or universal.is_deepspeed_universal(load)):
+        return None
+    with open(os.path.join(resolve_checkpoint_dir(load, tag), "config.json")) as f:
+        return json.load(f)
+
+
+def _checkpoint_tokenizer(load: str, tag: Optional[str] = None) -> Optional[str]:
+    """The tokenizer a checkpoint comes with: a Hugging Face directory's own (when it holds tokenizer.json), or
+    the training run's data.tokenizer_model (None when it names none)."""
+    if os.path.isdir(load) and is_hf_model_dir(load):
+        return load if os.path.isfile(os.path.join(load, "tokenizer.json")) else None
+    return ((_run_config(load, tag) or {}).get("data") or {}).get("tokenizer_model")
+
+
+def tokenizer_path(load: str, tag: Optional[str] = None, given: Optional[str] = None) -> Optional[str]:
+    """The tokenizer a tool encodes with: `given` (its --tokenizer), else the checkpoint's (None when it names
+    none). ValueError when the run's data.tokenizer_model, a path relative to where it trained, is not found."""
+    if given:
+        return given
+    path = _checkpoint_tokenizer(load, tag)
+    if path and not os.path.exists(path):
+        raise ValueError(f"{load} was trained with data.tokenizer_model {path}, not found from {os.getcwd()}: "
+                         f"run from the training's directory or pass --tokenizer PATH")
+    return path
+
+
+def check_tokenizer_fits(config: GPTConfig, tokenizer) -> None:
+    """ValueError unless every id the tokenizer makes has a row in the model's embedding (the model may have more
+    rows than the tokenizer ids, as BLOOM's and other padded vocabularies do)."""
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's model.vocab_size is "
+                         f"{config.vocab_size}: pass the tokenizer the model was trained with (--tokenizer)")
+
+
+def checkpoint_provenance(load: str, tag: Optional[str] = None) -> dict:
+    """Where the weights come from and how far their training had gone: {"checkpoint": absolute path,
+    "iteration", "consumed_samples", "consumed_tokens"} (None where the source records no counters: a Hugging
+    Face directory, a weights-only checkpoint, a universal folder written by DeepSpeed)."""
+    counters: dict = {}
+    if os.path.isdir(load) and universal.is_universal(load):
+        path, counters = load, universal.read_meta(load).get("counters") or {}
+    elif os.path.isdir(load) and (is_hf_model_dir(load) or universal.is_deepspeed_universal(load)):
+        path = load
+    else:
+        from gptpar.training.checkpoint import read_rank_state
+        from gptpar.training.checkpoint_files import state_file
+
+        path = resolve_checkpoint_dir(load, tag)
+        if os.path.isfile(os.path.join(path, state_file(0))):
+            counters = read_rank_state(path, 0)
+    return {"checkpoint": os.path.abspath(path), "iteration": counters.get("iteration"),
+            "consumed_samples": counters.get("consumed_samples"), "consumed_tokens": counters.get("consumed_tokens")}
+
+
+def load_model(load: str, tag: Optional[str], pstate, dtype: Optional[torch.dtype] = None):
+    """A GPTModel in eval mode on `pstate.device` holding this tp rank's blocks of the weights `load` holds, in
+    `dtype` (default: fp32). Every rank reads the full weights and keeps its blocks (pp = 1)."""
+    from gptpar.model.gpt import GPTModel
+    from gptpar.model.sharding import load_full_state_dict
+
+    state, config = read_weights(load, tag)
+    model = GPTModel(config, tp_group=pstate.tp_group, device=pstate.device, dtype=dtype)
+    load_full_state_dict(model, state, pstate.tp_group)
+    return model.eval()
+
+
+__all__ = ["tokenizer_path", "check_tokenizer_fits", "checkpoint_provenance", "load_model"]
