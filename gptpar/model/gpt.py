@@ -251,11 +251,26 @@ def lm_logits(embedding: GPTEmbedding, hidden: torch.Tensor) -> torch.Tensor:
     return linear_with_grad_all_reduce(hidden, weight, None, embedding.tp_group)  # f + linear
 
 
+def lm_loss(embedding: GPTEmbedding, hidden: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+            workspace: Optional[LogitsWorkspace] = None) -> torch.Tensor:
+    """The output layer and the loss in one function: (s, b, h) hidden and (s, b) labels -> (s, b) fp32 losses.
+
+    Equals `vocab_parallel_cross_entropy(lm_logits(embedding, hidden), labels)` keeping only the logits themselves
+    (no fp32 copy; their buffer becomes their gradient in backward), at any tp and dtype."""
+    weight = embedding.word_embeddings.weight
+    if embedding.sequence_parallel:
+        hidden = gather_from_sequence_parallel_region(hidden, embedding.tp_group)  # bwd: reduce-scatter
+    return linear_cross_entropy(hidden, weight, labels, group=embedding.tp_group, vocab_size=vocab_size,
+                                reduce_input_grad=not embedding.sequence_parallel,
+                                workspace=workspace if hidden.device.type == "cpu" else None)
+
+
 class GPTLoss:
     """Mean cross-entropy over the tokens whose loss mask is 1.
 
-    Called as loss_fn(logits (s, b, V/tp), labels) with labels (b, s) or a tuple (labels, loss_mask).
-    A plain callable object so DeepSpeed's pipeline can hold it (no lambdas)."""
+    Called as loss_fn(logits (s, b, V/tp), labels) with labels (b, s) or a tuple (labels, loss_mask): the pipeline's
+    last stage (GPTModel fuses the output layer with the loss instead: `lm_loss`). It owns the logits it is given,
+    so their gradient is written into their buffer. A plain callable object so DeepSpeed's pipeline can hold it."""
 
     def __init__(self, vocab_size: int, tp_group: Group = None):
         self.vocab_size, self.tp_group = vocab_size, tp_group
@@ -263,8 +278,8 @@ class GPTLoss:
 
     def __call__(self, logits: torch.Tensor, labels) -> torch.Tensor:
         labels, loss_mask = labels if isinstance(labels, (tuple, list)) else (labels, None)
-        losses = vocab_parallel_cross_entropy(logits, labels.t(), group=self.tp_group,
-                                              vocab_size=self.vocab_size)  # (s, b)
+        losses = vocab_parallel_cross_entropy(logits, labels.t(), group=self.tp_group, vocab_size=self.vocab_size,
+                                              inplace_backward=True)  # (s, b)
         return self.reduce(losses, loss_mask)
 
     @staticmethod
@@ -300,7 +315,7 @@ class GPTModel(nn.Module):
                                     for i in range(config.num_layers))
         self.final_layernorm = FinalLayerNorm(config, **kw)
         self.loss_fn = GPTLoss(config.vocab_size, tp_group)
-        self._logits_workspace = LogitsWorkspace()  # the fused CPU loss's reusable logits buffer
+        self._logits_workspace = LogitsWorkspace()  # the loss's reusable logits buffer on a CPU
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, labels=None, loss_mask=None):
         x = self.embedding((input_ids, position_ids, attention_mask))
@@ -312,21 +327,8 @@ class GPTModel(nn.Module):
         hidden = self.final_layernorm(x)
         if labels is None:
             return lm_logits(self.embedding, hidden).transpose(0, 1)  # (b, s, V/tp)
-        if self._fused_loss_applies(hidden):
-            # tp = 1, fp32 on a CPU: output layer + loss in one function over the real vocab rows, in place in
-            # a reused buffer (~1.3x faster than logits then loss at 12x768; docs/benchmarks.md).
-            losses = linear_cross_entropy(hidden, self.embedding.word_embeddings.weight, labels.t(),
-                                          vocab_size=self.config.vocab_size, workspace=self._logits_workspace)
-            return self.loss_fn.reduce(losses, loss_mask)
-        # On a GPU all the padded vocab's rows: a vocab dim that is a multiple of 128 (what the padding is for)
-        # keeps the three output-layer GEMMs on tensor-core kernels; with 50257 columns cuBLAS fell back to a
-        # kernel ~6x slower (an H200: 39 ms of a 189 ms 1.3B step, docs/benchmarks.md). The loss masks them.
-        logits = lm_logits(self.embedding, hidden)  # (s, b, V/tp)
-        return self.loss_fn(logits, (labels, loss_mask) if loss_mask is not None else labels)
-
-    def _fused_loss_applies(self, hidden: torch.Tensor) -> bool:
-        return (group_size(self.embedding.tp_group) == 1 and hidden.device.type == "cpu"
-                and hidden.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"))
+        losses = lm_loss(self.embedding, hidden, labels.t(), self.config.vocab_size, self._logits_workspace)
+        return self.loss_fn.reduce(losses, loss_mask)
 
 
 # ---------------------------------------------------------------------------------------------------------------
