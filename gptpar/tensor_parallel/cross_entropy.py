@@ -133,7 +133,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         flat, lse, *targets = ctx.saved_tensors
         grad = flat if ctx.inplace_backward else flat.clone()
-        _loss_backward_(grad, ctx.real, lse, _Targets(*targets), grad_loss.reshape(-1), ctx.label_smoothing, ctx.n_classes)
+        _loss_backward_(grad, ctx.real, lse, _Targets(*targets), grad_loss.reshape(-1), ctx.label_smoothing,
+                        ctx.n_classes)
         return grad.view(ctx.logits_shape), None, None, None, None, None, None
 
 

@@ -13,7 +13,8 @@ draws its global batch and discards it: the counters (LR inputs included) advanc
 writes no log line (a `skipped_data` record instead); evaluation, saves and exit checks run as usual.
 
 Elapsed time per iteration is the mean over the interval of the time from fetching the batch to the end of
-the optimizer step (evaluation and checkpoint saves are not in it); samples/s and TFLOPs derive from it.
+the optimizer step (evaluation, checkpoint saves and torch.compile's compilation are not in it); samples/s and
+TFLOPs derive from it.
 The log line is printed by the last pipeline stage's first data-parallel rank (tp rank 0); the same record
 goes to the metrics JSONL, TensorBoard and wandb (gptpar.training.logging). Skipped iterations are counted
 from the engine's `step_applied`, NaN iterations from the loss, num zeros from the gradients the optimizer
@@ -21,6 +22,7 @@ steps on (only with logging.log_num_zeros, else omitted), TFLOPs from gptpar.est
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -86,6 +88,29 @@ class StopSignals:
         self.received = signum
 
 
+class CompileClock:
+    """training.compile: the seconds torch.compile spent inside a block (`with clock:`, then `clock.spent`), and one
+    line the first time it compiled. The trainer takes them out of the iteration's elapsed time, so the log line's
+    time per iteration, samples/s and TFLOPs measure training, not the first iteration's compilation."""
+
+    def __init__(self, say):
+        from gptpar.model.gpt import compile_stats
+
+        self.stats, self.say, self.spent, self.announced = compile_stats, say, 0.0, False
+
+    def __enter__(self):
+        self._before = self.stats()["seconds"]
+
+    def __exit__(self, *exc):
+        stats = self.stats()
+        self.spent = stats["seconds"] - self._before
+        if self.spent > 0 and not self.announced:
+            self.announced = True
+            self.say(f"training.compile: the transformer layers compiled in {self.spent:.1f} s during this "
+                     f"iteration ({stats['graphs']} graph(s), {stats['graph_breaks']} graph break(s) so far), left "
+                     "out of the log line's time per iteration, samples/s and TFLOPs")
+
+
 class Trainer:
     """Runs the loop for one process; every method is called on every rank (they hold collectives)."""
 
@@ -114,6 +139,7 @@ class Trainer:
         self.metrics = self.tensorboard = self.wandb = None
         if cfg.logging.timers:
             engine.time_phases()
+        self.compile_clock = CompileClock(self._say) if t.compile else contextlib.nullcontext()
 
     # -- the loop ------------------------------------------------------------------------------
     def train(self) -> str:
@@ -169,8 +195,9 @@ class Trainer:
         if self.zeros is not None:
             self.zeros.reset()
         start = time.perf_counter()
-        loss = self.engine.train_step(self.train_source.micro_batches(c.consumed_samples, gbs))
-        elapsed = time.perf_counter() - start
+        with self.compile_clock:
+            loss = self.engine.train_step(self.train_source.micro_batches(c.consumed_samples, gbs))
+        elapsed = time.perf_counter() - start - getattr(self.compile_clock, "spent", 0.0)
         applied = self.engine.step_applied
         c.advance(gbs, self.cfg.model.seq_length, applied)
         self.stats.add(loss, elapsed, skipped=not applied)
