@@ -92,6 +92,83 @@ def test_selective_recompute_alibi_embedding_layernorm_compiled_with_dropout(ind
     assert max((a - b).abs().max().item() for a, b in zip(g0, g1)) < 1e-5
 
 
+def test_counter_dropout_mask():
+    """The compiled residual dropout's mask: rate p, scale 1/(1-p), a function of (seed, index) only, and under
+    sequence parallelism (offset = block * numel) exactly the whole tensor's mask, block by block."""
+    from gptpar.tensor_parallel.random import counter_dropout
+
+    x = torch.ones(256, 4, 1024)
+    seed, other = torch.tensor(12345), torch.tensor(54321)
+    y = counter_dropout(x, 0.1, seed)
+    kept = y != 0
+    assert abs(kept.float().mean().item() - 0.9) < 6 * (0.09 / x.numel()) ** 0.5  # 6 sigma of a binomial
+    assert torch.equal(y[kept], torch.full_like(y[kept], 1 / 0.9))
+    assert torch.equal(counter_dropout(x, 0.1, seed), y)  # no generator state
+    other_kept = counter_dropout(x, 0.1, other) != 0
+    assert abs((kept & other_kept).float().mean().item() - 0.81) < 0.005  # independent of another seed's mask
+    blocks = [counter_dropout(b, 0.1, seed, offset=i * b.numel()) for i, b in enumerate(x.chunk(4))]
+    assert torch.equal(torch.cat(blocks), y)
+    assert counter_dropout(x, 0.0, seed) is x
+
+
+def _streams_at_tp2():
+    """What the compiled layer draws from: the seeds (default stream) and the tracker's stream, on each tp rank."""
+    import torch.distributed as dist
+
+    from gptpar.parallel import init_parallel
+    from gptpar.tensor_parallel.random import dropout_seeds, model_parallel_seed
+
+    st = init_parallel(tp=2)
+    tracker = model_parallel_seed(7, tp_rank=st.tp_rank)
+    seeds = dropout_seeds(torch.device("cpu"))
+    with tracker.fork():
+        private = torch.rand(16)
+    out = []
+    for t in (seeds, private):
+        parts = [torch.empty_like(t) for _ in range(2)]
+        dist.all_gather(parts, t, group=st.tp_group)
+        out.append(parts)
+    return out
+
+
+def test_compiled_dropout_streams_agree_and_differ_per_tp_rank():
+    """The residual dropouts' seeds are the same on both tp ranks (replicated activations get the same mask); the
+    attention dropout's stream (the tracker's, entered around the graph) differs per rank."""
+    (seeds, private), _ = run_distributed(_streams_at_tp2, 2, timeout=120)
+    assert torch.equal(seeds[0], seeds[1]) and not torch.equal(private[0], private[1])
+
+
+def _tp2_dropout_graph():
+    import torch.distributed as dist
+
+    from gptpar.model.config import GPTConfig
+    from gptpar.model.gpt import GPTModel, compile_stats, compile_transformer_layers
+    from gptpar.parallel import init_parallel
+    from gptpar.tensor_parallel.random import model_parallel_seed
+
+    st = init_parallel(tp=2)
+    config = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64,
+                       hidden_dropout=0.1, attention_dropout=0.1)
+    model = GPTModel(config, tp_group=st.tp_group, rng_tracker=model_parallel_seed(7, tp_rank=st.tp_rank)).train()
+    compile_transformer_layers(model)
+    outputs = []
+    model.layers[-1].register_forward_hook(lambda module, inputs, output: outputs.append(output.detach()))
+    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        model(x[:, :-1], labels=x[:, 1:]).backward()
+    parts = [torch.empty_like(outputs[-1]) for _ in range(2)]
+    dist.all_gather(parts, outputs[-1], group=st.tp_group)
+    return torch.equal(parts[0], parts[1]), compile_stats()
+
+
+@pytest.mark.slow
+def test_compiled_tp2_dropout_keeps_the_replicated_stream_identical(inductor_env):
+    """tp 2 without sequence parallelism, dropout 0.1, compiled: the residual stream (replicated over tp) is still
+    bitwise the same on both ranks after the dropouts, in one graph without a break."""
+    for same, stats in run_distributed(_tp2_dropout_graph, 2, env=inductor_env, timeout=900):
+        assert same and stats["graphs"] == 1 and stats["graph_breaks"] == 0, stats
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The trainer: compiled against eager, checkpoints across compile on/off, the compile time out of the log line
 # ---------------------------------------------------------------------------------------------------------------
