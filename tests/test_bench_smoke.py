@@ -106,6 +106,21 @@ def test_peer_loop_against_gptpar_compiled_tiny(tmp_path):
     _peer_and_gptpar(tmp_path, "--compile")
 
 
+def test_bench_loss_memory_tiny(tmp_path):
+    """The loss-memory bench counts each path: gptpar's loss (fused, and the pipeline's) creates less than the
+    textbook F.cross_entropy on an fp32 copy of the logits, in bf16 and fp32."""
+    out_json = tmp_path / "loss.json"
+    out = subprocess.run([sys.executable, "bench/bench_loss_memory.py", "--tiny", "--json", str(out_json)], cwd=REPO,
+                         env=ENV, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {(r["dtype"], r["path"]): r for r in json.loads(out_json.read_text())}
+    assert set(rows) == {(d, p) for d in ("bf16", "fp32") for p in ("model", "pipeline", "textbook")}
+    for dtype in ("bf16", "fp32"):
+        for path in ("model", "pipeline"):
+            assert 0 < rows[dtype, path]["peak_bytes"] < rows[dtype, "textbook"]["peak_bytes"]
+    assert "at the 1.3B shape" in out.stdout
+
+
 def test_peer_model_computes_gptpar_model():
     """The peer is the same function as gptpar's GPT (tanh GELU), so one FLOP count fits both loops: with the
     peer's weights moved into GPTModel (through the Hugging Face layout: nanoGPT's names, Conv1D transposed)

@@ -89,21 +89,30 @@ class StopSignals:
 
 
 class CompileClock:
-    """training.compile: the seconds torch.compile spent inside a block (`with clock:`, then `clock.spent`), and one
-    line the first time it compiled. The trainer takes them out of the iteration's elapsed time, so the log line's
-    time per iteration, samples/s and TFLOPs measure training, not the first iteration's compilation."""
+    """training.compile: the seconds torch.compile cost a block (`with clock:`, then `clock.spent`), and one line the
+    first time it compiled. The trainer takes them out of the iteration's elapsed time, so the log line's time per
+    iteration, samples/s and TFLOPs measure training, not the first iteration's compilation.
 
-    def __init__(self, say):
+    Each rank compiles its own layers; a pipeline stage also waits while the others compile (forward down the stages,
+    backward up), so the cost of a block is the sum over stages of their ranks' mean: the ranks' seconds summed (one
+    all-reduce per iteration of one number) over tp x dp."""
+
+    def __init__(self, say, pstate):
         from gptpar.model.gpt import compile_stats
 
-        self.stats, self.say, self.spent, self.announced = compile_stats, say, 0.0, False
+        self.stats, self.say, self.pstate, self.spent, self.announced = compile_stats, say, pstate, 0.0, False
 
     def __enter__(self):
         self._before = self.stats()["seconds"]
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
+        if exc_type is not None:  # the step failed: no collective that the other ranks may never reach
+            return
         stats = self.stats()
-        self.spent = stats["seconds"] - self._before
+        spent = torch.tensor([stats["seconds"] - self._before], dtype=torch.float64, device=self.pstate.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(spent)
+        self.spent = spent.item() / (self.pstate.tp_size * self.pstate.dp_size)
         if self.spent > 0 and not self.announced:
             self.announced = True
             self.say(f"training.compile: the transformer layers compiled in {self.spent:.1f} s during this "
@@ -139,7 +148,7 @@ class Trainer:
         self.metrics = self.tensorboard = self.wandb = None
         if cfg.logging.timers:
             engine.time_phases()
-        self.compile_clock = CompileClock(self._say) if t.compile else contextlib.nullcontext()
+        self.compile_clock = CompileClock(self._say, pstate) if t.compile else contextlib.nullcontext()
 
     # -- the loop ------------------------------------------------------------------------------
     def train(self) -> str:
