@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     pstate = init_parallel(tp, pp, dp, timeout_minutes=cfg.parallel.distributed_timeout_minutes)
     log = print if pstate.rank == 0 else (lambda *args, **kwargs: None)
     log(f"gptpar: {pstate.world_size} rank(s) = tp {tp} x pp {pp} x dp {dp} on {pstate.backend}; "
-        f"{describe_kernels(pstate.device, cfg.training.optimizer)}\nresolved config:\n{cfg.to_json()}", flush=True)
+        f"{describe_kernels(pstate.device, cfg.training.optimizer, cfg.training.compile)}\nresolved config:\n{cfg.to_json()}", flush=True)
     preflight = None
     try:
         # check what load, save and the data mean before anything is built (rank 0 decides for all)

@@ -4,6 +4,14 @@ must beat (issue 12: gptpar's tokens/s >= 1.05 x this loop compiled, same shape,
     python bench/bench_peer_loop.py --config configs/1.3b.json --device cuda --compile --json peer.json
     python bench/bench_peer_loop.py --config configs/1.3b.json --device cuda             # eager
     python bench/bench_peer_loop.py --tiny                                                # CPU smoke, seconds
+    python bench/bench_peer_loop.py --config configs/1.3b.json --device cuda --compile --gptpar   # + gptpar's model
+
+`--gptpar` also times gptpar's GPTModel in the same process, right after the peer and the same way: the same shape,
+dropout, data, micro-batches, autocast, clipping and fused AdamW, its transformer layers compiled as
+training.compile does (`compile_transformer_layers`) when --compile is given, its output layer fused with the loss
+(`lm_loss`), the tensor-parallel RNG tracker the trainer seeds; the JSON then holds both loops and the ratio of
+their tokens/s (gptpar / peer). What the trainer adds on top (DeepSpeed's engine, ZeRO, the data pipeline) is
+measured by running pretrain_gpt.py itself.
 
 What an expert would write for one GPU (Karpathy's nanoGPT `model.py` + `train.py`): fused QKV linear,
 SDPA causal attention (flash on a GPU), tanh-GELU MLP, pre-LayerNorm, the output layer tied to the word
@@ -144,8 +152,29 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+def build_peer(cfg: PeerConfig, device, compile_model: bool, seed: int):
+    """(the model whose parameters the optimizer steps, loss_fn(x, y))."""
+    model = GPT(cfg).to(device).train()
+    step_model = torch.compile(model) if compile_model else model
+    return model, step_model
+
+
+def build_gptpar(model_section: dict, device, compile_model: bool, seed: int):
+    """gptpar's GPTModel of the config's model section, as the trainer builds it at tp = pp = 1."""
+    from gptpar.model.config import GPTConfig
+    from gptpar.model.gpt import GPTModel, compile_transformer_layers
+    from gptpar.tensor_parallel.random import model_parallel_seed
+
+    tracker = model_parallel_seed(seed, device=device)
+    model = GPTModel(GPTConfig(**model_section), rng_tracker=tracker, seed=seed, device=device).train()
+    if compile_model:
+        compile_transformer_layers(model)
+    return model, lambda x, y: model(x, labels=y)
+
+
 def run(cfg: PeerConfig, *, micro_batch_size, global_batch_size, device, dtype, compile_model, iters, warmup,
-        clip=1.0, lr=2e-4, seed=0) -> dict:
+        clip=1.0, lr=2e-4, seed=0, gptpar_model: dict = None) -> dict:
+    """Time the peer loop, or with `gptpar_model` (a config's model section) gptpar's model in the same loop."""
     if global_batch_size % micro_batch_size:
         raise SystemExit(f"--global-batch-size {global_batch_size} must divide by the micro-batch {micro_batch_size}")
     accum = global_batch_size // micro_batch_size
@@ -153,9 +182,11 @@ def run(cfg: PeerConfig, *, micro_batch_size, global_batch_size, device, dtype, 
     if device.type == "cuda":   # nanoGPT's train.py sets these (they matter for fp32 matmuls only)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    model = GPT(cfg).to(device).train()
+    if gptpar_model is None:
+        model, step_model = build_peer(cfg, device, compile_model, seed)
+    else:
+        model, step_model = build_gptpar(gptpar_model, device, compile_model, seed)
     optimizer = configure_optimizer(model, lr, 0.1, device.type)
-    step_model = torch.compile(model) if compile_model else model
     ctx = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
     gen = torch.Generator(device=device).manual_seed(seed)
     data = torch.randint(0, cfg.vocab_size, (accum, micro_batch_size, cfg.block_size + 1), device=device,
@@ -195,7 +226,7 @@ def run(cfg: PeerConfig, *, micro_batch_size, global_batch_size, device, dtype, 
     tflops = tflops_per_gpu(num_layers=cfg.n_layer, hidden_size=cfg.n_embd, vocab_size=cfg.padded_vocab,
                             seq_length=cfg.block_size, global_batch_size=global_batch_size, sec_per_iter=sec,
                             num_gpus=1, recompute="none", ffn_hidden_size=4 * cfg.n_embd)
-    out = {"loop": "peer (nanoGPT-style)", "compiled": compile_model, "device": device_name(device),
+    out = {"loop": "peer (nanoGPT-style)" if gptpar_model is None else "gptpar GPTModel", "compiled": compile_model, "device": device_name(device),
            "torch": torch.__version__, "dtype": str(dtype).replace("torch.", ""), "config": asdict(cfg),
            "padded_vocab_size": cfg.padded_vocab, "micro_batch_size": micro_batch_size,
            "global_batch_size": global_batch_size, "micro_batches": accum, "warmup_iters": warmup,
@@ -213,6 +244,7 @@ def device_name(device) -> str:
 
 
 def config_from_file(path: str):
+    """(PeerConfig, micro-batch size, the model section as gptpar reads it)."""
     with open(path) as f:
         d = json.load(f)
     m, t = d["model"], d.get("training", {})
@@ -220,7 +252,7 @@ def config_from_file(path: str):
         raise SystemExit(f"{path}: the peer loop has nanoGPT's 4h MLP; ffn_hidden_size {m['ffn_hidden_size']}")
     return PeerConfig(n_layer=m["num_layers"], n_embd=m["hidden_size"], n_head=m["num_attention_heads"],
                       block_size=m["seq_length"], vocab_size=m["vocab_size"],
-                      dropout=m.get("hidden_dropout", 0.0)), t.get("micro_batch_size", 1)
+                      dropout=m.get("hidden_dropout", 0.0)), t.get("micro_batch_size", 1), m
 
 
 def main(argv=None):
@@ -236,26 +268,41 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", default=None, help="also write the result here")
     p.add_argument("--tiny", action="store_true", help="a 2 x 64 model at seq 32: seconds on a CPU (smoke)")
+    p.add_argument("--gptpar", action="store_true", help="also time gptpar's GPTModel the same way (see above)")
     args = p.parse_args(argv)
 
     device = torch.device(args.device)
-    cfg, mbs = config_from_file(args.config)
+    cfg, mbs, model_section = config_from_file(args.config)
     gbs, iters, warmup = args.global_batch_size, args.iters, args.warmup
     if args.tiny:
         cfg = PeerConfig(n_layer=2, n_embd=64, n_head=2, block_size=32, vocab_size=500, dropout=0.1)
+        model_section = dict(num_layers=2, hidden_size=64, num_attention_heads=2, seq_length=32, vocab_size=500,
+                             hidden_dropout=0.1, attention_dropout=0.1)
         mbs, gbs, iters, warmup = 2, 4, 2, 1
     mbs = args.micro_batch_size or mbs
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    res = run(cfg, micro_batch_size=mbs, global_batch_size=gbs, device=device, dtype=dtype,
-              compile_model=args.compile, iters=iters, warmup=warmup)
-    print(f"peer loop {'compiled' if args.compile else 'eager'} | {res['device']} | {cfg.n_layer}x{cfg.n_embd} "
-          f"s{cfg.block_size} mbs {mbs} gbs {gbs} {res['dtype']}: {res['sec_per_iter_median']:.3f} s/iter, "
-          f"{res['tokens_per_s']:,.0f} tokens/s, {res['tflops']:.1f} TFLOPs"
-          + (f", peak {res['peak_memory_gib']:.1f} GiB" if "peak_memory_gib" in res else ""))
+    kw = dict(micro_batch_size=mbs, global_batch_size=gbs, device=device, dtype=dtype, compile_model=args.compile,
+              iters=iters, warmup=warmup)
+    res = run(cfg, **kw)
+    print(summary_line(res, cfg, mbs, gbs, args.compile))
+    if args.gptpar:
+        res = {"peer": res, "gptpar": run(cfg, gptpar_model=model_section, **kw)}
+        print(summary_line(res["gptpar"], cfg, mbs, gbs, args.compile))
+        res["ratio_gptpar_vs_peer_tokens_per_s"] = res["gptpar"]["tokens_per_s"] / res["peer"]["tokens_per_s"]
+        print(f"gptpar / peer tokens/s ({'both compiled' if args.compile else 'both eager'}): "
+              f"{res['ratio_gptpar_vs_peer_tokens_per_s']:.3f}")
     print(json.dumps(res))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
+
+
+def summary_line(res: dict, cfg: PeerConfig, mbs: int, gbs: int, compiled: bool) -> str:
+    return (f"{res['loop']} {'compiled' if compiled else 'eager'} | {res['device']} | {cfg.n_layer}x{cfg.n_embd} "
+            f"s{cfg.block_size} mbs {mbs} gbs {gbs} {res['dtype']}: {res['sec_per_iter_median']:.3f} s/iter, "
+            f"{res['tokens_per_s']:,.0f} tokens/s, {res['tflops']:.1f} TFLOPs, first {res['warmup_iters']} "
+            f"iteration(s) {res['warmup_s']:.1f} s" + (f", peak {res['peak_memory_gib']:.1f} GiB"
+                                                       if "peak_memory_gib" in res else ""))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ import torch  # noqa: E402
 
 from gptpar.estimate.flops import model_flops_per_iteration  # noqa: E402
 from gptpar.model.config import GPTConfig  # noqa: E402
-from gptpar.model.gpt import GPTModel  # noqa: E402
+from gptpar.model.gpt import GPTModel, compile_transformer_layers  # noqa: E402
 from gptpar.model.kernels import make_adamw  # noqa: E402
 
 HF_TARGET, MFU_TARGET_CPU, MFU_TARGET_GPU = 1.15, 0.90, 0.50
@@ -131,10 +131,9 @@ def build_gptpar(shape, vocab_size, tokens, device, autocast_dtype, activation_c
     config = gptpar_config(shape, vocab_size)
     model = GPTModel(config, device=device, activation_checkpointing=activation_checkpointing).train()
     if compile_layers:
-        # Each transformer layer through torch.compile (inductor): it fuses the LayerNorms, GELU, residual
-        # adds and casts around the matmuls. The layers share one code object, so they share one graph.
-        for layer in model.layers:
-            layer.compile()
+        # training.compile: the transformer layers through one torch.compile'd function (inductor fuses the
+        # LayerNorms, GELU, residual adds and casts around the matmuls); one graph for all the layers.
+        compile_transformer_layers(model)
     opt = make_adamw(model.parameters(), lr=1e-4, weight_decay=0.01, device=device)
     x, y = tokens[:, :-1], tokens[:, 1:]
     return make_step(model, lambda: model(x, labels=y), opt, autocast_dtype, device), config

@@ -44,7 +44,8 @@ if [ "${GPU_SPEED_CPU_SMOKE:-0}" = 1 ]; then
   TRAINER_CONFIG=configs/1.3b.json
   TRAINER_SHAPE=(--set model.num_layers=2 --set model.hidden_size=64 --set model.num_attention_heads=2
                  --set model.seq_length=32 --set model.max_position_embeddings=32 --set model.vocab_size=500
-                 --set training.micro_batch_size=2 --set training.global_batch_size=4 --set training.train_iters=3)
+                 --set training.micro_batch_size=2 --set training.global_batch_size=4 --set training.train_iters=3
+                 --set training.compile=false)   # 1.3b.json compiles; not worth a CPU minute here
   PLAN_CONFIG=configs/200b.json
 else
   DEV="--device cuda"

@@ -6,6 +6,9 @@
 must be a module-level (picklable) function. Its return values come back as a list indexed by rank;
 an exception on any rank is raised here with that rank's traceback; a rank that hangs past `timeout`
 seconds gets every rank killed and a TimeoutError raised, so a broken collective cannot hang CI.
+
+`LiveTensorBytes` counts the bytes of tensors created inside a block that are alive at once (a peak-memory count
+that needs no CUDA and does not depend on the allocator: tests and bench/bench_loss_memory.py use it).
 """
 from __future__ import annotations
 
@@ -18,6 +21,9 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.multiprocessing as mp
+import weakref
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from gptpar.parallel import free_port  # noqa: F401 (re-exported for tests)
 
@@ -47,6 +53,48 @@ def _worker(rank: int, world_size: int, port: int, threads: int, fn: Callable, a
         results.close()
         results.join_thread()  # flush the result to the parent before the hard exit
         os._exit(0)  # skip interpreter teardown: avoids rare aborts in torch/DeepSpeed exit handlers
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """`with LiveTensorBytes() as m: ...` then `m.peak`: the most bytes that storages created by the block's ops
+    (backward included, when it runs inside) held at one time; `m.largest` the largest such storage and
+    `m.created` every (bytes, dtype) created. Each storage is counted once, from the op that created it until its
+    last tensor dies; views and in-place results add nothing; what existed before the block is not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.current = self.peak = self.largest = 0
+        self.created = []
+        self._counted, self._before = set(), set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in tree_leaves((args, kwargs)):  # storages the block did not create (views of them are free)
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._track(t.untyped_storage(), self._before)
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and self._track(t.untyped_storage(),
+                                                                                         self._counted):
+                self.current += t.untyped_storage().nbytes()
+                self.peak, self.largest = max(self.peak, self.current), max(self.largest,
+                                                                            t.untyped_storage().nbytes())
+                self.created.append((t.untyped_storage().nbytes(), t.dtype))
+        return out
+
+    def _track(self, storage, into: set) -> bool:
+        """Add `storage` to `into` until it is freed; False if it was already known or is empty."""
+        key = (storage.data_ptr(), storage.nbytes())
+        if not key[1] or key in self._counted or key in self._before:
+            return False
+        into.add(key)
+        weakref.finalize(storage, self._free, key)
+        return True
+
+    def _free(self, key) -> None:
+        if key in self._counted:
+            self._counted.discard(key)
+            self.current -= key[1]
+        self._before.discard(key)
 
 
 def run_distributed(fn: Callable, world_size: int, args: Sequence = (), *, timeout: float = 300.0,

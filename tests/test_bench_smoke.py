@@ -77,6 +77,50 @@ def test_peer_loop_tiny(tmp_path):
     assert res["tokens_per_s"] == pytest.approx(res["global_batch_size"] * c["block_size"] / res["sec_per_iter_median"])
 
 
+def _peer_and_gptpar(tmp_path, *flags):
+    out_json = tmp_path / "both.json"
+    out = subprocess.run([sys.executable, "bench/bench_peer_loop.py", "--tiny", "--device", "cpu", "--gptpar",
+                          *flags, "--json", str(out_json)], cwd=REPO, env=ENV, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out_json.read_text())
+    assert res["peer"]["loop"].startswith("peer") and res["gptpar"]["loop"] == "gptpar GPTModel"
+    for loop in ("peer", "gptpar"):
+        assert all(l == l and 0 < l < 20 for l in res[loop]["losses"])
+        assert res[loop]["compiled"] == ("--compile" in flags)
+    assert res["ratio_gptpar_vs_peer_tokens_per_s"] == pytest.approx(
+        res["gptpar"]["tokens_per_s"] / res["peer"]["tokens_per_s"])
+    assert "gptpar / peer tokens/s" in out.stdout
+    return res
+
+
+def test_peer_loop_against_gptpar_tiny(tmp_path):
+    """--gptpar times gptpar's model in the same process and loop: same shape and batch, both train."""
+    res = _peer_and_gptpar(tmp_path)
+    assert res["peer"]["global_batch_size"] == res["gptpar"]["global_batch_size"]
+
+
+@pytest.mark.slow
+def test_peer_loop_against_gptpar_compiled_tiny(tmp_path):
+    """The same with --compile: the peer through torch.compile, gptpar's layers through training.compile's path."""
+    _peer_and_gptpar(tmp_path, "--compile")
+
+
+def test_bench_loss_memory_tiny(tmp_path):
+    """The loss-memory bench counts each path: gptpar's loss (fused, and the pipeline's) creates less than the
+    textbook F.cross_entropy on an fp32 copy of the logits, in bf16 and fp32."""
+    out_json = tmp_path / "loss.json"
+    out = subprocess.run([sys.executable, "bench/bench_loss_memory.py", "--tiny", "--json", str(out_json)], cwd=REPO,
+                         env=ENV, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {(r["dtype"], r["path"]): r for r in json.loads(out_json.read_text())}
+    assert set(rows) == {(d, p) for d in ("bf16", "fp32") for p in ("model", "pipeline", "textbook")}
+    for dtype in ("bf16", "fp32"):
+        for path in ("model", "pipeline"):
+            assert 0 < rows[dtype, path]["peak_bytes"] < rows[dtype, "textbook"]["peak_bytes"]
+    assert "at the 1.3B shape" in out.stdout
+
+
 def test_peer_model_computes_gptpar_model():
     """The peer is the same function as gptpar's GPT (tanh GELU), so one FLOP count fits both loops: with the
     peer's weights moved into GPTModel (through the Hugging Face layout: nanoGPT's names, Conv1D transposed)

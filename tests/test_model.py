@@ -9,7 +9,7 @@ from torch.testing import assert_close
 
 from gptpar.estimate.flops import model_size_formula, params_per_stage
 from gptpar.model.config import GPTConfig
-from gptpar.model.gpt import GPTModel
+from gptpar.model.gpt import GPTModel, compile_transformer_layers
 from gptpar.model.hf import config_from_hf, from_hf_state_dict, to_hf_state_dict
 from gptpar.model.kernels import describe_kernels
 from gptpar.model.pipeline import (model_parameter_count, partition_layers, stage_parameter_counts)
@@ -280,7 +280,6 @@ def test_cuda_matches_hugging_face_and_cpu():
     with torch.autocast("cuda", dtype=torch.bfloat16):
         bf16 = models["cuda"](xs[:, :-1], labels=xs[:, 1:])
     assert abs(bf16.item() - losses["cpu"].item()) < 2e-2 * losses["cpu"].item()
-    for layer in models["cuda"].layers:
-        layer.compile()
+    compile_transformer_layers(models["cuda"])
     compiled = models["cuda"](xs[:, :-1], labels=xs[:, 1:])
     assert_close(compiled.cpu(), losses["cpu"], rtol=1e-4, atol=1e-5)

@@ -37,7 +37,7 @@ from gptpar.tensor_parallel.cross_entropy import (LogitsWorkspace, linear_cross_
                                                   vocab_parallel_cross_entropy)
 from gptpar.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                            init_normal, linear_with_grad_all_reduce)
-from gptpar.tensor_parallel.random import RNGStatesTracker, checkpoint
+from gptpar.tensor_parallel.random import RNGStatesTracker, checkpoint, counter_dropout, dropout_seeds
 
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}
 
@@ -136,7 +136,9 @@ class TransformerLayer(nn.Module):
 
     `recompute_core_attention` is selective recompute: in training the attention core is recomputed in
     backward instead of keeping its (b, nh/tp, s, s) tensors, the linears and their inputs are kept.
-    With ALiBi (gptpar.model.alibi) the core adds this rank's heads' distance biases to the scores."""
+    With ALiBi (gptpar.model.alibi) the core adds this rank's heads' distance biases to the scores.
+
+    `compiled` (set by `compile_transformer_layers`) runs `body` through torch.compile; see `_forward_compiled`."""
 
     def __init__(self, config: GPTConfig, layer_number: int, *, tp_group: Group = None,
                  sequence_parallel: bool = False, rng_tracker: Optional[RNGStatesTracker] = None,
@@ -170,6 +172,10 @@ class TransformerLayer(nn.Module):
             mark_sequence_parallel([*self.input_layernorm.parameters(), *self.post_attention_layernorm.parameters()],
                                    tp_group)
         self.hidden_dropout = _Dropout(config.hidden_dropout, rng_tracker, per_rank=sequence_parallel)
+        # Under sequence parallelism this rank's (s/tp, b, h) block starts at element tp_rank * its numel of the
+        # (s, b, h) tensor: the compiled dropout draws that block of the whole tensor's mask.
+        self.sequence_block = group_rank(tp_group) if sequence_parallel else 0
+        self.compiled = False
 
     def qkv_heads(self, x: torch.Tensor):
         """(s, b, h) -> q, k, v, each (b, nh/tp, s, d): the heads of this rank."""
@@ -196,7 +202,9 @@ class TransformerLayer(nn.Module):
             # with the same dropout mask (the tracker's streams are replayed). Its s x s tensors are what a
             # non-fused kernel keeps (5as/h of the layer's 34 + 5as/h bytes per sbh at tp=1); QK^T and .V
             # cost only 4sh of the layer's 24h^2 + 4sh forward FLOPs per token (f = 4h).
-            ctx = checkpoint(self.core_attention, q, k, v, mask, tracker=self.rng_tracker)
+            # Compiled, the whole layer already runs in the tracker's stream, so the recompute needs no stream
+            # replay of its own: torch's checkpoint, which the graph takes in (no graph break).
+            ctx = checkpoint(self.core_attention, q, k, v, mask, tracker=None if self.compiled else self.rng_tracker)
         else:
             ctx = self.core_attention(q, k, v, mask)
         return self.attention_output(ctx)
@@ -213,16 +221,71 @@ class TransformerLayer(nn.Module):
             causal = False
         else:
             causal = mask is None
-        # The attention probabilities belong to this rank's heads: their dropout draws per tp rank.
-        fork = self.rng_tracker.fork() if (dropout_p > 0 and self.rng_tracker) else contextlib.nullcontext()
+        # The attention probabilities belong to this rank's heads: their dropout draws per tp rank (compiled, the
+        # stream is entered around the whole layer instead: `_forward_compiled`).
+        forked = dropout_p > 0 and self.rng_tracker is not None and not self.compiled
+        fork = self.rng_tracker.fork() if forked else contextlib.nullcontext()
         with fork:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal)
 
     def forward(self, inputs):
         x, mask = _split_mask(inputs)
-        x = x + self.hidden_dropout(self.attention(self.input_layernorm(x), mask))
-        x = x + self.hidden_dropout(self.mlp(self.post_attention_layernorm(x)))
-        return _join_mask(x, mask)
+        return _join_mask(self._forward_compiled(x, mask) if self.compiled else self.body(x, mask), mask)
+
+    def body(self, x: torch.Tensor, mask: Optional[torch.Tensor], seeds: Optional[torch.Tensor] = None):
+        """x + dropout(attn(ln1(x))), then + dropout(mlp(ln2(x))). With `seeds` (compiled) the two dropouts are
+        `counter_dropout`s seeded by its two entries, else `hidden_dropout` (the generator's)."""
+        x = x + self._residual_dropout(self.attention(self.input_layernorm(x), mask), seeds, 0)
+        return x + self._residual_dropout(self.mlp(self.post_attention_layernorm(x)), seeds, 1)
+
+    def _residual_dropout(self, y: torch.Tensor, seeds: Optional[torch.Tensor], site: int) -> torch.Tensor:
+        if seeds is None:
+            return self.hidden_dropout(y)
+        return counter_dropout(y, self.hidden_dropout.p, seeds[site], offset=self.sequence_block * y.numel())
+
+    def _forward_compiled(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """`body` through one torch.compile'd function shared by every layer (regional compilation: one graph for
+        all layers, compile time independent of depth; parameter names untouched).
+
+        Random numbers without a generator-state swap inside the graph (a graph break): the residual dropouts'
+        seeds are drawn here from the default stream, the same on every tp rank, so their `counter_dropout` masks
+        agree on replicated activations (and are the whole tensor's mask under sequence parallelism); then the
+        graph runs inside the tracker's per-tp-rank stream, from which the attention dropout (SDPA's own draw, of
+        this rank's heads) draws. Full recompute replays both: torch's checkpoint restores the default stream
+        (the same seeds), gptpar's the tracker's; selective recompute is inside the graph (torch's checkpoint)."""
+        if self.alibi_slopes is not None and self.alibi_slopes.device != x.device:
+            self.alibi_slopes = self.alibi_slopes.to(x.device)  # outside the graph: no attribute mutation in it
+        seeds = dropout_seeds(x.device) if self.training and self.hidden_dropout.p > 0 else None
+        forked = self.training and self.attention_dropout > 0 and self.rng_tracker is not None
+        with self.rng_tracker.fork() if forked else contextlib.nullcontext():
+            return _compiled_body()(self, x, mask, seeds)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_body():
+    """The one torch.compile'd `TransformerLayer.body`: every layer calls it with itself as the first argument, so
+    Dynamo traces one graph (per training/eval mode, mask kind and dtype) whose parameters are inputs."""
+    return torch.compile(TransformerLayer.body)
+
+
+def compile_transformer_layers(model: nn.Module) -> int:
+    """training.compile: every TransformerLayer in `model` (a GPTModel or a pipeline stage) runs its body through
+    the one compiled function (`TransformerLayer._forward_compiled`); returns how many layers."""
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    for layer in layers:
+        layer.compiled = True
+    return len(layers)
+
+
+def compile_stats() -> dict:
+    """What torch.compile did in this process so far: {'seconds' (Dynamo's tracing + inductor's code generation,
+    forward and backward), 'graphs', 'graph_breaks'}. Read from torch._dynamo.utils, whose counters are
+    process-wide (tests/test_compile.py pins these names)."""
+    from torch._dynamo.utils import calculate_time_spent, counters
+
+    return {"seconds": calculate_time_spent().get("total_wall_time", 0.0),
+            "graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values())}
 
 
 class FinalLayerNorm(nn.Module):
@@ -251,11 +314,26 @@ def lm_logits(embedding: GPTEmbedding, hidden: torch.Tensor) -> torch.Tensor:
     return linear_with_grad_all_reduce(hidden, weight, None, embedding.tp_group)  # f + linear
 
 
+def lm_loss(embedding: GPTEmbedding, hidden: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+            workspace: Optional[LogitsWorkspace] = None) -> torch.Tensor:
+    """The output layer and the loss in one function: (s, b, h) hidden and (s, b) labels -> (s, b) fp32 losses.
+
+    Equals `vocab_parallel_cross_entropy(lm_logits(embedding, hidden), labels)` keeping only the logits themselves
+    (no fp32 copy; their buffer becomes their gradient in backward), at any tp and dtype."""
+    weight = embedding.word_embeddings.weight
+    if embedding.sequence_parallel:
+        hidden = gather_from_sequence_parallel_region(hidden, embedding.tp_group)  # bwd: reduce-scatter
+    return linear_cross_entropy(hidden, weight, labels, group=embedding.tp_group, vocab_size=vocab_size,
+                                reduce_input_grad=not embedding.sequence_parallel,
+                                workspace=workspace if hidden.device.type == "cpu" else None)
+
+
 class GPTLoss:
     """Mean cross-entropy over the tokens whose loss mask is 1.
 
-    Called as loss_fn(logits (s, b, V/tp), labels) with labels (b, s) or a tuple (labels, loss_mask).
-    A plain callable object so DeepSpeed's pipeline can hold it (no lambdas)."""
+    Called as loss_fn(logits (s, b, V/tp), labels) with labels (b, s) or a tuple (labels, loss_mask): the pipeline's
+    last stage (GPTModel fuses the output layer with the loss instead: `lm_loss`). It owns the logits it is given,
+    so their gradient is written into their buffer. A plain callable object so DeepSpeed's pipeline can hold it."""
 
     def __init__(self, vocab_size: int, tp_group: Group = None):
         self.vocab_size, self.tp_group = vocab_size, tp_group
@@ -263,8 +341,8 @@ class GPTLoss:
 
     def __call__(self, logits: torch.Tensor, labels) -> torch.Tensor:
         labels, loss_mask = labels if isinstance(labels, (tuple, list)) else (labels, None)
-        losses = vocab_parallel_cross_entropy(logits, labels.t(), group=self.tp_group,
-                                              vocab_size=self.vocab_size)  # (s, b)
+        losses = vocab_parallel_cross_entropy(logits, labels.t(), group=self.tp_group, vocab_size=self.vocab_size,
+                                              inplace_backward=True)  # (s, b)
         return self.reduce(losses, loss_mask)
 
     @staticmethod
@@ -300,7 +378,7 @@ class GPTModel(nn.Module):
                                     for i in range(config.num_layers))
         self.final_layernorm = FinalLayerNorm(config, **kw)
         self.loss_fn = GPTLoss(config.vocab_size, tp_group)
-        self._logits_workspace = LogitsWorkspace()  # the fused CPU loss's reusable logits buffer
+        self._logits_workspace = LogitsWorkspace()  # the loss's reusable logits buffer on a CPU
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, labels=None, loss_mask=None):
         x = self.embedding((input_ids, position_ids, attention_mask))
@@ -312,21 +390,8 @@ class GPTModel(nn.Module):
         hidden = self.final_layernorm(x)
         if labels is None:
             return lm_logits(self.embedding, hidden).transpose(0, 1)  # (b, s, V/tp)
-        if self._fused_loss_applies(hidden):
-            # tp = 1, fp32 on a CPU: output layer + loss in one function over the real vocab rows, in place in
-            # a reused buffer (~1.3x faster than logits then loss at 12x768; docs/benchmarks.md).
-            losses = linear_cross_entropy(hidden, self.embedding.word_embeddings.weight, labels.t(),
-                                          vocab_size=self.config.vocab_size, workspace=self._logits_workspace)
-            return self.loss_fn.reduce(losses, loss_mask)
-        # On a GPU all the padded vocab's rows: a vocab dim that is a multiple of 128 (what the padding is for)
-        # keeps the three output-layer GEMMs on tensor-core kernels; with 50257 columns cuBLAS fell back to a
-        # kernel ~6x slower (an H200: 39 ms of a 189 ms 1.3B step, docs/benchmarks.md). The loss masks them.
-        logits = lm_logits(self.embedding, hidden)  # (s, b, V/tp)
-        return self.loss_fn(logits, (labels, loss_mask) if loss_mask is not None else labels)
-
-    def _fused_loss_applies(self, hidden: torch.Tensor) -> bool:
-        return (group_size(self.embedding.tp_group) == 1 and hidden.device.type == "cpu"
-                and hidden.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"))
+        losses = lm_loss(self.embedding, hidden, labels.t(), self.config.vocab_size, self._logits_workspace)
+        return self.loss_fn.reduce(losses, loss_mask)
 
 
 # ---------------------------------------------------------------------------------------------------------------

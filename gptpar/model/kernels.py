@@ -46,8 +46,9 @@ def make_adamw(params, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weig
     return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
 
 
-def describe_kernels(device: torch.device, optimizer: str = "adamw") -> str:
-    """One line for the start-up log: which kernels this run uses (`optimizer`: training.optimizer)."""
+def describe_kernels(device: torch.device, optimizer: str = "adamw", compiled: bool = False) -> str:
+    """One line for the start-up log: which kernels this run uses (`optimizer`: training.optimizer; `compiled`:
+    training.compile, the transformer layers through torch.compile's inductor)."""
     if device.type == "cuda":
         ln = "apex FusedLayerNorm" if use_apex() else "torch LayerNorm"
         opt = "apex FusedAdam" if use_apex() else "torch AdamW (fused)"
@@ -56,4 +57,5 @@ def describe_kernels(device: torch.device, optimizer: str = "adamw") -> str:
         ln, opt, attn = "torch LayerNorm", "torch AdamW (fused)", "SDPA (CPU flash kernel)"
     if optimizer == "adamw8bit":
         opt = "bitsandbytes AdamW8bit"
-    return f"kernels: layernorm={ln} | optimizer={opt} | attention={attn}"
+    layers = "torch.compile (inductor, one graph for every layer)" if compiled else "eager"
+    return f"kernels: layernorm={ln} | optimizer={opt} | attention={attn} | transformer layers={layers}"

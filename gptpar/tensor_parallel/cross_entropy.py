@@ -1,107 +1,145 @@
-"""Cross-entropy over logits split along the vocabulary, without gathering them.
+"""Cross-entropy over logits split along the vocabulary, without gathering them and without an fp32 copy of them.
 
 For logits x (..., V/tp) on each rank and a target t:
-  m   = max_j x_j                       (local max, then all-reduce MAX)
-  lse = log sum_j exp(x_j - m)          (local sum, then all-reduce SUM)
-  x_t - m                               (only the rank owning t has it; all-reduce SUM)
-  loss = lse - (x_t - m)
+  lse_r = log sum_j exp(x_j)             (this rank's columns)
+  lse   = M + log sum_r exp(lse_r - M)   (M = max_r lse_r: one all-reduce MAX, then one SUM)
+  x_t                                    (only the rank owning t has it; in the same SUM)
+  loss  = lse - x_t
 With label smoothing e over C real classes (torch's definition):
-  loss = (1 - e) * (lse - (x_t - m)) + e * (lse - mean_j (x_j - m))
-Backward, locally: softmax - (1 - e) * onehot(t) - e / C, times the incoming gradient.
+  loss = (1 - e) * (lse - x_t) + e * (lse - mean_j x_j)
+Backward, locally: softmax - (1 - e) * onehot(t) - e / C, times the incoming gradient; softmax = exp(x - lse).
+
+The logits are read in blocks of rows, each turned into fp32 on its own (`_block_rows`): the forward keeps only
+per-token fp32 vectors (the log-sum-exp), never an (N, V/tp) fp32 tensor, whatever the logits' dtype, and backward
+writes the gradient block by block into the logits' own buffer (bf16 logits: bf16 gradient, as before). Padding
+columns (ids >= vocab_size, a suffix of the last ranks' slices) are left out by slicing, not masking.
+
+Two entry points share that arithmetic:
+  `vocab_parallel_cross_entropy(logits, target)`: the loss of given logits (the pipeline's last stage, any model);
+  `linear_cross_entropy(hidden, weight, target)`: the output layer and the loss in one function (GPTModel), which
+      owns its logits buffer: the GEMM writes it, the loss reads it, backward overwrites it with the gradient.
+Memory and traffic at the 1.3B shape, measured and worked out: docs/benchmarks.md (the cheaper loss).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from gptpar.tensor_parallel.comm import Group, group_rank, group_size
+
+# Elements per fp32 block: on a CPU ~4 MB, in cache while a block's passes run; on a GPU 16 MB, within an H100's
+# 50 MB L2, with few enough blocks (~100 at 8192 x 50304) that kernel launches stay cheap.
+_BLOCK_ELEMENTS = {"cpu": 1 << 20}
+_BLOCK_ELEMENTS_ACCELERATOR = 1 << 22
+
+
+def _block_rows(columns: int, device: torch.device) -> int:
+    return max(1, _BLOCK_ELEMENTS.get(device.type, _BLOCK_ELEMENTS_ACCELERATOR) // max(1, columns))
+
+
+def real_columns(vocab_start: int, local_vocab: int, vocab_size: Optional[int]) -> int:
+    """How many of this rank's `local_vocab` columns [vocab_start, vocab_start + local_vocab) are real classes
+    (< vocab_size); the rest are padding, always at the end of the slice."""
+    if vocab_size is None:
+        return local_vocab
+    return max(0, min(local_vocab, vocab_size - vocab_start))
+
+
+class _Targets(NamedTuple):
+    """Where each token's target lies on this rank: `local` (its column here, 0 when elsewhere), `here`, `ignored`."""
+
+    local: torch.Tensor
+    here: torch.Tensor
+    ignored: torch.Tensor
+
+
+def _locate(target: torch.Tensor, vocab_start: int, local_vocab: int, ignore_index: int) -> _Targets:
+    ignored = target == ignore_index
+    here = (target >= vocab_start) & (target < vocab_start + local_vocab) & ~ignored
+    return _Targets((target - vocab_start).masked_fill(~here, 0), here, ignored)
+
+
+def _loss_forward(logits: torch.Tensor, real: int, targets: _Targets, group: Group, label_smoothing: float,
+                  n_classes: int):
+    """Per-token fp32 losses and log-sum-exp of `logits` (N, V/tp), any dtype; columns [real:] are padding."""
+    n = logits.shape[0]
+    local_lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    column_sum = torch.zeros(n, dtype=torch.float32, device=logits.device) if label_smoothing > 0 else None
+    rows = _block_rows(real, logits.device)
+    for r0 in range(0, n, rows):
+        block = logits[r0:r0 + rows, :real].float()  # (rows, real): a copy for bf16, the buffer itself for fp32
+        torch.logsumexp(block, dim=-1, out=local_lse[r0:r0 + rows])  # -inf on a rank holding only padding
+        if column_sum is not None:
+            column_sum[r0:r0 + rows] = block.sum(dim=-1)
+        del block  # before the next block is made
+    target_logit = torch.zeros(n, dtype=torch.float32, device=logits.device)
+    if real > 0:  # (a rank whose slice is all padding holds no target)
+        target_logit = logits.gather(-1, targets.local.unsqueeze(-1)).squeeze(-1).float().masked_fill(~targets.here, 0)
+    if group_size(group) > 1:
+        top = local_lse.clone()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        sums = [torch.exp(local_lse - top), target_logit] + ([column_sum] if column_sum is not None else [])
+        sums = torch.stack(sums)  # one all-reduce for all the sums
+        dist.all_reduce(sums, group=group)
+        lse, target_logit = top + sums[0].log(), sums[1]
+        column_sum = sums[2] if column_sum is not None else None
+    else:
+        lse = local_lse
+    loss = lse - target_logit
+    if column_sum is not None:
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - column_sum / n_classes)
+    return loss.masked_fill_(targets.ignored, 0.0), lse
+
+
+def _loss_backward_(logits: torch.Tensor, real: int, lse: torch.Tensor, targets: _Targets, grad_loss: torch.Tensor,
+                    label_smoothing: float, n_classes: int) -> torch.Tensor:
+    """Overwrite `logits` (N, V/tp) with d(sum grad_loss * loss)/d logits, block by block in fp32; returns it."""
+    g = grad_loss.float().masked_fill(targets.ignored, 0.0)  # (N,)
+    onehot = (targets.here.float() * (1.0 - label_smoothing)).mul_(g)  # what the target column loses
+    rows = _block_rows(real, logits.device)
+    for r0 in range(0, logits.shape[0] if real > 0 else 0, rows):
+        block = logits[r0:r0 + rows, :real]
+        x = block.float()  # fp32 logits: `block` itself, updated in place
+        x.sub_(lse[r0:r0 + rows, None]).exp_()  # softmax
+        if label_smoothing > 0:
+            x.sub_(label_smoothing / n_classes)
+        x.mul_(g[r0:r0 + rows, None])
+        x.scatter_add_(-1, targets.local[r0:r0 + rows, None], -onehot[r0:r0 + rows, None])
+        if x is not block:
+            block.copy_(x)
+        del x
+    logits[:, real:].zero_()  # padding columns: no gradient
+    return logits
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, ignore_index, label_smoothing, vocab_size):
-        v_local = logits.shape[-1]
-        start = group_rank(group) * v_local
-        x = logits.float()  # (..., V/tp), computed in fp32 whatever the input dtype
-        padded = None
-        if vocab_size is not None and start + v_local > vocab_size:
-            padded = torch.arange(start, start + v_local, device=x.device) >= vocab_size  # (V/tp,)
-            x = x.masked_fill(padded, float("-inf"))
-
-        local_max = x.max(dim=-1).values
-        dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
-        x = x - local_max.unsqueeze(-1)  # shifted logits, max 0
-
-        outside = (target < start) | (target >= start + v_local)
-        local_t = (target - start).masked_fill(outside, 0)
-        target_logit = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        exp = x.exp()
-        sums = [target_logit, exp.sum(dim=-1)]
-        if label_smoothing > 0:
-            sums.append(x.masked_fill(padded, 0.0).sum(dim=-1) if padded is not None else x.sum(dim=-1))
-        sums = torch.stack(sums)  # one all-reduce for all the sums
-        dist.all_reduce(sums, group=group)
-        lse = sums[1].log()
-        loss = lse - sums[0]
-        n_classes = vocab_size if vocab_size is not None else v_local * group_size(group)
-        if label_smoothing > 0:
-            loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - sums[2] / n_classes)
-        ignored = target == ignore_index
-        loss = loss.masked_fill(ignored, 0.0)
-
-        exp.div_(sums[1].unsqueeze(-1))  # softmax, in place
-        ctx.save_for_backward(exp, local_t, outside, ignored, padded if padded is not None else torch.empty(0))
-        ctx.label_smoothing, ctx.n_classes, ctx.has_padding = label_smoothing, n_classes, padded is not None
-        ctx.logits_dtype = logits.dtype
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, local_t, outside, ignored, padded = ctx.saved_tensors
-        eps = ctx.label_smoothing
-        grad = softmax  # reuse the saved buffer: backward runs once
-        onehot_value = (~outside).to(grad.dtype) * (1.0 - eps)
-        grad.scatter_add_(-1, local_t.unsqueeze(-1), -onehot_value.unsqueeze(-1))
-        if eps > 0:
-            smooth = torch.full((grad.shape[-1],), eps / ctx.n_classes, dtype=grad.dtype, device=grad.device)
-            if ctx.has_padding:
-                smooth.masked_fill_(padded, 0.0)
-            grad.sub_(smooth)
-        grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
-        return grad.to(ctx.logits_dtype), None, None, None, None, None
-
-
-class _CrossEntropy(torch.autograd.Function):
-    """tp = 1 without label smoothing: F.cross_entropy(reduction='none'), with a backward that allocates nothing.
-
-    Forward saves the log-probabilities, as F.cross_entropy does. Its backward would allocate a zero-filled
-    (N, V) one-hot gradient and then a fresh (N, V) gradient; here the saved buffer becomes the gradient in
-    place: exp(log p) * g, minus g at the target (two passes, no new (N, V) memory to fault in)."""
-
-    @staticmethod
-    def forward(ctx, logits, target, ignore_index):
-        logp = F.log_softmax(logits, dim=-1)  # (N, V)
-        ignored = target == ignore_index
-        safe = target.masked_fill(ignored, 0)
-        loss = logp.gather(-1, safe.unsqueeze(-1)).squeeze(-1).neg().masked_fill(ignored, 0.0)
-        ctx.save_for_backward(logp, safe, ignored)
-        return loss
+    def forward(ctx, logits, target, group, ignore_index, label_smoothing, vocab_size, inplace_backward):
+        local_vocab = logits.shape[-1]
+        start = group_rank(group) * local_vocab
+        flat = logits.reshape(-1, local_vocab)
+        targets = _locate(target.reshape(-1), start, local_vocab, ignore_index)
+        ctx.real = real_columns(start, local_vocab, vocab_size)
+        ctx.n_classes = vocab_size if vocab_size is not None else local_vocab * group_size(group)
+        ctx.label_smoothing, ctx.inplace_backward, ctx.logits_shape = label_smoothing, inplace_backward, logits.shape
+        loss, lse = _loss_forward(flat, ctx.real, targets, group, label_smoothing, ctx.n_classes)
+        ctx.save_for_backward(flat, lse, *targets)
+        return loss.view(target.shape)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
-        logp, safe, ignored = ctx.saved_tensors
-        g = grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1)  # (N, 1)
-        grad = logp.exp_().mul_(g)  # softmax * g, reusing the saved buffer: backward runs once
-        grad.scatter_add_(-1, safe.unsqueeze(-1), g.neg())
-        return grad, None, None
+        flat, lse, *targets = ctx.saved_tensors
+        grad = flat if ctx.inplace_backward else flat.clone()
+        _loss_backward_(grad, ctx.real, lse, _Targets(*targets), grad_loss.reshape(-1), ctx.label_smoothing,
+                        ctx.n_classes)
+        return grad.view(ctx.logits_shape), None, None, None, None, None, None
 
 
 class LogitsWorkspace:
-    """A reusable (N, V) logits buffer for `linear_cross_entropy` (tp = 1, CPU).
+    """A reusable (N, V) logits buffer for `linear_cross_entropy` on a CPU.
 
     PyTorch has no caching allocator on the CPU: a fresh 400 MB logits buffer every step is mmapped and
     page-faulted in again (~100k faults; ~3 us of system time each on the benchmark machine). One forward's graph
@@ -121,90 +159,103 @@ class LogitsWorkspace:
         self._buffer = buf
 
 
-_ROWS_PER_CHUNK = 32  # 32 x 50k fp32 logits = 6.4 MB: each row block's passes run in cache
-
-
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Output layer + cross-entropy at tp = 1: loss_i = -log softmax(h_i W[:V]^T)[t_i].
+    """Output layer + vocab-parallel cross-entropy: loss_i = -log softmax(h_i W^T)[t_i], W this rank's (V/tp, h) rows.
 
-    The (N, V) logits are written once by the GEMM and then turned into log-probabilities in place, block of
-    rows by block of rows while in cache (torch's log_softmax writes a second (N, V) tensor); backward turns
-    them into the logits' gradient in place and runs the two GEMMs. The weight's gradient covers all its rows
-    (zeros past V), so a padded table needs no slice and no zero-filled copy."""
+    The GEMM writes the logits once (into `workspace` when given); the loss reads them block by block; backward
+    turns them into their gradient in place and runs the two GEMMs. On a CPU the GEMM covers only the real vocab
+    rows (fewer FLOPs); on a GPU all the padded rows, whose multiple-of-128 count keeps cuBLAS on its tensor-core
+    kernels (50257 columns sent the three output-layer GEMMs to a ~6x slower fallback on an H200: 39 ms of a 189 ms
+    1.3B step, docs/benchmarks.md). The weight's gradient covers all its rows (zeros on padding), so a padded
+    table needs no slice and no zero-filled copy. Under autocast the GEMMs run in the autocast dtype; the loss is
+    fp32 in every case. `reduce_input_grad`: all-reduce the hidden gradient over `group` (Megatron's f operator),
+    overlapped with the weight-gradient GEMM; off under sequence parallelism, whose gather before the output layer
+    reduce-scatters it instead."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, vocab_size, ignore_index, workspace):
-        w = weight[:vocab_size]  # leading rows: a view
-        shape = (hidden.shape[0], vocab_size)
-        logits = (torch.mm(hidden, w.t(), out=workspace.take(shape, hidden.dtype, hidden.device))
-                  if workspace is not None else torch.mm(hidden, w.t()))
-        for block in logits.split(_ROWS_PER_CHUNK):
-            block.sub_(torch.logsumexp(block, dim=-1, keepdim=True))  # log-probabilities, in place
-        ignored = target == ignore_index
-        safe = target.masked_fill(ignored, 0)
-        loss = logits.gather(-1, safe.unsqueeze(-1)).squeeze(-1).neg().masked_fill(ignored, 0.0)
-        ctx.save_for_backward(hidden, weight, logits, safe, ignored)
-        ctx.vocab_size, ctx.workspace = vocab_size, workspace
+    def forward(ctx, hidden, weight, target, group, vocab_size, ignore_index, label_smoothing, reduce_input_grad,
+                workspace):
+        local_vocab, device = weight.shape[0], hidden.device
+        start = group_rank(group) * local_vocab
+        real = real_columns(start, local_vocab, vocab_size)
+        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else hidden.dtype
+        h, w = hidden.to(dtype), weight.to(dtype)
+        w_rows = w[:real] if device.type == "cpu" else w  # leading rows: a view
+        with torch.autocast(device.type, enabled=False):
+            shape = (h.shape[0], w_rows.shape[0])
+            logits = (torch.mm(h, w_rows.t(), out=workspace.take(shape, dtype, device)) if workspace is not None
+                      else torch.mm(h, w_rows.t()))
+            targets = _locate(target, start, local_vocab, ignore_index)
+            n_classes = vocab_size if vocab_size is not None else local_vocab * group_size(group)
+            loss, lse = _loss_forward(logits, real, targets, group, label_smoothing, n_classes)
+        ctx.save_for_backward(h, w, logits, lse, *targets)
+        ctx.real, ctx.n_classes, ctx.label_smoothing = real, n_classes, label_smoothing
+        ctx.group, ctx.reduce_input_grad, ctx.workspace = group, reduce_input_grad, workspace
+        ctx.dtypes = hidden.dtype, weight.dtype
         return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
-        hidden, weight, logp, safe, ignored = ctx.saved_tensors
-        v = ctx.vocab_size
-        g = grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1)  # (N, 1)
-        for block, g_block in zip(logp.split(_ROWS_PER_CHUNK), g.split(_ROWS_PER_CHUNK)):
-            block.exp_().mul_(g_block)  # softmax * g
-        grad = logp
-        grad.scatter_add_(-1, safe.unsqueeze(-1), g.neg())  # - g at the target
-        grad_hidden = torch.mm(grad, weight[:v]) if ctx.needs_input_grad[0] else None
-        grad_weight = None
+        h, w, logits, lse, *targets = ctx.saved_tensors
+        grad = _loss_backward_(logits, ctx.real, lse, _Targets(*targets), grad_loss, ctx.label_smoothing, ctx.n_classes)
+        rows = grad.shape[1]  # the GEMM's weight rows: real ones on a CPU, all on a GPU
+        grad_hidden = grad_weight = handle = None
+        if ctx.needs_input_grad[0]:
+            grad_hidden = torch.mm(grad, w[:rows])
+            if ctx.reduce_input_grad and group_size(ctx.group) > 1:
+                handle = dist.all_reduce(grad_hidden, group=ctx.group, async_op=True)
         if ctx.needs_input_grad[1]:
-            grad_weight = torch.empty_like(weight)
-            torch.mm(grad.t(), hidden, out=grad_weight[:v])
-            grad_weight[v:].zero_()
+            grad_weight = torch.empty_like(w)
+            torch.mm(grad.t(), h, out=grad_weight[:rows])
+            grad_weight[rows:].zero_()
+            grad_weight = grad_weight.to(ctx.dtypes[1])
+        if handle is not None:
+            handle.wait()
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.to(ctx.dtypes[0])
         if ctx.workspace is not None:
             ctx.workspace.give_back(grad)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
-                         vocab_size: Optional[int] = None, ignore_index: int = -100,
-                         workspace: Optional[LogitsWorkspace] = None) -> torch.Tensor:
-    """Per-token cross-entropy of the logits `hidden @ weight[:vocab_size].T`, without tensor parallelism.
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, group: Group = None,
+                         vocab_size: Optional[int] = None, ignore_index: int = -100, label_smoothing: float = 0.0,
+                         reduce_input_grad: bool = True, workspace: Optional[LogitsWorkspace] = None) -> torch.Tensor:
+    """Per-token fp32 cross-entropy of the logits `hidden @ weight.T`, the weight split along the vocabulary.
 
-    hidden (..., h), weight (V_padded, h), target (...) -> fp32 losses of `target`'s shape; equal to
-    `F.cross_entropy(F.linear(hidden, weight[:vocab_size]), target, reduction='none')`, with less memory
-    traffic (see `_LinearCrossEntropy`). For fp32 inputs; `workspace` reuses the logits buffer across steps.
+    hidden (..., h) replicated over `group`'s ranks; weight (V/tp, h), this rank's rows [rank*V/tp, (rank+1)*V/tp)
+    of the (padded) table; target (...) global ids -> losses of `target`'s shape. `vocab_size` real classes (the
+    rest is padding, left out of the softmax). Equal to `vocab_parallel_cross_entropy(F.linear(hidden, weight),
+    ...)` after Megatron's f operator, without keeping more than the logits themselves (see `_LinearCrossEntropy`).
+    With `group=None`: `F.cross_entropy(F.linear(hidden, weight[:vocab_size]), target, reduction='none')`.
+    `reduce_input_grad=False` when the caller reduces the hidden gradient itself (sequence parallelism's gather).
+    `workspace` (CPU) reuses the logits buffer across steps.
     """
-    vocab_size = weight.shape[0] if vocab_size is None else vocab_size
+    _check_label_smoothing(label_smoothing)
     flat = hidden.reshape(-1, hidden.shape[-1])
-    loss = _LinearCrossEntropy.apply(flat, weight, target.reshape(-1), vocab_size, ignore_index, workspace)
+    loss = _LinearCrossEntropy.apply(flat, weight, target.reshape(-1), group, vocab_size, ignore_index,
+                                     label_smoothing, reduce_input_grad, workspace)
     return loss.view(target.shape)
 
 
 def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, *, group: Group = None,
                                  ignore_index: int = -100, label_smoothing: float = 0.0,
-                                 vocab_size: Optional[int] = None) -> torch.Tensor:
+                                 vocab_size: Optional[int] = None, inplace_backward: bool = False) -> torch.Tensor:
     """Per-token cross-entropy (shape of `target`, fp32) of logits split along the vocabulary.
 
-    `logits_shard` (..., V/tp) holds vocab ids [rank*V/tp, (rank+1)*V/tp); `target` (...) holds global ids.
-    Positions whose target is `ignore_index` get loss 0 and no gradient. `vocab_size` (optional) is the
-    number of real classes: logits of padding ids >= vocab_size are left out of the softmax.
-    With `group=None` this equals `F.cross_entropy(..., reduction='none')`.
+    `logits_shard` (..., V/tp), any float dtype, holds vocab ids [rank*V/tp, (rank+1)*V/tp); `target` (...) holds
+    global ids. Positions whose target is `ignore_index` get loss 0 and no gradient. `vocab_size` (optional) is the
+    number of real classes: logits of padding ids >= vocab_size are left out of the softmax. With `group=None` this
+    equals `F.cross_entropy(logits.float(), ..., reduction='none')`. No fp32 copy of the logits is made (they are
+    read in fp32 blocks); the gradient has the logits' dtype. `inplace_backward=True` writes that gradient into the
+    logits' own buffer (for a caller that owns them and reads them no more, like GPTLoss): no second (N, V/tp) tensor.
     """
+    _check_label_smoothing(label_smoothing)
+    return _VocabParallelCrossEntropy.apply(logits_shard, target, group, ignore_index, label_smoothing, vocab_size,
+                                            inplace_backward)
+
+
+def _check_label_smoothing(label_smoothing: float) -> None:
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-    if group_size(group) == 1:
-        flat = logits_shard.reshape(-1, logits_shard.shape[-1])
-        if vocab_size is not None:
-            flat = flat[:, :vocab_size]  # a view: .float() below makes the one copy (none if fp32)
-        flat = flat.float()
-        if label_smoothing > 0:
-            loss = F.cross_entropy(flat, target.reshape(-1), reduction="none", ignore_index=ignore_index,
-                                   label_smoothing=label_smoothing)
-        else:
-            loss = _CrossEntropy.apply(flat, target.reshape(-1), ignore_index)
-        return loss.view(target.shape)
-    return _VocabParallelCrossEntropy.apply(logits_shard, target, group, ignore_index, label_smoothing,
-                                            vocab_size)

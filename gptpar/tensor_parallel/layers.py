@@ -28,6 +28,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed import _functional_collectives as funcol
 
 from gptpar.tensor_parallel.comm import (
     Group, divide, gather_from_sequence_parallel_region,
@@ -93,7 +94,10 @@ class _LinearGradAllReduce(torch.autograd.Function):
         grad_x = grad_w = grad_b = handle = None
         if ctx.needs_input_grad[0]:
             grad_x = grad.matmul(weight)  # (..., in): this rank's partial sum
-            handle = torch.distributed.all_reduce(grad_x, group=ctx.group, async_op=True)
+            if torch.compiler.is_compiling():  # Dynamo cannot trace async_op=True; a functional all-reduce is
+                grad_x = funcol.all_reduce(grad_x, "sum", ctx.group)  # waited for where grad_x is used: after grad_w
+            else:
+                handle = torch.distributed.all_reduce(grad_x, group=ctx.group, async_op=True)
         flat_grad = grad.reshape(-1, grad.shape[-1])
         if ctx.needs_input_grad[1]:
             grad_w = flat_grad.t().mm(x.reshape(-1, x.shape[-1]))

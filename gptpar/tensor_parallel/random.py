@@ -11,6 +11,12 @@ would not equal its tp=1 counterpart in distribution. So:
 
 Forking swaps the state of the default generator of the device (CPU or CUDA) in and out, so plain
 `F.dropout` inside the `with` block draws from the named stream. Works the same on CPU and CUDA.
+
+Under torch.compile a state swap cannot be traced (`get_rng_state` is a graph break), so a compiled transformer
+layer forks once, around its whole graph, and its dropout on replicated activations uses `counter_dropout`: a
+mask that is a hash of (seed, element index), with seeds drawn from the default stream before the fork
+(`dropout_seeds`) - the same on every tp rank, replayed by recompute like any draw, and free of generator state
+inside the graph (gptpar/model/gpt.py, TransformerLayer).
 """
 from __future__ import annotations
 
@@ -75,6 +81,38 @@ class RNGStatesTracker:
 
     def set_states(self, states: Dict[str, torch.Tensor]) -> None:
         self._states = {name: state.clone() for name, state in states.items()}
+
+
+def dropout_seeds(device: torch.device, count: int = 2) -> torch.Tensor:
+    """`count` seeds in [0, 2^31) for `counter_dropout`, drawn from `device`'s default generator (int64)."""
+    return torch.randint(0, 2 ** 31, (count,), device=device)
+
+
+_MASK32 = 0xFFFFFFFF
+_MIX = 0x45D9F3B  # Thomas Mueller's 32-bit integer hash constant (< 2^27: x * _MIX fits int64 for x < 2^32)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """An avalanching permutation of [0, 2^32), in int64 arithmetic that never overflows."""
+    x = ((x >> 16) ^ x) * _MIX & _MASK32
+    x = ((x >> 16) ^ x) * _MIX & _MASK32
+    return (x >> 16) ^ x
+
+
+def counter_dropout(x: torch.Tensor, p: float, seed: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """Dropout whose mask is a function of (`seed`, element index + `offset`) alone: no generator state, so
+    torch.compile traces it into the layer's graph (inductor fuses it into one elementwise kernel) and a recompute
+    with the same seed draws the same mask. Element i (row-major, plus `offset`) is kept when the top 24 bits of
+    hash(i, seed) are >= p * 2^24; kept elements are scaled by 1 / (1 - p), as F.dropout does. A tensor that is
+    block k of a larger one split along dim 0 (sequence parallelism) passes offset = k * numel and gets exactly
+    its block of the larger tensor's mask. `seed`: an int64 scalar tensor in [0, 2^31) (`dropout_seeds`)."""
+    if p == 0.0:
+        return x
+    index = torch.arange(x.numel(), device=x.device, dtype=torch.int64).view(x.shape) + offset
+    h = _mix32(index & _MASK32)
+    h = _mix32(h ^ seed ^ ((index >> 32) * _MIX & _MASK32))
+    keep = (h >> 8) >= round(p * (1 << 24))
+    return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
 
 
 def model_parallel_seed(seed: int, tp_rank: int = 0, pp_rank: int = 0,

@@ -58,11 +58,16 @@ def build_gpt(config, pstate, *, partition_method: str = "auto", embedding_weigh
 
 
 def build_model(cfg: Config, pstate, tracker):
-    """The run's model on this rank (see `build_gpt`)."""
-    return build_gpt(cfg.model, pstate, partition_method=cfg.parallel.partition_method,
-                     embedding_weight=cfg.parallel.embedding_weight or 1,
-                     sequence_parallel=cfg.parallel.sequence_parallel, rng_tracker=tracker, seed=cfg.training.seed,
-                     activation_checkpointing=cfg.training.activation_checkpointing)
+    """The run's model on this rank (see `build_gpt`), its transformer layers compiled with training.compile."""
+    model = build_gpt(cfg.model, pstate, partition_method=cfg.parallel.partition_method,
+                      embedding_weight=cfg.parallel.embedding_weight or 1,
+                      sequence_parallel=cfg.parallel.sequence_parallel, rng_tracker=tracker, seed=cfg.training.seed,
+                      activation_checkpointing=cfg.training.activation_checkpointing)
+    if cfg.training.compile:
+        from gptpar.model.gpt import compile_transformer_layers
+
+        compile_transformer_layers(model)
+    return model
 
 
 def checkpoint_shape(cfg: Config, pstate) -> dict:

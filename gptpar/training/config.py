@@ -226,6 +226,14 @@ class TrainingConfig:
                 "activations for ~4sh extra forward FLOPs per token and layer (the TFLOPs count adds them); "
                 "`full` recomputes each whole transformer layer from its input (TFLOPs recompute factor 4 "
                 "instead of 3). true/false are read as full/none.", choices=RECOMPUTE_MODES)
+    compile: bool = _f(
+        False, "torch.compile each transformer layer (regional compilation: one graph that every layer reuses, so "
+               "compile time does not grow with depth), in the plain model and in the pipeline stages, with tp and "
+               "sequence parallelism (their collectives are traced into the graph), every recompute mode, ALiBi and "
+               "every precision. Parameter names are unchanged: checkpoints move between compile on and off. The "
+               "first iteration compiles (tens of seconds); that time is printed once and left out of the log line's "
+               "time per iteration, samples/s and TFLOPs. Dropout masks differ from eager ones (same distribution "
+               "and tp semantics). Off in the CPU configs, where compile time dominates a short run.")
     rampup_batch_size: Optional[List[int]] = _f(None, "Megatron's batch-size ramp-up `[start, increment, "
                                                       "samples]`: start at `start`, grow by `increment` "
                                                       "evenly over `samples` samples up to "

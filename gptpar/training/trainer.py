@@ -13,7 +13,8 @@ draws its global batch and discards it: the counters (LR inputs included) advanc
 writes no log line (a `skipped_data` record instead); evaluation, saves and exit checks run as usual.
 
 Elapsed time per iteration is the mean over the interval of the time from fetching the batch to the end of
-the optimizer step (evaluation and checkpoint saves are not in it); samples/s and TFLOPs derive from it.
+the optimizer step (evaluation, checkpoint saves and torch.compile's compilation are not in it); samples/s and
+TFLOPs derive from it.
 The log line is printed by the last pipeline stage's first data-parallel rank (tp rank 0); the same record
 goes to the metrics JSONL and TensorBoard (gptpar.training.logging). Skipped iterations are counted
 from the engine's `step_applied`, NaN iterations from the loss, num zeros from the gradients the optimizer
@@ -25,6 +26,7 @@ each log line's memory in use, the largest over the ranks, goes to TensorBoard.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -90,6 +92,38 @@ class StopSignals:
         self.received = signum
 
 
+class CompileClock:
+    """training.compile: the seconds torch.compile cost a block (`with clock:`, then `clock.spent`), and one line the
+    first time it compiled. The trainer takes them out of the iteration's elapsed time, so the log line's time per
+    iteration, samples/s and TFLOPs measure training, not the first iteration's compilation.
+
+    Each rank compiles its own layers; a pipeline stage also waits while the others compile (forward down the stages,
+    backward up), so the cost of a block is the sum over stages of their ranks' mean: the ranks' seconds summed (one
+    all-reduce per iteration of one number) over tp x dp."""
+
+    def __init__(self, say, pstate):
+        from gptpar.model.gpt import compile_stats
+
+        self.stats, self.say, self.pstate, self.spent, self.announced = compile_stats, say, pstate, 0.0, False
+
+    def __enter__(self):
+        self._before = self.stats()["seconds"]
+
+    def __exit__(self, exc_type, *exc):
+        if exc_type is not None:  # the step failed: no collective that the other ranks may never reach
+            return
+        stats = self.stats()
+        spent = torch.tensor([stats["seconds"] - self._before], dtype=torch.float64, device=self.pstate.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(spent)
+        self.spent = spent.item() / (self.pstate.tp_size * self.pstate.dp_size)
+        if self.spent > 0 and not self.announced:
+            self.announced = True
+            self.say(f"training.compile: the transformer layers compiled in {self.spent:.1f} s during this "
+                     f"iteration ({stats['graphs']} graph(s), {stats['graph_breaks']} graph break(s) so far), left "
+                     "out of the log line's time per iteration, samples/s and TFLOPs")
+
+
 class Trainer:
     """Runs the loop for one process; every method is called on every rank (they hold collectives)."""
 
@@ -118,6 +152,7 @@ class Trainer:
         self.metrics = self.tensorboard = None
         if cfg.logging.timers:
             engine.time_phases()
+        self.compile_clock = CompileClock(self._say, pstate) if t.compile else contextlib.nullcontext()
 
     # -- the loop ------------------------------------------------------------------------------
     def train(self) -> str:
@@ -173,8 +208,9 @@ class Trainer:
         if self.zeros is not None:
             self.zeros.reset()
         start = time.perf_counter()
-        loss = self.engine.train_step(self.train_source.micro_batches(c.consumed_samples, gbs))
-        elapsed = time.perf_counter() - start
+        with self.compile_clock:
+            loss = self.engine.train_step(self.train_source.micro_batches(c.consumed_samples, gbs))
+        elapsed = time.perf_counter() - start - getattr(self.compile_clock, "spent", 0.0)
         applied = self.engine.step_applied
         c.advance(gbs, self.cfg.model.seq_length, applied)
         self.stats.add(loss, elapsed, skipped=not applied)
