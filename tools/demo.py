@@ -44,6 +44,8 @@ def parse():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--launcher", choices=("deepspeed", "torchrun"), default="deepspeed")
     p.add_argument("--resume", action="store_true", help="keep checkpoints/demo and continue from it")
+    p.add_argument("--prepare-only", action="store_true",
+                   help="build data/demo (corpus, tokenizer, .bin/.idx) and stop (bench/gpu.sh prepare uses it)")
     return p.parse_known_args()
 
 
@@ -128,6 +130,8 @@ def main():
     with open(os.path.join(ROOT, CONFIG)) as f:
         cfg = json.load(f)
     prepare_data(cfg, env)
+    if args.prepare_only:
+        return
     if not args.resume:
         for path in (cfg["checkpoint"]["save"], os.path.dirname(cfg["logging"]["metrics_file"])):
             shutil.rmtree(os.path.join(ROOT, path), ignore_errors=True)
