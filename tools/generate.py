@@ -75,20 +75,29 @@ def check_args(args):
 
 def checkpoint_tokenizer(load, tag):
     """The tokenizer a checkpoint comes with: a Hugging Face directory's tokenizer.json, or the training run's
-    data.tokenizer_model (None when it names none)."""
+    data.tokenizer_model (None when it names none: also a universal folder DeepSpeed wrote)."""
+    from gptpar.model import universal
     from gptpar.model.convert import is_hf_model_dir, resolve_checkpoint_dir
 
     if os.path.isdir(load) and is_hf_model_dir(load):
         return load if os.path.isfile(os.path.join(load, "tokenizer.json")) else None
-    with open(os.path.join(resolve_checkpoint_dir(load, tag), "config.json")) as f:
-        return json.load(f).get("data", {}).get("tokenizer_model")
+    if os.path.isdir(load) and universal.is_deepspeed_universal(load):
+        return None
+    if os.path.isdir(load) and universal.is_universal(load):
+        run_config = universal.read_meta(load).get("config") or {}
+    else:
+        with open(os.path.join(resolve_checkpoint_dir(load, tag), "config.json")) as f:
+            run_config = json.load(f)
+    return run_config.get("data", {}).get("tokenizer_model")
 
 
 def load_inputs(args):
     """(tokenizer or None, prompt ids or None, eval documents or None) from the arguments; raises UsageError."""
     from gptpar.data.jsonl import iter_texts
     from gptpar.data.tokenizer import load_tokenizer
+    from gptpar.model.convert import check_weight_files
 
+    check_weight_files(args.load, args.tag)  # every weight file there and whole, before anything is built
     path = args.tokenizer or checkpoint_tokenizer(args.load, args.tag)
     if path and not args.tokenizer and not os.path.exists(path):
         raise UsageError(f"{args.load} was trained with data.tokenizer_model {path}, not found from {os.getcwd()}: "
@@ -171,6 +180,7 @@ def main(argv=None):
 
     from gptpar.data.indexed import DataError
     from gptpar.model.convert import ConversionError
+    from gptpar.model.universal import UniversalCheckpointError
     from gptpar.parallel import destroy_parallel
 
     owns_process_group = not dist.is_initialized()  # a test harness may have made it
@@ -179,7 +189,7 @@ def main(argv=None):
         tokenizer, prompt_ids, documents = load_inputs(args)
         rank = int(os.environ.get("RANK", "0"))
         run(args, sampling, tokenizer, prompt_ids, documents, log=print if rank == 0 else (lambda *a: None))
-    except (UsageError, DataError, ConversionError) as e:
+    except (UsageError, DataError, ConversionError, UniversalCheckpointError) as e:
         print(f"generate.py: error: {e}", file=sys.stderr, flush=True)
         return 2
     finally:

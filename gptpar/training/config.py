@@ -621,13 +621,29 @@ def config_from_dict(d: dict, overrides: Sequence[str] = ()) -> Config:
     return Config(**built)
 
 
+def unique_keys(pairs: Sequence[Tuple[str, Any]]) -> dict:
+    """json's object_pairs_hook: a JSON object as a dict, refusing a key given twice, which a JSON reader would
+    otherwise collapse to its last value without a word (two validation sets under one name, for instance)."""
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            names = ", ".join(repr(k) for k, _ in pairs)
+            raise ConfigError(f"the key {key!r} appears twice in one JSON object ({{{names}}}): a JSON reader keeps "
+                              "only the last, so the other would be dropped without a word; give each key once "
+                              "(each data.valid_data_path set its own name)")
+        seen.add(key)
+    return dict(pairs)
+
+
 def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> Config:
     """Read a JSON config (None = all defaults) and apply `section.key=value` overrides."""
     d = {}
     if path is not None:
         try:
             with open(path) as f:
-                d = json.load(f)
+                d = json.load(f, object_pairs_hook=unique_keys)
+        except ConfigError as e:
+            raise ConfigError(f"config file {path}: {e}") from None
         except FileNotFoundError:
             raise ConfigError(f"config file {path} not found: pass --config configs/<name>.json") from None
         except json.JSONDecodeError as e:
@@ -652,7 +668,9 @@ def parse_override(item: str) -> Tuple[str, str, Any]:
     if key not in known:
         raise ConfigError(f"unknown key {section}.{key} in override {item!r}{_suggest(key, known)}")
     try:
-        value = json.loads(raw)
+        value = json.loads(raw, object_pairs_hook=unique_keys)
+    except ConfigError as e:
+        raise ConfigError(f"override {item!r}: {e}") from None
     except json.JSONDecodeError:
         return section, key, raw
     tp = typing.get_type_hints(cls).get(key, Any)
@@ -664,4 +682,4 @@ def parse_override(item: str) -> Tuple[str, str, Any]:
 __all__ = ["ConfigError", "Accelerator", "OPTIMIZERS", "package_installed", "Config", "ParallelConfig",
            "TrainingConfig", "DataConfig", "CheckpointConfig",
            "LoggingConfig", "GPTConfig", "SECTIONS", "MODEL_DOCS", "load_config", "config_from_dict",
-           "parse_override"]
+           "parse_override", "unique_keys"]
