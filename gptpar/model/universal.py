@@ -23,10 +23,13 @@ mapped to GPTModel's (`deepspeed_parameter_names`), its model shape is the run's
 Megatron's args only as a pickle, which gptpar does not unpickle), its word embedding's padding rows are
 dropped, and it carries no counters.
 
-`convert_deepspeed_checkpoint` streams a gptpar checkpoint (DeepSpeed's ZeRO-1 / BF16_Optimizer shards) into
-this form: one state of one full parameter in memory at a time, copied piece by piece out of memory-mapped
-shard files, each mapped only while its piece is read. DeepSpeed's own shard files are pickles (its checkpoint engine writes optimizer objects
-into them) and are read with `weights_only=False`: convert only checkpoints you trust.
+`convert_deepspeed_checkpoint` streams a gptpar checkpoint (DeepSpeed's ZeRO-1 / BF16_Optimizer shards, whose
+names `optimizer_files` gives per training.precision) into this form: one state of one full parameter in memory
+at a time, copied piece by piece out of memory-mapped shard files, each mapped only while its piece is read. It
+writes `{out}.tmp-PID` (the converting job recorded inside as OWNER) and renames it when whole; the metadata
+records the exact source files it was given (their sizes, modification times and inodes), so that a copy is
+never reused once its checkpoint was rewritten. DeepSpeed's own shard files are pickles (its checkpoint engine
+writes optimizer objects into them) and are read with `weights_only=False`: convert only checkpoints you trust.
 """
 from __future__ import annotations
 

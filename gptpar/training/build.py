@@ -105,7 +105,8 @@ def build_trainer(cfg: Config, pstate, log, load_target, init_from=None):
                           has_attention_mask=train_source.masks.has_attention_mask,
                           universal_checkpoint_info=deepspeed_universal_info(cfg.model))
     checkpointer = Checkpointer(ck.save, load_target, ck.keep_last, pstate.rank, pstate.world_size,
-                                checkpoint_shape(cfg, pstate), saved_config(cfg, pstate).to_json(), log=log, device=pstate.device,
+                                checkpoint_shape(cfg, pstate), saved_config(cfg, pstate).to_json(), log=log,
+                                device=pstate.device,
                                 tp_rank=pstate.tp_rank, tp_size=pstate.tp_size,
                                 parameter_name=functools.partial(
                                     gpt_parameter_name, pipelined=pstate.pp_size > 1,

@@ -20,14 +20,16 @@ raises CheckpointSaveError naming the folder and the cause; `latest` stays where
 Resume: what `checkpoint.load` points at is resolved and verified before training (checkpoint_files.
 resolve_load / verify_checkpoint, then `plan_load`); the model shape stored with it must equal the current
 config's (a clear error naming the key otherwise); every other key (LR, intervals, exit conditions, ...)
-comes from the current config. A checkpoint of another parallel shape (tp, pp, dp, partitioning) is
-resumed through its universal form (gptpar.model.universal, docs/checkpoints.md): rank 0 converts it once
-into `checkpoint.universal_dir` (default: `{load folder}_universal/`, never inside the load folder) or reuses
-the copy already there, and every rank takes its slices of each parameter's fp32 master weight and Adam
-moments from it. The counters (iteration, consumed samples and tokens, the LR schedule's inputs) travel with
-it; the RNG streams are per rank and restart from the seed. A universal folder without counters (one
-DeepSpeed's ds_to_universal.py wrote, from a gptpar or a Megatron-DeepSpeed run) gives the weights, moments and
-Adam's step, and the counters and LR schedule start from 0. gptpar's own files are read with unpickling
+comes from the current config. A checkpoint of another parallel shape (tp, pp, dp, partitioning at pp > 1),
+or saved with a precision whose optimizer files this run's does not load (gptpar.model.universal.
+optimizer_files), is resumed through its universal form (gptpar.model.universal, docs/checkpoints.md): rank 0
+converts it once into `checkpoint.universal_dir` (default: `{load folder}_universal/`, never inside the load
+folder), with the save folder's lock held, or reuses the copy already there when it was converted from exactly
+these files (`checkpoint_files.fingerprint`; else it is rebuilt, in one line), and every rank takes its slices
+of each parameter's fp32 master weight and Adam moments from it. The counters (iteration, consumed samples and
+tokens, the LR schedule's inputs) travel with it; the RNG streams are per rank and restart from the seed. A
+universal folder without counters (one DeepSpeed's ds_to_universal.py wrote, from a gptpar or a Megatron-DeepSpeed
+run) gives the weights, moments and Adam's step, and the counters and LR schedule start from 0. gptpar's own files are read with unpickling
 disabled (`weights_only=True`); DeepSpeed's per-rank files are pickles, which its engine loads itself.
 """
 from __future__ import annotations
@@ -215,7 +217,8 @@ def plan_load(target: LoadTarget, shape: dict, world_size: int, universal_dir: O
         reason = (f"checkpoint {target.path} was saved with training.precision={was}, whose optimizer files a "
                   f"{precision} run does not load: going through its universal form")
     else:
-        what, fix = "it has another parallel shape", f"resume it at the shape it was saved with, (tp, pp, dp) = {source}"
+        what = "it has another parallel shape"
+        fix = f"resume it at the shape it was saved with, (tp, pp, dp) = {source}"
         reason = f"reshaping checkpoint {target.path} from (tp,pp,dp) {source} to {to}"
     if precision == "fp16":
         raise CheckpointError(f"checkpoint {target.path}: {what}, and a training.precision=fp16 run cannot start "
@@ -448,6 +451,6 @@ def _agree_or_raise(errors: list, device) -> None:
 
 
 __all__ = ["Checkpointer", "CheckpointError", "CheckpointSaveError", "LoadTarget", "LATEST", "read_latest",
-           "write_latest", "tag_of", "shape_of", "check_shape", "read_rank_state", "carried_counters", "partitioning_counts", "same_layout",
-           "saved_precision", "UniversalCopy", "plan_load", "write_universal_copy",
+           "write_latest", "tag_of", "shape_of", "check_shape", "read_rank_state", "carried_counters",
+           "partitioning_counts", "same_layout", "saved_precision", "UniversalCopy", "plan_load", "write_universal_copy",
            "rng_states", "set_rng_states"]

@@ -160,8 +160,12 @@ class ParallelConfig:
                                                "% pp == 0.")
     sequence_parallel: bool = _f(False, "Megatron sequence parallelism inside tensor-parallel regions "
                                         "(needs seq_length % tp == 0).")
-    distributed_timeout_minutes: float = _f(30.0, "Process-group timeout: a stalled rank ends the run with an "
-                                                  "error after this long instead of hanging.")
+    distributed_timeout_minutes: float = _f(30.0, "Process-group timeout: a stalled (or stopped) rank ends the "
+                                                  "run with one line naming this field after this long instead "
+                                                  "of hanging. Also bounds the save the ranks make when "
+                                                  "DeepSpeed's runner is gone. The preflight's wait for rank 0 (a "
+                                                  "universal conversion, a first scan of the data) is not bounded "
+                                                  "by it: the others poll.")
 
     def __post_init__(self):
         _check_fields("parallel", self)
@@ -417,9 +421,11 @@ class CheckpointConfig:
                                         "itself. The model fields must match the weights' shape (vocab_size may "
                                         "be larger).")
     universal_dir: Optional[str] = _f(None, "Where resuming a checkpoint of another parallel shape (tp, pp, dp, "
-                                            "partitioning) writes its universal copy, or finds the one written "
-                                            "before: `{universal_dir}/{tag}`. null = `{load folder}_universal` "
-                                            "beside the load folder (never inside it). See docs/checkpoints.md.")
+                                            "partitioning) or of another precision's optimizer files writes its "
+                                            "universal copy, or finds the one written before from the same files "
+                                            "(one made from files since rewritten is rebuilt): "
+                                            "`{universal_dir}/{tag}`. null = `{load folder}_universal` beside the "
+                                            "load folder (never inside it). See docs/checkpoints.md.")
     save_interval: Optional[int] = _f(None, "Save every this many iterations (and always at exit); "
                                             "null = only at exit.")
     keep_last: Optional[int] = _f(None, "Keep only the newest K checkpoints; null = keep all.")
@@ -628,7 +634,7 @@ def unique_keys(pairs: Sequence[Tuple[str, Any]]) -> dict:
     for key, _ in pairs:
         if key in seen:
             names = ", ".join(repr(k) for k, _ in pairs)
-            raise ConfigError(f"the key {key!r} appears twice in one JSON object ({{{names}}}): a JSON reader keeps "
+            raise ConfigError(f"the key {key!r} appears twice in one JSON object (keys {names}): a JSON reader keeps "
                               "only the last, so the other would be dropped without a word; give each key once "
                               "(each data.valid_data_path set its own name)")
         seen.add(key)

@@ -139,7 +139,8 @@ class LauncherWatch:
 
     def _runner_gone(self, runner: Tuple[int, int, str]) -> None:
         pid, _, command = runner
-        what = f"its launcher's runner (pid {pid}: {command[:120]}) is gone while launch.py (pid {self.chain[0][0]}) lives"
+        what = (f"its launcher's runner (pid {pid}: {command[:120]}) is gone while launch.py (pid "
+                f"{self.chain[0][0]}) lives")
         if self.request_save is None:
             self._exit(f"{what}; nothing trained yet: exiting without saving")
         self.saving_since = time.monotonic()

@@ -289,7 +289,7 @@ class Trainer:
         if flags[0] > 0:
             return f"received {signal.Signals(int(flags[0])).name}"
         if flags[3] > 0:  # the reason is said by the ranks that asked (the others only see the flag)
-            return self.signals.requested or "another rank asked to stop (its log says why)"
+            return self.signals.requested or "another rank asked to stop and save (its own line says why)"
         if flags[1] > 0:
             return f"kill switch {t.kill_switch_path} found (training.kill_switch_path); remove it to resume"
         if flags[2] > 0:
