@@ -225,8 +225,8 @@ def plan_load(target: LoadTarget, shape: dict, world_size: int, universal_dir: O
                               f"from its universal form (the dynamic loss scale is not carried): {fix}")
     if shape["training"]["optimizer"] != "adamw":
         raise CheckpointError(f"checkpoint {target.path}: {what}, and training.optimizer="
-                              f"{shape['training']['optimizer']} state cannot go through the universal form (it "
-                              "carries AdamW's fp32 moments, not bitsandbytes' block-quantised ones): " + fix)
+                              f"{shape['training']['optimizer']} state cannot be reshaped through the universal form "
+                              "(it carries AdamW's fp32 moments, not bitsandbytes' block-quantised ones): " + fix)
     _universal_call(universal.read_source, target.path)  # refuses what cannot be converted, before any folder
     out = os.path.join(universal_dir or f"{target.directory}_universal", target.tag)
     inside = os.path.commonpath([os.path.abspath(out), os.path.abspath(target.directory)])
