@@ -14,7 +14,8 @@ install: $(STAMP)
 
 $(STAMP): setup.py
 	python3 -m venv $(VENV)
-	# torch first and pinned in the same command as deepspeed: an unpinned torch pulls a CUDA build.
+	# torch first and pinned exactly, in the same command as deepspeed: an unpinned torch pulls a CUDA build.
+	# setup.py asks for torch>=2.11 (the range gptpar supports), which keeps the torch installed here.
 	$(VENV)/bin/pip install -q torch==2.13.0 deepspeed==0.19.8
 	$(VENV)/bin/pip install -q -e ".[dev]"
 	# DeepSpeed JIT-compiles its CPU shared-memory comm op at the first init_distributed (~30 s): build it

@@ -8,8 +8,9 @@
 Exit codes: 0 done (SIGTERM / SIGUSR1 / the kill switch file save after the current iteration first; a kill
 switch file present at launch exits before building anything); 2 refused before anything changed
 (a config error before any process group; a checkpoint, save folder or data that preflight refuses before the
-model is built); 1 a failed save or a run gone NaN. A rank whose launcher dies exits at once without saving
-(gptpar.training.launcher_watch). The run is assembled in gptpar.training.build.
+model is built); 1 a failed save, a run gone NaN, or a collective that timed out (another rank stopped
+answering). A rank whose launcher dies exits at once without saving; one whose DeepSpeed runner dies while
+launch.py lives saves first (gptpar.training.launcher_watch). The run is assembled in gptpar.training.build.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from gptpar.data.indexed import DataError
 from gptpar.model.kernels import describe_kernels
-from gptpar.parallel import destroy_parallel, init_parallel
+from gptpar.parallel import destroy_parallel, init_parallel, is_collective_timeout
 from gptpar.training.build import build_trainer, checkpoint_shape, dry_run, setup_environment
 from gptpar.training.checkpoint import CheckpointError, CheckpointSaveError
 from gptpar.training.cli import USAGE, parse
@@ -50,7 +51,8 @@ def main(argv=None) -> int:
         return 0
 
     # init: first of all, never outlive the launcher (gptpar.training.launcher_watch)
-    watch = watch_launcher(label=f"rank {os.environ.get('RANK', '0')}")
+    watch = watch_launcher(label=f"rank {os.environ.get('RANK', '0')}",
+                           save_seconds=60 * cfg.parallel.distributed_timeout_minutes)
     setup_environment()
     owns_process_group = not dist.is_initialized()  # a test harness may have made it
     tp, pp, dp = sizes
@@ -67,6 +69,7 @@ def main(argv=None) -> int:
             return 0
         # build
         trainer = build_trainer(cfg, pstate, log, preflight.load_target, preflight.init_from)
+        watch.save_with(trainer.signals.request)  # DeepSpeed's runner gone: save, then exit
         if cfg.training.zero_stage_note:
             log(cfg.training.zero_stage_note, flush=True)
         log(trainer.engine.precision_plan(), flush=True)
@@ -79,6 +82,16 @@ def main(argv=None) -> int:
         code, prefix = next((code, prefix) for kind, code, prefix in FAILURES if isinstance(e, kind))
         print(f"pretrain_gpt.py: {prefix}{e}", file=sys.stderr, flush=True)
         return code
+    except RuntimeError as e:
+        if not is_collective_timeout(e):
+            raise
+        minutes = cfg.parallel.distributed_timeout_minutes
+        print(f"pretrain_gpt.py: rank {pstate.rank}: a collective waited past parallel.distributed_timeout_minutes "
+              f"= {minutes:g} ({minutes * 60:g} s) for another rank, which stopped answering (stopped, e.g. by "
+              "SIGSTOP or a debugger; hung; or its node lost): exiting without saving. Find that rank (its last "
+              "lines, `py-spy dump --pid`), or raise parallel.distributed_timeout_minutes if a step really takes "
+              f"that long; then resume from `latest` ({str(e).splitlines()[0]})", file=sys.stderr, flush=True)
+        return 1
     finally:
         # clean up
         if preflight is not None:

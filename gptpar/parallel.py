@@ -197,6 +197,12 @@ def destroy_parallel() -> None:
         dist.destroy_process_group()
 
 
+def is_collective_timeout(exc: BaseException) -> bool:
+    """A collective that waited past the process group's timeout (parallel.distributed_timeout_minutes): gloo's
+    `Timed out waiting Nms for recv operation`, NCCL's `DistBackendError` naming a timeout."""
+    return isinstance(exc, RuntimeError) and ("timed out" in str(exc).lower() or "timeout" in str(exc).lower())
+
+
 __all__: List[str] = ["ParallelState", "init_parallel", "init_distributed", "single_process_state",
-                      "destroy_parallel", "rank_of", "coords_of", "group_ranks", "resolve_sizes",
-                      "check_topology_agrees"]
+                      "destroy_parallel", "is_collective_timeout", "rank_of", "coords_of", "group_ranks",
+                      "resolve_sizes", "check_topology_agrees"]

@@ -1,9 +1,9 @@
 """pretrain_gpt.py with test-only faults injected from outside the package (production code has no hooks):
 
-    GPTPAR_TEST_STALL=RANK:ITERATION   that rank hangs before the stop all-reduce after ITERATION, so the others
-                                       must end with the process-group timeout (parallel.distributed_timeout_minutes)
     GPTPAR_TEST_KILL_IN_SAVE=N         rank 0 SIGKILLs itself while saving iteration N, after DeepSpeed wrote its
                                        files and before the gptpar files and `latest`
+    GPTPAR_TEST_SLOW_CONVERSION=S      a universal conversion (rank 0, in the preflight) first sleeps S seconds, as
+                                       a large checkpoint's takes longer than parallel.distributed_timeout_minutes
 
     python tests/fault_injection.py --config c.json ...   (the same arguments as pretrain_gpt.py)
 """
@@ -15,19 +15,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pretrain_gpt  # noqa: E402
+from gptpar.model import universal  # noqa: E402
 from gptpar.training.engine import TrainEngine  # noqa: E402
-from gptpar.training.trainer import Trainer  # noqa: E402
-
-
-def stall_in_stop_reason(rank: int, iteration: int) -> None:
-    real = Trainer.stop_reason
-
-    def stop_reason(self):
-        if (self.pstate.rank, self.counters.iteration) == (rank, iteration):
-            time.sleep(3600)
-        return real(self)
-
-    Trainer.stop_reason = stop_reason
 
 
 def kill_in_save(iteration: int) -> None:
@@ -41,9 +30,19 @@ def kill_in_save(iteration: int) -> None:
     TrainEngine.save_checkpoint = save_checkpoint
 
 
+def slow_conversion(seconds: float) -> None:
+    real = universal.convert_deepspeed_checkpoint
+
+    def convert(*args, **kwargs):
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    universal.convert_deepspeed_checkpoint = convert
+
+
 if __name__ == "__main__":
-    if "GPTPAR_TEST_STALL" in os.environ:
-        stall_in_stop_reason(*map(int, os.environ["GPTPAR_TEST_STALL"].split(":")))
+    if "GPTPAR_TEST_SLOW_CONVERSION" in os.environ:
+        slow_conversion(float(os.environ["GPTPAR_TEST_SLOW_CONVERSION"]))
     if "GPTPAR_TEST_KILL_IN_SAVE" in os.environ:
         kill_in_save(int(os.environ["GPTPAR_TEST_KILL_IN_SAVE"]))
     code = pretrain_gpt.main()

@@ -119,16 +119,84 @@ def test_save_killed_half_way_leaves_latest_on_the_previous_checkpoint(tmp_path)
     assert read_latest(ck) == "iter_0000006"
 
 
-def test_stalled_rank_ends_the_run_with_a_timeout_error(tmp_path):
-    cfg = write_config(tmp_path / "c.json", parallel=dict(distributed_timeout_minutes=0.2))  # 12 s
-    procs = _launch(2, ["--config", cfg], FAULTS, GPTPAR_TEST_STALL="1:2")  # rank 1 hangs after iteration 2
+def _until_iteration(proc, iteration, seen):
+    """Read `proc`'s lines into `seen` until its log line of `iteration` (rank 0 prints them at dp = 2)."""
+    deadline = time.monotonic() + 240
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith(f" iteration {iteration:8d}/"):
+            return
+        assert time.monotonic() < deadline, "".join(seen)
+    raise AssertionError("".join(seen))
+
+
+def test_stopped_rank_ends_the_run_with_one_line_naming_the_timeout(tmp_path):
+    """Rank 1 stopped with SIGSTOP after iteration 2: rank 0 waits in the next collective for
+    parallel.distributed_timeout_minutes, then ends with one line naming it (exit 1), no traceback."""
+    cfg = write_config(tmp_path / "c.json", training=dict(train_iters=100000),
+                       parallel=dict(distributed_timeout_minutes=0.2))  # 12 s
+    procs = _launch(2, ["--config", cfg])
+    seen = []
     try:
-        out0, _ = procs[0].communicate(timeout=150)
+        _until_iteration(procs[0], 2, seen)
+        procs[1].send_signal(signal.SIGSTOP)
+        out0 = "".join(seen) + procs[0].communicate(timeout=150)[0]
     finally:
         procs[1].kill()
         procs[1].communicate()
-    assert procs[0].returncode not in (0, None)
-    assert "timed out" in out0.lower() or "timeout" in out0.lower(), out0[-3000:]
+    assert procs[0].returncode == 1, out0[-3000:]
+    assert "pretrain_gpt.py: rank 0: a collective waited past parallel.distributed_timeout_minutes = 0.2 (12 s) " \
+           "for another rank, which stopped answering" in out0, out0[-3000:]
+    assert "Traceback" not in out0, out0[-3000:]
+
+
+def _wait_for_a_slow_rank0(store_path):
+    """On each of 2 harness ranks: a process group with a 1 s timeout, then wait_for_rank0 while rank 0 works
+    4 s. Returns (what every rank got, seconds waited)."""
+    import datetime
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from gptpar.training.preflight import wait_for_rank0
+
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=1))
+    start = time.monotonic()
+    got = wait_for_rank0(lambda: time.sleep(4) or "rank 0's verdict",
+                         SimpleNamespace(rank=rank, device=torch.device("cpu")), poll_seconds=0.25)
+    return got, time.monotonic() - start
+
+
+def test_the_preflight_wait_outlasts_the_collective_timeout(tmp_path):
+    """The preflight's polled barrier: rank 1 waits 4 s for rank 0 under a 1 s collective timeout and gets its
+    verdict (one short collective per poll; one wait for the whole work would time out)."""
+    from gptpar.testing import run_distributed
+
+    results = run_distributed(_wait_for_a_slow_rank0, 2, (str(tmp_path / "store"),), timeout=120)
+    assert [got for got, _ in results] == ["rank 0's verdict"] * 2
+    assert all(waited >= 4 for _, waited in results)
+
+
+@pytest.mark.slow
+def test_a_conversion_longer_than_the_collective_timeout(tmp_path):
+    """Rank 0 converts a checkpoint to its universal form in the preflight while rank 1 waits: slowed to 20 s
+    under a 12 s collective timeout, the wait (a polled barrier) outlasts it and the reshaped run trains (~80 s
+    at load 10 on this 2-core machine: slow; test_the_preflight_wait_outlasts_the_collective_timeout is the
+    quick check)."""
+    ck = str(tmp_path / "ck")
+    cfg = write_config(tmp_path / "c.json", parallel=dict(data_parallel_size=None, distributed_timeout_minutes=0.2),
+                       training=dict(train_iters=2, lr_warmup_iters=1), checkpoint=dict(save=ck, load=ck))
+    codes, outs = _finish(_launch(1, ["--config", cfg]))  # saved at dp = 1
+    assert codes == [0], outs[0][-3000:]
+    codes, outs = _finish(_launch(2, ["--config", cfg, "--set", "training.train_iters=3"], FAULTS,
+                                  GPTPAR_TEST_SLOW_CONVERSION="20"), timeout=300)
+    assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert f"reshaping checkpoint {ck}/iter_0000002 from (tp,pp,dp) (1, 1, 1) to (1, 1, 2): converted" in outs[0]
+    assert [parse_log_line(line)["iteration"] for line in log_lines(outs[0])] == [3]
 
 
 def test_deepspeed_launcher_cli(tmp_path):
@@ -214,7 +282,11 @@ def test_kill_9_of_torchrun_ends_its_ranks_and_a_second_job_is_refused(tmp_path)
     assert any("its launcher (pid" in line and "is gone; exiting without saving" in line for line in lines)
 
 
-def test_kill_9_of_the_deepspeed_runner_ends_launch_py_and_the_ranks(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGKILL, marks=pytest.mark.slow)],
+                         ids=["SIGTERM", "SIGKILL"])
+def test_the_deepspeed_runner_gone_saves_and_ends_launch_py_and_the_ranks(tmp_path, sig):
+    """DeepSpeed 0.19.8's runner forwards no signal on one node: SIGTERM ends it alone, as SIGKILL does. The
+    ranks, whose launch.py still lives, save after their current iteration and exit 0; launch.py follows."""
     pytest.importorskip("psutil")
     import psutil
 
@@ -223,15 +295,47 @@ def test_kill_9_of_the_deepspeed_runner_ends_launch_py_and_the_ranks(tmp_path):
         pytest.skip("deepspeed CLI not installed next to this python")
     ck = str(tmp_path / "ck")
     cfg = write_config(tmp_path / "c.json", training=dict(train_iters=100000),
-                       checkpoint=dict(save=ck, load=ck, save_interval=50))
+                       checkpoint=dict(save=ck, load=ck, save_interval=100000))
     runner, lines = _start_launcher([runner_cmd, "--num_gpus", "2", "--master_port", str(free_port()), SCRIPT,
                                      "--config", cfg])
     try:
         below = psutil.Process(runner.pid).children(recursive=True)  # launch.py and the two ranks
         assert len(_ranks(runner.pid)) == 2 and len(below) == 3, [p.cmdline() for p in below]
     finally:
-        runner.kill()  # only the runner: launch.py is its child, the ranks are launch.py's
+        runner.send_signal(sig)  # only the runner: launch.py is its child, the ranks are launch.py's
     runner.wait()
-    assert _wait_gone(below, 15), "launch.py or a rank outlived the runner"
-    # At least the first rank to notice says so; launch.py may SIGTERM the other before its own check.
-    assert any("is gone; exiting without saving" in line for line in lines), "".join(lines)[-3000:]
+    assert _wait_gone(below, 120), "launch.py or a rank outlived the runner"
+    text = "".join(lines)
+    assert "is gone while launch.py" in text and "saving after the current iteration" in text, text[-3000:]
+    tag = read_latest(ck)
+    assert tag is not None and f"saved checkpoint {ck}/{tag}" in text, text[-3000:]
+    assert f"stopping at iteration {int(tag.split('_')[1])}: " in text and "Traceback" not in text, text[-3000:]
+
+
+def test_the_launcher_watch_policy(tmp_path):
+    """In a process of its own (the watch ends it): launch.py (the parent) gone -> exit 1 at once, no save
+    asked; the runner above it gone -> a save asked, then exit 1 once `save_seconds` pass without the process
+    having ended. Stand-ins for both are sleeping processes, killed from here."""
+    script = tmp_path / "watched.py"
+    script.write_text(f"""
+import subprocess, sys, time
+sys.path.insert(0, {ROOT!r})
+from gptpar.training.launcher_watch import LauncherWatch, proc_stat
+SLEEP = "import os, sys, time\\nwhile os.getppid() == int(sys.argv[1]): time.sleep(0.1)"  # until we end
+parent, runner = (subprocess.Popen([sys.executable, "-c", SLEEP, str(__import__("os").getpid())]) for _ in range(2))
+chain = [(p.pid, proc_stat(p.pid)[2], "stand-in") for p in (parent, runner)]
+watch = LauncherWatch(chain, interval=0.05, label="rank 0", save_seconds=1.0)
+watch.save_with(lambda reason: print("save asked:", reason, flush=True))
+watch.start()
+(runner if sys.argv[1] == "runner" else parent).kill()
+time.sleep(30)
+print("not ended", flush=True)
+""")
+    for which, code, said, asked in (("runner", 1, "did not finish within 1 s", True),
+                                     ("parent", 1, "is gone; exiting without saving", False)):
+        start = time.monotonic()
+        p = subprocess.run([sys.executable, str(script), which], capture_output=True, text=True, timeout=60)
+        assert p.returncode == code and said in p.stderr and ("save asked:" in p.stdout) == asked, \
+            (which, p.stdout, p.stderr)
+        assert "not ended" not in p.stdout and time.monotonic() - start < 30
+

@@ -147,7 +147,27 @@ CONFIG_ERRORS = [
     (["--set", "checkpoint.save_interval=5"], {}, "checkpoint.save is null"),
     (["--set", "model.hidden_size=66"], {}, "hidden_size (66) must divide by model.num_attention_heads"),
     (["--config", "configs/does_not_exist.json"], {}, "not found"),
+    (["--set", 'data.valid_data_path={"en": "a", "en": "b"}'], {}, "the key 'en' appears twice in one JSON object"),
 ]
+
+
+def test_a_name_given_twice_in_a_config_file_exits_2(tmp_path, monkeypatch, capsys):
+    """Two validation sets under one name in data.valid_data_path's dict form: a JSON reader would keep the
+    second alone without a word; the config is refused naming the key."""
+    import pretrain_gpt
+
+    with open(os.path.join(ROOT, "configs", "cpu_dp2.json")) as f:
+        text = f.read()
+    data = ('"data_path": "data/corpus", "valid_data_path": {"en": "data/en_valid", "fr": "data/fr_valid", '
+            '"en": "data/en_other"}')
+    path = tmp_path / "twice.json"
+    path.write_text(text.replace('"synthetic": true', data))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert pretrain_gpt.main(["--config", str(path), "--dry-run"]) == 2  # else the plan, with one 'en' set
+    err = capsys.readouterr().err
+    assert err.startswith(f"pretrain_gpt.py: config error: config file {path}: the key 'en' appears twice in one "
+                          "JSON object (keys 'en', 'fr', 'en')"), err
+    assert not dist.is_initialized()
 
 
 def _cpu_accelerator_fp16(monkeypatch, supported: bool):

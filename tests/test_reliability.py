@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 
 import numpy as np
 import pytest
@@ -16,13 +17,16 @@ import torch
 
 from gptpar.testing import run_distributed
 from gptpar.training.checkpoint import read_latest
-from trainer_runs import log_lines, write_config
+from trainer_runs import ROOT, log_lines, write_config
+
+sys.path.insert(0, os.path.join(ROOT, "tools"))  # the tools' own main(), as tests/test_convert.py calls them
 
 # The checkpoint folder's documented layout (gptpar.training.checkpoint_files), spelled out.
 SHARD = "mp_rank_00_model_states.pt"
 OPTIM_1 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
 MANIFEST = "gptpar_manifest.json"
 LOCK = ".gptpar.lock"
+OWNER = ".gptpar-owner.json"  # in a universal copy's temporary folder: the job writing it
 
 
 def snapshot(folder):
@@ -48,6 +52,14 @@ def _start_ticks(pid):
     """Field 22 of /proc/PID/stat: when the process started."""
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[19])
+
+
+DEAD_PID = 2 ** 22 + 1  # above the default pid_max: no such process
+
+
+def _truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
 
 
 def _checkpoint_size(folder):
@@ -128,9 +140,7 @@ def run_cases(d, only=None):
         open(os.path.join(folder, "latest"), "w").close()
 
     def truncate_shard(folder):
-        path = os.path.join(folder, "iter_0000002", SHARD)
-        with open(path, "r+b") as f:
-            f.truncate(os.path.getsize(path) // 2)
+        _truncate(os.path.join(folder, "iter_0000002", SHARD))
 
     def drop_optim(folder):
         os.remove(os.path.join(folder, "iter_0000002", OPTIM_1))
@@ -173,7 +183,7 @@ def run_cases(d, only=None):
         os.makedirs(g / "iter_0000005")  # a partial checkpoint: no manifest
         (g / "iter_0000005" / SHARD).write_bytes(b"partial")
         (g / ".latest.tmp-99999").write_text("iter_0000005\n")
-        _write_lock(str(g), pid=2 ** 22 + 1, host=socket.gethostname(), started="earlier")  # a dead pid
+        _write_lock(str(g), pid=DEAD_PID, host=socket.gethostname(), started="earlier")
     g = str(d / "G")
     run("own_files_only", two, "--set", f"checkpoint.load={g}", "--set", f"checkpoint.save={g}",
         prepare=own_files_only)
@@ -215,6 +225,94 @@ def run_cases(d, only=None):
     run("out_of_vocab", oov, patches=[(gptpar.training.build, "build_model",
                                        lambda *a, **k: built.append(1) or real_build(*a, **k))])
     out["out_of_vocab_built"] = (len(built), "", None)
+
+    # -- resuming at another shape or precision; universal copies (issue 22) ------------------------------
+    from gptpar.model import universal
+    from gptpar.training.checkpoint_files import write_manifest
+
+    dd, e = str(d / "D"), str(d / "E")
+    # parallel.data_parallel_size left at its default (null: what the world size leaves)
+    unset = write_config(d / "unset.json", parallel=dict(data_parallel_size=None),
+                         training=dict(train_iters=2, lr_warmup_iters=1),
+                         checkpoint=dict(save=dd, load=dd, save_interval=1))
+    run("d_base", unset)
+    tp2 = ["--set", "parallel.tensor_model_parallel_size=2"]
+    no_save = ["--set", "checkpoint.save=null", "--set", "checkpoint.save_interval=null"]
+    conversions = []  # on rank 0: whether the save folder was locked when each conversion started
+    real_convert = universal.convert_deepspeed_checkpoint
+
+    def convert_watching_the_lock(ckpt, out_dir, *args, **kwargs):
+        conversions.append(os.path.exists(os.path.join(e, LOCK)))
+        return real_convert(ckpt, out_dir, *args, **kwargs)
+
+    def old_style_with_leftovers():
+        # iter_0000002 as gptpar wrote it before the resolved dp was recorded: data_parallel_size null
+        ck = os.path.join(dd, "iter_0000002")
+        with open(os.path.join(ck, "config.json")) as f:
+            saved = json.load(f)
+        saved["parallel"]["data_parallel_size"] = None
+        with open(os.path.join(ck, "config.json"), "w") as f:
+            json.dump(saved, f)
+        write_manifest(ck, 2, 2)
+        # killed conversions' temporary folders (one recording its job, one of an older gptpar without that record)
+        # and one of a live job
+        u = d / "D_universal"
+        for tmp, owner in ((f"iter_0000002.tmp-{DEAD_PID}", dict(pid=DEAD_PID, host=socket.gethostname())),
+                           (f"iter_0000001.tmp-{DEAD_PID + 1}", None),
+                           (f"iter_0000002.tmp-{os.getppid()}", dict(pid=os.getppid(), host=socket.gethostname(),
+                                                                       start_ticks=_start_ticks(os.getppid())))):
+            os.makedirs(u / tmp / "zero" / "layers.0.dense.weight")
+            (u / tmp / "zero" / "layers.0.dense.weight" / "fp32.pt").write_bytes(b"half a file")
+            if owner:
+                (u / tmp / OWNER).write_text(json.dumps(owner))
+    run("dp_null", unset, *tp2, "--set", "training.train_iters=3", "--set", f"checkpoint.save={e}",
+        prepare=old_style_with_leftovers,
+        patches=[(universal, "convert_deepspeed_checkpoint", convert_watching_the_lock)])
+    out["conversion_locked"] = (list(conversions), "", None)
+    # the documented rollback: iter_0000001 resumed, iteration 2 skipped, iter_0000002 saved again in place
+    run("rollback", unset, "--set", f"checkpoint.load={dd}/iter_0000001",
+        "--set", 'training.skip_train_iteration_range=["2-2"]')
+    run("stale", unset, *tp2, *no_save)
+    run("partition", unset, "--set", "parallel.partition_method=transformer", *no_save)
+    run("bf16", unset, "--set", "training.precision=bf16", "--set", "training.train_iters=3",
+        "--set", f"checkpoint.save={d / 'BF'}")
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = type(get_accelerator())  # fp16 passes the config check on this CPU
+    run("fp16", unset, "--set", "training.precision=fp16", *no_save,
+        patches=[(accelerator, "is_fp16_supported", lambda self: True),
+                 (accelerator, "supported_dtypes", lambda self: [torch.float, torch.bfloat16, torch.float16])])
+    f = str(d / "F")
+
+    def convert_on_full_disk(obj, file, *args, **kwargs):
+        if isinstance(file, str) and file.startswith(f):
+            return real_save(obj, "/dev/full")  # the kernel's ENOSPC, as torch reports it
+        return real_save(obj, file, *args, **kwargs)
+    run("convert_full", unset, *tp2, *no_save, "--set", f"checkpoint.universal_dir={f}",
+        patches=[(torch, "save", convert_on_full_disk)])
+    run("zero0_reshape", nan, *tp2, "--set", "parallel.data_parallel_size=1", *no_save)  # K: zero_stage 0
+
+    # -- files that cannot be read name themselves, before the model is built --------------------------------
+    built.clear()
+    counting = [(gptpar.training.build, "build_model", lambda *a, **k: built.append(1) or real_build(*a, **k))]
+    bad_init, bad_u, hf = str(d / "bad_init"), str(d / "bad_u"), str(d / "hf_config_only")
+
+    def truncated_copies():
+        shutil.copytree(f"{dd}/iter_0000001", bad_init)
+        _truncate(os.path.join(bad_init, SHARD))
+        universal.convert_deepspeed_checkpoint(f"{a}/iter_0000002", bad_u, log=lambda *args: None)
+        for state in ("fp32", "exp_avg"):
+            _truncate(os.path.join(bad_u, "zero", "layers.0.dense.weight", f"{state}.pt"))
+        import transformers
+
+        transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=200, n_positions=16, bos_token_id=0,
+                                eos_token_id=0, activation_function="gelu").save_pretrained(hf)  # TINY's shape
+    run("init_truncated", unset, "--set", f"checkpoint.init_from={bad_init}", "--set", "checkpoint.load=null", *no_save,
+        prepare=truncated_copies, patches=counting)
+    run("universal_truncated", unset, "--set", f"checkpoint.load={bad_u}", *no_save, patches=counting)
+    run("hf_without_weights", unset, "--set", f"checkpoint.init_from={hf}", "--set", "checkpoint.load=null", *no_save,
+        patches=counting)
+    out["unreadable_built"] = (len(built), "", None)
     return out
 
 
@@ -372,3 +470,200 @@ def test_out_of_vocab_data_exits_2_before_the_model_is_built(cases):
     _expect(cases, "out_of_vocab", 2, "pretrain_gpt.py: data error: dataset ",
             "largest token id is 1023, but model.vocab_size is 200")
     assert out[0]["out_of_vocab_built"][0] == out[1]["out_of_vocab_built"][0] == 0
+
+
+# -- resuming at another shape or precision; universal copies; unreadable files (issue 22) --------------------
+
+def _trained(text):
+    return [int(line.split("/")[0].split()[-1]) for line in log_lines(text)]
+
+
+def _old_style_copy(src, dst):
+    """Checkpoint folder `src` copied as gptpar wrote it before the resolved dp was recorded: config.json's
+    parallel.data_parallel_size null (the config's default), the manifest matching."""
+    from gptpar.training.checkpoint_files import write_manifest
+
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "config.json")) as f:
+        saved = json.load(f)
+    saved["parallel"]["data_parallel_size"] = None
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(saved, f)
+    write_manifest(str(dst), 1, 2)
+
+
+def test_reshape_with_data_parallel_size_unset(cases, tmp_path):
+    """A run that left parallel.data_parallel_size at null records the resolved dp; an older checkpoint that
+    recorded null is resumed at tp = 2 (dp from its optimizer files' names) and converted offline."""
+    import convert_checkpoint
+
+    d, _ = cases
+    with open(d / "D" / "iter_0000001" / "config.json") as f:
+        assert json.load(f)["parallel"]["data_parallel_size"] == 2
+    out = _expect(cases, "dp_null", 0, f"reshaping checkpoint {d}/D/iter_0000002 from (tp,pp,dp) (1, 1, 2) to "
+                  f"(2, 1, 1): converted to its universal copy {d}/D_universal/iter_0000002")
+    assert _trained(out) == [3]
+    _old_style_copy(d / "D" / "iter_0000001", tmp_path / "iter_0000001")
+    assert convert_checkpoint.main(["--load", str(tmp_path / "iter_0000001"), "--to", "universal",
+                                    "--output", str(tmp_path / "u")]) == 0
+    with open(tmp_path / "u" / "gptpar_universal.json") as f:
+        assert json.load(f)["source"]["data_parallel_size"] == 2
+
+
+def test_conversion_takes_the_lock_first_and_cleans_killed_conversions(cases):
+    """The save folder is locked before the conversion starts; `.tmp-PID` folders of conversions whose job is
+    gone are removed (with and without the job record), a live job's is left alone."""
+    d, out = cases
+    u = d / "D_universal"
+    text = _expect(cases, "dp_null", 0, f"removing {u}/iter_0000002.tmp-{DEAD_PID}: the temporary folder of a "
+                   "universal conversion", f"removing {u}/iter_0000001.tmp-{DEAD_PID + 1}: ")
+    assert f"iter_0000002.tmp-{os.getpid()}" not in text
+    assert out[0]["conversion_locked"][0] == [True]
+    assert sorted(os.listdir(u)) == ["iter_0000002", f"iter_0000002.tmp-{os.getpid()}"]
+
+
+def test_a_universal_copy_is_rebuilt_after_its_checkpoint_was_rewritten(cases):
+    """After the rollback (iter_0000001 resumed, iteration 2 skipped, iter_0000002 saved again in place, so it
+    holds iter_0000001's weights), the copy converted from the old iter_0000002 is rebuilt, in one line, and
+    holds the new weights (DeepSpeed's own model files are the reference); unchanged files reuse it."""
+    from gptpar.model import universal
+    from gptpar.model.convert import read_checkpoint_weights
+
+    d, _ = cases
+    copy_dir = d / "D_universal" / "iter_0000002"
+    _expect(cases, "stale", 0, f"the universal copy {copy_dir} was converted from other files than "
+            f"{d}/D/iter_0000002 holds now", "rebuilding it", f"converted to its universal copy {copy_dir}")
+    now, _, _ = read_checkpoint_weights(str(d / "D" / "iter_0000002"))
+    rolled_back_to, _, _ = read_checkpoint_weights(str(d / "D" / "iter_0000001"))
+    assert all(torch.equal(now[name], rolled_back_to[name]) for name in now)
+    copy, _ = universal.read_weights(str(copy_dir))
+    assert sorted(copy) == sorted(now)
+    for name in now:
+        assert torch.equal(copy[name], now[name]), name
+    _expect(cases, "bf16", 0, f"read from its existing universal copy {copy_dir}")
+
+
+def test_a_precision_change_at_the_same_shape(cases):
+    """fp32 -> bf16 at the same (tp, pp, dp) goes through the universal form (their optimizer files differ: the
+    rule's file names are the ones each checkpoint holds); fp32 -> fp16 is refused naming the field."""
+    from gptpar.model import universal
+
+    d, _ = cases
+    out = _expect(cases, "bf16", 0, f"checkpoint {d}/D/iter_0000002 was saved with training.precision=fp32, whose "
+                  "optimizer files a bf16 run does not load: going through its universal form",
+                  f"resumed from universal checkpoint {d}/D_universal/iter_0000002: iteration 2")
+    assert _trained(out) == [3]
+    for ck, precision in ((d / "D" / "iter_0000002", "fp32"), (d / "BF" / "iter_0000003", "bf16")):
+        for dp_rank in (0, 1):
+            assert os.path.isfile(ck / universal.optimizer_states_file(precision, dp_rank, 0)), (ck, precision)
+    assert universal.optimizer_files("bf16") != universal.optimizer_files("fp32") != universal.optimizer_files("fp16")
+    out = _expect(cases, "fp16", 2, "pretrain_gpt.py: checkpoint error: ", "saved with training.precision=fp32",
+                  "a training.precision=fp16 run cannot start from its universal form",
+                  "resume it with training.precision=fp32")
+    assert not log_lines(out)
+
+
+def test_full_disk_during_the_conversion(cases):
+    d, _ = cases
+    out = _expect(cases, "convert_full", 2, f"could not write the universal copy {d}/F/iter_0000002: RuntimeError",
+                  "usually a full disk", "MiB free there now", "set checkpoint.universal_dir to another folder")
+    assert "Traceback" not in out and not log_lines(out)
+    assert [name for name in os.listdir(d / "F")] == []  # the partial copy removed
+
+
+def test_zero0_reshape_is_refused_with_the_fix_and_writes_nothing(cases):
+    d, _ = cases
+    _expect(cases, "zero0_reshape", 2, "was saved with training.zero_stage=0",
+            "with training.zero_stage=0", "checkpoint.init_from")
+    assert not os.path.exists(d / "K_universal")
+
+
+def test_partition_method_at_pp1_is_no_new_shape(cases):
+    d, _ = cases
+    out = _expect(cases, "partition", 0, f"resumed from {d}/D/iter_0000002: iteration 2")
+    assert "reshaping" not in out and "universal copy" not in out
+
+
+def test_unreadable_files_name_themselves_before_the_model_is_built(cases):
+    d, out = cases
+    for name, message in (("init_truncated", f"checkpoint.init_from {d}/bad_init: unreadable weights: "
+                                             f"{d}/bad_init/{SHARD} is not a whole torch file"),
+                          ("universal_truncated", f"{d}/bad_u/zero/layers.0.dense.weight/exp_avg.pt is not a whole "
+                                                  "torch file"),
+                          ("hf_without_weights", f"{d}/hf_config_only holds a Hugging Face config.json but no "
+                                                 "weights")):
+        text = _expect(cases, name, 2, "pretrain_gpt.py: checkpoint error: ", message)
+        assert "Traceback" not in text
+    assert out[0]["unreadable_built"][0] == out[1]["unreadable_built"][0] == 0
+
+
+def _tool(*argv, file_size_limit=None):
+    """A tool run as a user runs it: (exit code, stdout + stderr). `file_size_limit`: bytes any file it writes
+    may hold (RLIMIT_FSIZE; Python ignores SIGXFSZ, so a longer write fails with EFBIG, as on a full disk)."""
+    import resource
+    import subprocess
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    p = subprocess.run([sys.executable] + list(argv), cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       preexec_fn=limit if file_size_limit else None)
+    return p.returncode, p.stdout + p.stderr
+
+
+def test_offline_conversions_on_a_full_disk_leave_nothing(cases, tmp_path):
+    """--to universal and --to hf with every written file limited to 16 KiB (a parameter's state, the
+    safetensors file): one line naming the output, exit 1, and no folder left (no HF config.json alone)."""
+    d, _ = cases
+    for to in ("universal", "hf"):
+        output = tmp_path / to
+        rc, text = _tool("tools/convert_checkpoint.py", "--load", str(d / "D" / "iter_0000001"), "--to", to,
+                         "--output", str(output), file_size_limit=16384)
+        assert rc == 1 and f"error: could not write {output}: " in text and "Traceback" not in text, text[-3000:]
+        assert "File too large" in text or "usually a full disk" in text, text[-3000:]
+        assert os.listdir(tmp_path) == [], to
+
+
+def test_tools_name_bad_paths_in_one_line(cases, tmp_path, capsys):
+    """A truncated model-states file, a universal folder with a truncated state, a Hugging Face folder without
+    weights, a --load that does not exist, an --output under a regular file, an unsupported model_type: each
+    tool prints one line naming it and exits 2."""
+    import convert_checkpoint
+    import generate
+
+    d, _ = cases
+    bad = tmp_path / "iter_0000001"
+    shutil.copytree(d / "D" / "iter_0000001", bad)
+    _truncate(str(bad / SHARD))
+    hf = tmp_path / "llama"
+    shutil.copytree(d / "hf_config_only", hf)
+    with open(hf / "config.json") as f:
+        llama = dict(json.load(f), model_type="llama")
+    with open(hf / "config.json", "w") as f:
+        json.dump(llama, f)
+    (tmp_path / "a_file").write_text("not a folder")
+    cases_ = [
+        (convert_checkpoint.main, ["--load", str(bad), "--to", "hf", "--output", str(tmp_path / "o1")],
+         f"{bad}/{SHARD} is not a whole torch file"),
+        (generate.main, ["--load", str(bad), "--prompt-ids", "1,2"], f"{bad}/{SHARD} is not a whole torch file"),
+        (generate.main, ["--load", str(d / "bad_u"), "--prompt-ids", "1,2"],
+         f"{d}/bad_u/zero/layers.0.dense.weight/fp32.pt is not a whole torch file"),
+        (generate.main, ["--load", str(d / "hf_config_only"), "--prompt-ids", "1,2"],
+         "holds a Hugging Face config.json but no weights"),
+        (convert_checkpoint.main, ["--from-hf", str(d / "hf_config_only"), "--to", "gptpar",
+                                   "--output", str(tmp_path / "o2")],
+         "holds a Hugging Face config.json but no weights"),
+        (generate.main, ["--load", str(tmp_path / "nothing"), "--prompt-ids", "1,2"],
+         f"{tmp_path}/nothing does not exist"),
+        (convert_checkpoint.main, ["--load", str(tmp_path / "nothing"), "--to", "universal",
+                                   "--output", str(tmp_path / "o3")], f"{tmp_path}/nothing does not exist"),
+        (convert_checkpoint.main, ["--load", str(d / "D"), "--to", "hf", "--output", str(tmp_path / "a_file" / "o")],
+         f"{tmp_path}/a_file is a file, not a folder"),
+        (convert_checkpoint.main, ["--from-hf", str(hf), "--to", "gptpar", "--output", str(tmp_path / "o4")],
+         "model_type 'llama' is not supported"),
+    ]
+    for main, argv, message in cases_:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert len(lines) == 1 and message in lines[0], (argv, err)
+    assert not any(name.startswith("o") for name in os.listdir(tmp_path))

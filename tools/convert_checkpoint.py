@@ -42,13 +42,17 @@ def main(argv=None):
         parser.error("--tp / --pp set the layout of --to gptpar only")
     if os.path.exists(args.output) and (args.to == "universal" or not os.path.isdir(args.output)
                                         or os.listdir(args.output)):
-        parser.error(f"--output {args.output} exists: choose a new path (nothing is overwritten)")
+        return bad_path(f"--output {args.output} exists: choose a new path (nothing is overwritten)")
+    blocked = blocking_file(args.output)
+    if blocked:
+        return bad_path(f"--output {args.output} cannot be created: {blocked} is a file, not a folder; choose a "
+                        "path under a folder")
     if args.to == "universal" and not args.load:
         parser.error("--to universal needs --load: a universal checkpoint carries a training run's optimizer state, "
                      "which a Hugging Face model does not have")
 
-    from gptpar.model.convert import (ConversionError, check_layout, load_hf, read_weights, read_weights_config,
-                                      save_hf, save_weights_only)
+    from gptpar.model.convert import (ConversionError, check_layout, check_weight_files, load_hf, read_weights,
+                                      read_weights_config, save_hf, save_weights_only)
 
     from gptpar.training.config import ConfigError, load_config
 
@@ -60,8 +64,10 @@ def main(argv=None):
     if args.to == "universal":
         return to_universal(args.load, args.tag, args.output, start)
     try:
+        source = args.load or args.from_hf
         if args.to == "gptpar":  # a layout the model cannot take fails before any weight is read
-            check_layout(read_weights_config(args.load or args.from_hf, args.tag, model), args.tp or 1, args.pp or 1)
+            check_layout(read_weights_config(source, args.tag, model), args.tp or 1, args.pp or 1)
+        check_weight_files(source, args.tag, model)  # every file it will read whole, before reading one
         # --load may also be a weights-only or a universal checkpoint
         state, config = read_weights(args.load, args.tag, model) if args.load else load_hf(args.from_hf)
         print(f"read {len(state)} tensors, {sum(t.numel() for t in state.values()):,} parameters "
@@ -73,8 +79,36 @@ def main(argv=None):
     except ConversionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - writing failed (a full disk): nothing is left at --output
+        return write_failed(args.output, e)
     print(f"wrote {args.output} in {time.time() - start:.1f}s")
     return 0
+
+
+def bad_path(message: str) -> int:
+    """A path that cannot be used: one line, exit 2, before anything is read."""
+    print(f"convert_checkpoint.py: error: {message}", file=sys.stderr)
+    return 2
+
+
+def blocking_file(path: str):
+    """The nearest existing ancestor of `path` when it is not a folder (so `path` cannot be created), else None."""
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    return None if os.path.isdir(parent) else parent
+
+
+def write_failed(output: str, error: BaseException) -> int:
+    """One line for a write that failed (a full disk, an I/O error), as pretrain_gpt.py's failed save: exit 1.
+    Anything else is a bug, re-raised with its traceback."""
+    from gptpar.training.checkpoint_files import describe_write_failure, is_write_failure
+
+    if not is_write_failure(error):
+        raise error
+    print(f"error: could not write {output}: {describe_write_failure(os.path.dirname(os.path.abspath(output)), error)}"
+          ". Nothing was left there; free space or choose another --output", file=sys.stderr)
+    return 1
 
 
 def to_universal(load: str, tag, output: str, start: float) -> int:
@@ -82,7 +116,7 @@ def to_universal(load: str, tag, output: str, start: float) -> int:
     from gptpar.model import universal
     from gptpar.model.convert import ConversionError, resolve_checkpoint_dir
     from gptpar.training.checkpoint import CheckpointError, carried_counters, read_rank_state
-    from gptpar.training.checkpoint_files import state_file
+    from gptpar.training.checkpoint_files import fingerprint, state_file
 
     try:
         ckpt = resolve_checkpoint_dir(load, tag)
@@ -92,10 +126,12 @@ def to_universal(load: str, tag, output: str, start: float) -> int:
                                       "universal checkpoint outside it (nothing is written there)")
         has_state = os.path.isfile(os.path.join(ckpt, state_file(0)))
         counters = carried_counters(read_rank_state(ckpt)) if has_state else {}
-        universal.convert_deepspeed_checkpoint(ckpt, output, counters=counters)
+        universal.convert_deepspeed_checkpoint(ckpt, output, counters=counters, source_files=fingerprint(ckpt))
     except (ConversionError, CheckpointError, universal.UniversalCheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - writing failed (a full disk): the converter removed its partial folder
+        return write_failed(output, e)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     print(f"wrote {output} in {time.time() - start:.1f}s; peak RSS {peak:.0f} MiB")
     return 0

@@ -122,10 +122,12 @@ def load_tokenizer(args):
 
 
 def check_model(args, tokenizer):
-    """The model's config, read without its weights and checked against the tokenizer and --tp."""
-    from gptpar.model.convert import read_weights_config
+    """The model's config, read without its weights and checked against the tokenizer and --tp; every weight file
+    there and whole (gptpar.model.convert.check_weight_files)."""
+    from gptpar.model.convert import check_weight_files, read_weights_config
     from gptpar.model.inference import check_tokenizer_fits
 
+    check_weight_files(args.load, args.tag)
     config = read_weights_config(args.load, args.tag)
     try:
         check_tokenizer_fits(config, tokenizer)

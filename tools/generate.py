@@ -75,8 +75,10 @@ def load_inputs(args):
     """(tokenizer or None, prompt ids or None, eval documents or None) from the arguments; raises UsageError."""
     from gptpar.data.jsonl import iter_texts
     from gptpar.data.tokenizer import load_tokenizer
+    from gptpar.model.convert import check_weight_files
     from gptpar.model.inference import tokenizer_path
 
+    check_weight_files(args.load, args.tag)  # every weight file there and whole, before anything is built
     try:
         path = tokenizer_path(args.load, args.tag, args.tokenizer)
     except ValueError as e:
@@ -152,6 +154,7 @@ def main(argv=None):
 
     from gptpar.data.indexed import DataError
     from gptpar.model.convert import ConversionError
+    from gptpar.model.universal import UniversalCheckpointError
     from gptpar.parallel import destroy_parallel
 
     owns_process_group = not dist.is_initialized()  # a test harness may have made it
@@ -161,7 +164,7 @@ def main(argv=None):
         check_against_model(args, tokenizer, prompt_ids)
         rank = int(os.environ.get("RANK", "0"))
         run(args, sampling, tokenizer, prompt_ids, documents, log=print if rank == 0 else (lambda *a: None))
-    except (UsageError, DataError, ConversionError) as e:
+    except (UsageError, DataError, ConversionError, UniversalCheckpointError) as e:
         print(f"generate.py: error: {e}", file=sys.stderr, flush=True)
         return 2
     finally:

@@ -24,7 +24,7 @@ import glob
 import json
 import os
 import shutil
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -32,6 +32,7 @@ from gptpar.model import universal
 from gptpar.model.config import GPTConfig
 from gptpar.model.partition import partition_layers
 from gptpar.model.pipeline import gpt_layer_prefixes
+from gptpar.model.weight_files import HF_WEIGHT_FILES, file_problems, hf_weight_files, load_torch_file
 
 StateDict = Dict[str, torch.Tensor]
 
@@ -42,6 +43,12 @@ class ConversionError(RuntimeError):
 
 def resolve_checkpoint_dir(path: str, tag: Optional[str] = None) -> str:
     """`path` may be a checkpoint directory itself or a save directory holding `latest`."""
+    if not os.path.exists(path):
+        raise ConversionError(f"{path} does not exist: give a gptpar checkpoint directory (e.g. "
+                              "checkpoints/run/iter_0000100), its save directory, a universal checkpoint or a local "
+                              "Hugging Face model directory")
+    if not os.path.isdir(path):
+        raise ConversionError(f"{path} is a file, not a checkpoint directory: give the folder that holds it")
     if tag:
         path = os.path.join(path, tag)
     elif os.path.isfile(os.path.join(path, "latest")):
@@ -56,7 +63,8 @@ def resolve_checkpoint_dir(path: str, tag: Optional[str] = None) -> str:
 def _load(path: str) -> dict:
     if not os.path.isfile(path):
         raise ConversionError(f"missing checkpoint file {path}: the checkpoint is incomplete")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return load_torch_file(path, ConversionError, ": the checkpoint is damaged (use an earlier one)",
+                           weights_only=False)
 
 
 def model_states_file(tp_rank: int) -> str:
@@ -70,19 +78,41 @@ def layer_file(index: int, tp_rank: int) -> str:
     return f"layer_{index:02d}-model_{tp_rank:02d}-model_states.pt"
 
 
-def _read_shards(ckpt: str, config: GPTConfig, tp: int, pp: int, embedding_weight: int):
+def _shard_files(ckpt: str, config: GPTConfig, parallel: dict) -> List[List[Tuple[str, str]]]:
+    """Per tp rank, [(model-states file, the GPTModel name prefix of its keys)] of checkpoint folder `ckpt`."""
+    tp = parallel.get("tensor_model_parallel_size", 1)
+    pp = parallel.get("pipeline_model_parallel_size", 1)
+    if pp == 1:
+        return [[(os.path.join(ckpt, model_states_file(t)), "")] for t in range(tp)]
+    weight = parallel.get("embedding_weight") or 1
+    plan = partition_layers(config.num_layers, pp, parallel.get("partition_method", "auto"), weight)
+    weight = plan.embedding_weight if plan.method == "balanced" else weight
+    return [[(os.path.join(ckpt, layer_file(index, t)), prefix)
+             for index, prefix in gpt_layer_prefixes(config.num_layers, weight).items()] for t in range(tp)]
+
+
+def _read_shards(files: List[List[Tuple[str, str]]], pipelined: bool):
     """For each tp rank, GPTModel-named tensors of that rank (all pipeline stages put together)."""
     shards = []
-    for t in range(tp):
-        if pp == 1:
-            shards.append(dict(_load(os.path.join(ckpt, model_states_file(t)))["module"]))
-            continue
+    for rank_files in files:
         sd = {}
-        for index, prefix in gpt_layer_prefixes(config.num_layers, embedding_weight).items():
-            for key, value in _load(os.path.join(ckpt, layer_file(index, t))).items():
+        for path, prefix in rank_files:
+            state = _load(path)
+            for key, value in (state if pipelined else state["module"]).items():
                 sd[prefix + key] = value
         shards.append(sd)
     return shards
+
+
+def _run_config(ckpt: str) -> Tuple[dict, GPTConfig]:
+    path = os.path.join(ckpt, "config.json")
+    try:
+        with open(path) as f:
+            run_config = json.load(f)
+        return run_config, GPTConfig(**run_config["model"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConversionError(f"{path} is unreadable ({type(e).__name__}: {e}): not a whole gptpar "
+                              "checkpoint") from None
 
 
 def read_checkpoint_weights(path: str, tag: Optional[str] = None) -> Tuple[StateDict, GPTConfig, dict]:
@@ -92,19 +122,12 @@ def read_checkpoint_weights(path: str, tag: Optional[str] = None) -> Tuple[State
     from gptpar.model.gpt import GPTModel
 
     ckpt = resolve_checkpoint_dir(path, tag)
-    with open(os.path.join(ckpt, "config.json")) as f:
-        run_config = json.load(f)
-    config = GPTConfig(**run_config["model"])
+    run_config, config = _run_config(ckpt)
     parallel = run_config.get("parallel", {})
     tp = parallel.get("tensor_model_parallel_size", 1)
-    pp = parallel.get("pipeline_model_parallel_size", 1)
-    weight = parallel.get("embedding_weight") or 1
-    if pp > 1:
-        plan = partition_layers(config.num_layers, pp, parallel.get("partition_method", "auto"), weight)
-        weight = plan.embedding_weight if plan.method == "balanced" else weight
     if not glob.glob(os.path.join(ckpt, "*model_states.pt")):
         raise ConversionError(f"{ckpt} holds no DeepSpeed model states (*model_states.pt)")
-    shards = _read_shards(ckpt, config, tp, pp, weight)
+    shards = _read_shards(_shard_files(ckpt, config, parallel), parallel.get("pipeline_model_parallel_size", 1) > 1)
 
     reference = GPTModel(config, device="meta")  # carries the sharding tags
     full: StateDict = {}
@@ -126,8 +149,42 @@ def is_hf_model_dir(path: str) -> bool:
     config = os.path.join(path, "config.json")
     if not os.path.isfile(config):
         return False
-    with open(config) as f:
-        return "model_type" in json.load(f)
+    try:
+        with open(config) as f:
+            return "model_type" in json.load(f)
+    except (OSError, ValueError, TypeError) as e:
+        raise ConversionError(f"{config} is unreadable ({type(e).__name__}: {e})") from None
+
+
+def check_weight_files(path: str, tag: Optional[str] = None, config: Optional[GPTConfig] = None,
+                       states: Tuple[str, ...] = ("fp32",)) -> None:
+    """ConversionError naming every file `read_weights(path, tag, config)` would read that is missing, empty,
+    truncated or unreadable, before anything is read or built (for a universal checkpoint, its `states`;
+    read_weights reads fp32, a resume every state)."""
+    if not os.path.exists(path):
+        resolve_checkpoint_dir(path)  # its "does not exist" message
+    if os.path.isdir(path) and (universal.is_universal(path) or universal.is_deepspeed_universal(path)):
+        try:
+            universal.check_files(path, universal.read_meta(path, config), states)
+        except universal.UniversalCheckpointError as e:
+            raise ConversionError(str(e)) from None
+        return
+    if os.path.isdir(path) and is_hf_model_dir(path):
+        files = hf_weight_files(path)
+        if not files:
+            raise ConversionError(f"{path} holds a Hugging Face config.json but no weights "
+                                  f"({' or '.join(HF_WEIGHT_FILES)}, or a sharded index): an export that did not "
+                                  "finish? Export or download the model again")
+    else:
+        ckpt = resolve_checkpoint_dir(path, tag)
+        run_config, model = _run_config(ckpt)
+        files = [file for rank_files in _shard_files(ckpt, model, run_config.get("parallel", {}))
+                 for file, _ in rank_files]
+    problems = file_problems(files)
+    if problems:
+        raise ConversionError("unreadable weights: " + "; ".join(problems[:5])
+                              + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
+                              + ": use another checkpoint, or copy, convert or export this one again")
 
 
 def read_weights(path: str, tag: Optional[str] = None,
@@ -159,19 +216,20 @@ def read_weights_config(path: str, tag: Optional[str] = None, config: Optional[G
         except universal.UniversalCheckpointError as e:
             raise ConversionError(str(e)) from None
     if os.path.isdir(path) and is_hf_model_dir(path):
-        import transformers
+        return _hf_config(path)
+    return _run_config(resolve_checkpoint_dir(path, tag))[1]
 
-        from gptpar.model.hf import config_from_hf
 
-        try:
-            return config_from_hf(transformers.AutoConfig.from_pretrained(path))
-        except ValueError as e:
-            raise ConversionError(f"{path}: {e}") from None
+def _hf_config(model_dir: str) -> GPTConfig:
+    """The GPTConfig of a Hugging Face directory's config.json; ConversionError for one gptpar does not read."""
+    import transformers
+
+    from gptpar.model.hf import config_from_hf
+
     try:
-        with open(os.path.join(resolve_checkpoint_dir(path, tag), "config.json")) as f:
-            return GPTConfig(**json.load(f)["model"])
-    except (ConversionError, KeyError):
-        return read_weights(path, tag)[1]
+        return config_from_hf(transformers.AutoConfig.from_pretrained(model_dir))
+    except (ValueError, KeyError, OSError) as e:  # an unknown or unsupported model_type, a broken config.json
+        raise ConversionError(f"{model_dir}: {str(e).splitlines()[0]}") from None
 
 
 def check_layout(config: GPTConfig, tp: int, pp: int) -> None:
@@ -270,7 +328,15 @@ def save_hf(state: StateDict, config: GPTConfig, out_dir: str) -> None:
     if missing or unexpected:
         raise ConversionError(f"Hugging Face {type(model).__name__} did not take the weights: missing {missing}, "
                               f"unexpected {unexpected}")
-    model.save_pretrained(out_dir)
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise ConversionError(f"{out_dir} exists and is not empty: choose a new folder (nothing is overwritten)")
+    tmp = f"{os.path.normpath(out_dir)}.tmp-{os.getpid()}"
+    try:  # written whole under a temporary name: a failed export never leaves a folder with only config.json
+        model.save_pretrained(tmp)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def load_hf(model_dir: str) -> Tuple[StateDict, GPTConfig]:
@@ -278,11 +344,13 @@ def load_hf(model_dir: str) -> Tuple[StateDict, GPTConfig]:
     state dict, GPTConfig)."""
     import transformers
 
-    from gptpar.model.hf import config_from_hf, from_hf_state_dict
+    from gptpar.model.hf import from_hf_state_dict
 
+    config = _hf_config(model_dir)
+    check_weight_files(model_dir)
     try:
-        config = config_from_hf(transformers.AutoConfig.from_pretrained(model_dir))
-    except ValueError as e:
-        raise ConversionError(f"{model_dir}: {e}") from None
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    except (OSError, ValueError, RuntimeError) as e:  # a weight file damaged in a way its header does not show
+        raise ConversionError(f"{model_dir}: transformers could not load its weights ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0]})") from None
     return from_hf_state_dict(model.state_dict(), config), config

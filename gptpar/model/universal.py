@@ -23,10 +23,13 @@ mapped to GPTModel's (`deepspeed_parameter_names`), its model shape is the run's
 Megatron's args only as a pickle, which gptpar does not unpickle), its word embedding's padding rows are
 dropped, and it carries no counters.
 
-`convert_deepspeed_checkpoint` streams a gptpar checkpoint (DeepSpeed's ZeRO-1 / BF16_Optimizer shards) into
-this form: one state of one full parameter in memory at a time, copied piece by piece out of memory-mapped
-shard files, each mapped only while its piece is read. DeepSpeed's own shard files are pickles (its checkpoint engine writes optimizer objects
-into them) and are read with `weights_only=False`: convert only checkpoints you trust.
+`convert_deepspeed_checkpoint` streams a gptpar checkpoint (DeepSpeed's ZeRO-1 / BF16_Optimizer shards, whose
+names `optimizer_files` gives per training.precision) into this form: one state of one full parameter in memory
+at a time, copied piece by piece out of memory-mapped shard files, each mapped only while its piece is read. It
+writes `{out}.tmp-PID` (the converting job recorded inside as OWNER) and renames it when whole; the metadata
+records the exact source files it was given (their sizes, modification times and inodes), so that a copy is
+never reused once its checkpoint was rewritten. DeepSpeed's own shard files are pickles (its checkpoint engine
+writes optimizer objects into them) and are read with `weights_only=False`: convert only checkpoints you trust.
 """
 from __future__ import annotations
 
@@ -41,8 +44,10 @@ from typing import Callable, Dict, Iterable, Iterator, Optional, Tuple
 import torch
 
 from gptpar.model.config import GPTConfig
+from gptpar.model.weight_files import file_problems, load_torch_file
 
 META = "gptpar_universal.json"
+OWNER = ".gptpar-owner.json"  # in a folder being converted: the job writing it (removed before the rename)
 FORMAT = "gptpar-universal"
 VERSION = 1
 STATES = ("fp32", "exp_avg", "exp_avg_sq")  # the tensors kept per parameter (plus "step")
@@ -170,10 +175,11 @@ def read_state(directory: str, name: str, key: str, meta: Optional[dict] = None)
     folder's `meta` (read_meta), the file is found under the folder's own name, checked against the model's
     shape, and a word embedding's rows past model.vocab_size (a foreign folder's padding) are left out."""
     path = state_path(directory, meta["names"][name] if meta else name, key)
+    fix = f": the universal checkpoint {directory} is incomplete or damaged (convert it again)"
     if not os.path.isfile(path):
-        raise UniversalCheckpointError(f"{path} is missing: the universal checkpoint {directory} is incomplete")
+        raise UniversalCheckpointError(f"{path} is missing{fix}")
     try:
-        value = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        value = load_torch_file(path, UniversalCheckpointError, fix, weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
         raise UniversalCheckpointError(
             f"{path} holds objects other than tensors and plain values, which gptpar does not unpickle "
@@ -206,6 +212,16 @@ def read_weights(directory: str, config: Optional[GPTConfig] = None) -> Tuple[Di
     meta = read_meta(directory, config)
     return ({name: read_state(directory, name, "fp32", meta) for name in meta["parameters"]},
             GPTConfig(**meta["model"]))
+
+
+def check_files(directory: str, meta: dict, keys: Iterable[str] = STATES + ("step",)) -> None:
+    """UniversalCheckpointError naming every file of state `keys` of every parameter that is missing, empty or
+    not a whole torch file (`meta`: read_meta's), before anything reads them."""
+    problems = file_problems(state_path(directory, folder, key) for folder in meta["names"].values() for key in keys)
+    if problems:
+        raise UniversalCheckpointError(f"universal checkpoint {directory} is damaged: " + "; ".join(problems[:5])
+                                       + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
+                                       + ": convert it again from its checkpoint, or load another one")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,26 +297,107 @@ def _deepspeed_meta(directory: str, config: GPTConfig) -> dict:
 # Writing one from a gptpar (DeepSpeed) checkpoint
 # ---------------------------------------------------------------------------------------------
 
+# Which optimizer files DeepSpeed 0.19.8 writes at ZeRO-1 for each training.precision: (the file names' prefix,
+# whether they hold fp16's dynamic loss scaler). A checkpoint loads straight into a run of another precision only
+# when both write the same kind (gptpar.training.checkpoint.plan_load): bf16's BF16_Optimizer files are another
+# layout, and fp32's hold a static loss scale of 1 that DeepSpeed would put in place of fp16's dynamic one. A
+# precision that keeps another's optimizer is one more entry with that one's kind.
+OPTIMIZER_FILES = {"fp32": ("", False), "fp16": ("", True), "bf16": ("bf16_", False)}
+CONVERTED_KINDS = (OPTIMIZER_FILES["fp32"], OPTIMIZER_FILES["bf16"])  # what the converter reads
+
+
+def optimizer_files(precision: str) -> Tuple[str, bool]:
+    """The kind of optimizer files a run of `precision` writes at ZeRO-1 (see OPTIMIZER_FILES)."""
+    return OPTIMIZER_FILES[precision]
+
+
+def optimizer_states_file(precision: str, dp_rank: int, mp_rank: int) -> str:
+    """DeepSpeed's ZeRO-1 optimizer partition of data-parallel rank `dp_rank`, model-parallel rank `mp_rank`."""
+    return f"{optimizer_files(precision)[0]}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
 def _deepspeed_file(path: str) -> dict:
     """A DeepSpeed checkpoint file, memory-mapped: its tensors stay on disk until read, and the mapping goes
     with the last tensor that uses it. A pickle: see above."""
+    fix = ": the checkpoint is incomplete or damaged (resume from or convert an earlier one)"
     if not os.path.isfile(path):
-        raise UniversalCheckpointError(f"missing checkpoint file {path}: the checkpoint is incomplete")
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        raise UniversalCheckpointError(f"missing checkpoint file {path}{fix[1:]}")
+    return load_torch_file(path, UniversalCheckpointError, fix, weights_only=False, mmap=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """What the converter needs to know of a gptpar checkpoint folder, read from its config.json and file names
+    (`read_source`): its run config and model, (tp, pp, dp), precision and pipeline embedding weight."""
+
+    path: str
+    run_config: dict
+    tp: int
+    pp: int
+    dp: int
+    precision: str
+    embedding_weight: int
+
+    @property
+    def model(self) -> GPTConfig:
+        return GPTConfig(**self.run_config["model"])
+
+
+def read_source(ckpt: str) -> Source:
+    """The checkpoint `ckpt` as the converter reads it, or UniversalCheckpointError saying why it cannot be
+    converted and what to do instead; reads config.json only (and lists the folder). dp is the recorded one;
+    checkpoints of runs that left parallel.data_parallel_size at null (before it was recorded resolved) give
+    it through their optimizer files' names."""
+    path = os.path.join(ckpt, "config.json")
+    try:
+        with open(path) as f:
+            run_config = json.load(f)
+        GPTConfig(**run_config["model"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UniversalCheckpointError(f"{path} is missing or unreadable ({type(e).__name__}: {e}): {ckpt} is not "
+                                       "a complete gptpar checkpoint") from None
+    parallel, training = run_config.get("parallel", {}), run_config.get("training", {})
+    tp = parallel.get("tensor_model_parallel_size", 1)
+    pp = parallel.get("pipeline_model_parallel_size", 1)
+    precision, zero_stage = training.get("precision", "fp32"), training.get("zero_stage", 1)
+    if zero_stage != 1:
+        raise UniversalCheckpointError(
+            f"{ckpt} was saved with training.zero_stage={zero_stage}: its optimizer state is DeepSpeed's per-(tp, "
+            "pp) copy, not ZeRO-1 partitions, and gptpar does not convert it to the universal form. Resume it at "
+            f"its (tp, pp) = ({tp}, {pp}) with training.zero_stage=0 (any dp: every dp rank holds the whole "
+            "state), or start from its weights at the new shape with checkpoint.init_from (a fresh optimizer)")
+    if optimizer_files(precision) not in CONVERTED_KINDS:
+        raise UniversalCheckpointError(
+            f"{ckpt} was saved with training.precision={precision}, whose optimizer files (with the dynamic loss "
+            "scaler) the universal converter does not read: resume it at the shape and precision it was saved "
+            "with, or start from its weights with checkpoint.init_from")
+    dp = parallel.get("data_parallel_size") or _dp_of_files(ckpt, precision)
+    return Source(ckpt, run_config, tp, pp, dp, precision, parallel.get("embedding_weight") or 1)
+
+
+def _dp_of_files(ckpt: str, precision: str) -> int:
+    """The data-parallel size of a checkpoint, counted from its first model-parallel rank's optimizer files."""
+    pattern = re.compile("^" + re.escape(optimizer_states_file(precision, 0, 0)).replace("_0_", r"_(\d+)_", 1) + "$")
+    ranks = sorted(int(m.group(1)) for m in map(pattern.match, os.listdir(ckpt)) if m)
+    if not ranks:
+        raise UniversalCheckpointError(f"{ckpt} records no data_parallel_size and holds no optimizer file "
+                                       f"{optimizer_states_file(precision, 0, 0)}: not a ZeRO-1 checkpoint of "
+                                       f"training.precision={precision}")
+    return ranks[-1] + 1  # a missing rank in between is named when its file is opened
 
 
 class _StageShards:
     """The optimizer shards of one pipeline stage: per tp rank, the parameter shapes of its model-states file
     and the paths of its dp ranks' ZeRO partitions, from which `tp_slice` copies one parameter's state out."""
 
-    def __init__(self, ckpt: str, stage: int, tp: int, dp: int, precision: str):
-        prefix = "bf16_" if precision == "bf16" else ""
+    def __init__(self, source: Source, stage: int):
+        ckpt, tp, dp = source.path, source.tp, source.dp
         self.shapes, self.files = [], []
         for t in range(tp):
             mp_rank = stage * tp + t  # DeepSpeed's model-parallel rank: tp fastest within a stage
             self.shapes.append(_deepspeed_file(os.path.join(ckpt, f"mp_rank_{mp_rank:02d}_model_states.pt"))
                                ["param_shapes"])
-            self.files.append([os.path.join(ckpt, f"{prefix}zero_pp_rank_{d}_mp_rank_{mp_rank:02d}_optim_states.pt")
+            self.files.append([os.path.join(ckpt, optimizer_states_file(source.precision, d, mp_rank))
                                for d in range(dp)])
         steps = {float(state["step"]) for paths in self.files for path in paths
                  for state in _deepspeed_file(path)["optimizer_state_dict"]["base_optimizer_state"]["state"].values()}
@@ -338,23 +435,18 @@ class _StageShards:
 
 
 def convert_deepspeed_checkpoint(ckpt: str, out_dir: str, log: Callable[[str], None] = print,
-                                 counters: Optional[dict] = None) -> dict:
+                                 counters: Optional[dict] = None, source_files: Optional[dict] = None,
+                                 owner: Optional[dict] = None) -> dict:
     """Write the universal form of gptpar checkpoint folder `ckpt` (any tp x pp x dp, ZeRO-1 in fp32 or bf16)
-    to `out_dir` (must not exist; written under a temporary name, renamed when whole). Returns its metadata.
+    to `out_dir` (must not exist; written under `{out_dir}.tmp-PID`, renamed when whole). Returns its metadata.
 
-    `counters`: the run's counters and client state to carry (gptpar.training.checkpoint reads them)."""
-    with open(os.path.join(ckpt, "config.json")) as f:
-        run_config = json.load(f)
-    config = GPTConfig(**run_config["model"])
-    parallel, training = run_config.get("parallel", {}), run_config.get("training", {})
-    tp, pp, dp = (parallel.get(k, 1) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                                                "data_parallel_size"))
-    precision = training.get("precision", "fp32")
-    if training.get("zero_stage", 1) != 1 or precision not in ("fp32", "bf16"):
-        raise UniversalCheckpointError(
-            f"{ckpt}: saved with training.precision={precision}, zero_stage={training.get('zero_stage')}; "
-            "universal conversion reads ZeRO-1 optimizer shards in fp32 or bf16 (BF16_Optimizer) only")
-    weight = parallel.get("embedding_weight") or 1
+    `counters`: the run's counters and client state to carry (gptpar.training.checkpoint reads them).
+    `source_files`: what identifies the exact files converted (gptpar.training.checkpoint_files.fingerprint),
+    kept in the metadata so that a copy is never reused once its checkpoint was rewritten in place. `owner`:
+    the job converting (pid, host, start time), written first into the temporary folder as OWNER, so that the
+    next start can tell a killed conversion's leftover from a live one's (gptpar.training.save_folder)."""
+    source = read_source(ckpt)
+    config, tp, pp, weight = source.model, source.tp, source.pp, source.embedding_weight
     tags = parameter_tags(config)
     if os.path.exists(out_dir):
         raise UniversalCheckpointError(f"{out_dir} exists: choose a new output folder (nothing is overwritten)")
@@ -362,8 +454,12 @@ def convert_deepspeed_checkpoint(ckpt: str, out_dir: str, log: Callable[[str], N
     shutil.rmtree(tmp, ignore_errors=True)
     step, written = None, set()
     try:
+        os.makedirs(tmp)
+        if owner is not None:
+            with open(os.path.join(tmp, OWNER), "w") as f:
+                json.dump(owner, f)
         for stage in range(pp):
-            shards = _StageShards(ckpt, stage, tp, dp, precision)
+            shards = _StageShards(source, stage)
             for group, ds_name in shards.names():
                 name = gpt_parameter_name(ds_name, pp > 1, config.num_layers, weight)
                 if name in written:  # the last stage's tied copy of the word embedding
@@ -378,20 +474,37 @@ def convert_deepspeed_checkpoint(ckpt: str, out_dir: str, log: Callable[[str], N
         missing = sorted(set(tags) - written)
         if missing:
             raise UniversalCheckpointError(f"{ckpt}: no optimizer state for {missing[:5]}: incomplete checkpoint")
-        meta = {"format": FORMAT, "version": VERSION, "model": run_config["model"], "parameters": tags,
+        parallel = source.run_config.get("parallel", {})
+        meta = {"format": FORMAT, "version": VERSION, "model": source.run_config["model"], "parameters": tags,
                 "source": {"path": os.path.abspath(ckpt), "tensor_model_parallel_size": tp,
-                           "pipeline_model_parallel_size": pp, "data_parallel_size": dp,
+                           "pipeline_model_parallel_size": pp, "data_parallel_size": source.dp,
                            "partition_method": parallel.get("partition_method"), "embedding_weight": weight,
-                           "precision": precision, "zero_stage": 1},
-                "step": step, "counters": counters or {}, "config": run_config}
+                           "precision": source.precision, "zero_stage": 1, "files": source_files},
+                "step": step, "counters": counters or {}, "config": source.run_config}
         with open(os.path.join(tmp, META), "w") as f:
             json.dump(meta, f, indent=1)
-        os.replace(tmp, out_dir)
+        if owner is not None:
+            os.remove(os.path.join(tmp, OWNER))
+        _rename_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log(f"wrote universal checkpoint {out_dir}: {len(written)} parameters, Adam step {step:g}")
     return meta
+
+
+def _rename_into_place(tmp: str, out_dir: str) -> None:
+    """Rename the finished `tmp` to `out_dir`, which must still not exist: another job converting the same
+    checkpoint into the same place at the same time is named, not mistaken for a full disk."""
+    try:
+        os.rename(tmp, out_dir)  # replaces an empty folder at most
+    except OSError as e:
+        if os.path.exists(out_dir):
+            raise UniversalCheckpointError(f"{out_dir} appeared while this job converted into it ({e.strerror}): "
+                                           "another job converted the same checkpoint at the same time; run one "
+                                           "job per checkpoint (the save folder's lock does this when they share "
+                                           "checkpoint.save)") from None
+        raise
 
 
 def _write_parameter(out: str, name: str, tag: dict, tp: int, step: float, read) -> None:
@@ -434,6 +547,7 @@ def _full_tensor(name: str, tag: dict, tp: int, read) -> torch.Tensor:
     return full
 
 
-__all__ = ["META", "STATES", "UniversalCheckpointError", "gpt_parameter_name",
+__all__ = ["META", "OWNER", "STATES", "UniversalCheckpointError", "gpt_parameter_name", "OPTIMIZER_FILES",
+           "optimizer_files", "optimizer_states_file", "Source", "read_source", "check_files",
            "parameter_tags", "deepspeed_universal_info", "is_universal", "is_deepspeed_universal", "state_path",
            "read_meta", "read_state", "read_weights", "deepspeed_parameter_names", "convert_deepspeed_checkpoint"]

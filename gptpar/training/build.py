@@ -5,6 +5,7 @@ the pp = 1 / pp > 1 dispatch lives in one place (`build_gpt`).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import random
@@ -78,6 +79,12 @@ def checkpoint_shape(cfg: Config, pstate) -> dict:
                     cfg.model.padded_vocab_size(pstate.tp_size), cfg.resolved_partition_method(pstate.pp_size))
 
 
+def saved_config(cfg: Config, pstate) -> Config:
+    """The config a checkpoint records (its config.json): the run's, with parallel.data_parallel_size resolved
+    (null in the config means "what the world size leaves"), so that the checkpoint says its own shape."""
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, data_parallel_size=pstate.dp_size))
+
+
 def build_trainer(cfg: Config, pstate, log, load_target, init_from=None):
     """Seeds, model, data sources, DeepSpeed engine and checkpointer, under one `Trainer`. `init_from`: weights
     to start from (gptpar.training.init_weights), put into the model before the engine copies them."""
@@ -103,7 +110,8 @@ def build_trainer(cfg: Config, pstate, log, load_target, init_from=None):
                           has_attention_mask=train_source.masks.has_attention_mask,
                           universal_checkpoint_info=deepspeed_universal_info(cfg.model))
     checkpointer = Checkpointer(ck.save, load_target, ck.keep_last, pstate.rank, pstate.world_size,
-                                checkpoint_shape(cfg, pstate), cfg.to_json(), log=log, device=pstate.device,
+                                checkpoint_shape(cfg, pstate), saved_config(cfg, pstate).to_json(), log=log,
+                                device=pstate.device,
                                 tp_rank=pstate.tp_rank, tp_size=pstate.tp_size,
                                 parameter_name=functools.partial(
                                     gpt_parameter_name, pipelined=pstate.pp_size > 1,
@@ -125,5 +133,5 @@ def dry_run(cfg: Config, tp: int, pp: int, dp: int) -> str:
     return report + "\n== stages of the real model (meta device) ==\n" + stage_report(cfg.model, plan, tp)
 
 
-__all__ = ["setup_environment", "seed_everything", "build_gpt", "build_model", "checkpoint_shape", "build_trainer",
-           "dry_run"]
+__all__ = ["setup_environment", "seed_everything", "build_gpt", "build_model", "checkpoint_shape", "saved_config",
+           "build_trainer", "dry_run"]

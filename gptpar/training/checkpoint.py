@@ -20,18 +20,22 @@ raises CheckpointSaveError naming the folder and the cause; `latest` stays where
 Resume: what `checkpoint.load` points at is resolved and verified before training (checkpoint_files.
 resolve_load / verify_checkpoint, then `plan_load`); the model shape stored with it must equal the current
 config's (a clear error naming the key otherwise); every other key (LR, intervals, exit conditions, ...)
-comes from the current config. A checkpoint of another parallel shape (tp, pp, dp, partitioning) is
-resumed through its universal form (gptpar.model.universal, docs/checkpoints.md): rank 0 converts it once
-into `checkpoint.universal_dir` (default: `{load folder}_universal/`, never inside the load folder) or reuses
-the copy already there, and every rank takes its slices of each parameter's fp32 master weight and Adam
-moments from it. The counters (iteration, consumed samples and tokens, the LR schedule's inputs) travel with
-it; the RNG streams are per rank and restart from the seed. A universal folder without counters (one
-DeepSpeed's ds_to_universal.py wrote, from a gptpar or a Megatron-DeepSpeed run) gives the weights, moments and
-Adam's step, and the counters and LR schedule start from 0. gptpar's own files are read with unpickling
+comes from the current config. A checkpoint of another parallel shape (tp, pp, dp, partitioning at pp > 1),
+or saved with a precision whose optimizer files this run's does not load (gptpar.model.universal.
+optimizer_files), is resumed through its universal form (gptpar.model.universal, docs/checkpoints.md): rank 0
+converts it once into `checkpoint.universal_dir` (default: `{load folder}_universal/`, never inside the load
+folder), with the save folder's lock held, or reuses the copy already there when it was converted from exactly
+these files (`checkpoint_files.fingerprint`; else it is rebuilt, in one line), and every rank takes its slices
+of each parameter's fp32 master weight and Adam moments from it. The counters (iteration, consumed samples and
+tokens, the LR schedule's inputs) travel with it; the RNG streams are per rank and restart from the seed. A
+universal folder without counters (one DeepSpeed's ds_to_universal.py wrote, from a gptpar or a Megatron-DeepSpeed
+run) gives the weights, moments and Adam's step, and the counters and LR schedule start from 0. gptpar's own files are read with unpickling
 disabled (`weights_only=True`); DeepSpeed's per-rank files are pickles, which its engine loads itself.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import pickle
 import random
@@ -46,8 +50,10 @@ import torch.distributed as dist
 from gptpar.model import universal
 from gptpar.model.config import GPTConfig
 from gptpar.model.sharding import shard_tensor
+from gptpar.model.weight_files import load_torch_file
 from gptpar.training.checkpoint_files import (CONFIG, LATEST, TAG_RE, CheckpointError, LoadTarget,
-                                              complete_checkpoints, read_latest, saved_world_size, state_file, tag_of,
+                                              complete_checkpoints, describe_write_failure, fingerprint,
+                                              is_write_failure, read_latest, saved_world_size, state_file, tag_of,
                                               verify_checkpoint, write_latest, write_manifest)
 
 FORMAT_VERSION = 3  # 2: a manifest marks a complete checkpoint; 3: numpy's RNG state saved as a tensor
@@ -89,9 +95,15 @@ def check_shape(saved: dict, current: dict, where: str) -> None:
     def unrecorded(section, key):
         return key not in saved.get(section, {}) and key in _ADDED_SHAPE_KEYS and _ADDED_SHAPE_KEYS[key] is None
 
+    def same(section, key, value):
+        if (section, key) == ("parallel", "partition_method") and \
+                not partitioning_counts(saved.get("parallel", {}), current.get("parallel", {})):
+            return True
+        return saved_value(section, key) == value
+
     diffs = [f"{section}.{key}: checkpoint {saved_value(section, key)!r}, config {value!r}"
              for section, values in current.items() for key, value in values.items()
-             if saved_value(section, key) != value and not unrecorded(section, key)]
+             if not same(section, key, value) and not unrecorded(section, key)]
     if diffs:
         raise CheckpointError(f"checkpoint {where} does not fit this config's model/parallel shape or optimizer:\n  "
                               + "\n  ".join(diffs)
@@ -105,7 +117,7 @@ def read_rank_state(path: str, rank: int = 0) -> dict:
     file = os.path.join(path, state_file(rank))
     try:
         with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
-            return torch.load(file, map_location="cpu", weights_only=True)
+            return load_torch_file(file, CheckpointError, ": resume from an earlier checkpoint", weights_only=True)
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"{file} holds more than tensors and plain values, so gptpar does not unpickle it "
                               f"({str(e).splitlines()[0]}): it is not a gptpar checkpoint's rank file") from None
@@ -127,80 +139,148 @@ def parallel_sizes(shape: dict) -> Tuple[int, int, int]:
     return (p["tensor_model_parallel_size"], p["pipeline_model_parallel_size"], p["data_parallel_size"])
 
 
+def partitioning_counts(saved: dict, current: dict) -> bool:
+    """Whether the pipeline partitioning of two `parallel` shape sections matters: not when both have one stage
+    (a changed partition_method at pp = 1 lays nothing out differently)."""
+    return not saved.get("pipeline_model_parallel_size") == current.get("pipeline_model_parallel_size") == 1
+
+
+def same_layout(saved: dict, current: dict) -> bool:
+    """Whether two shapes' `parallel` sections lay the weights and optimizer files out alike: every key equal,
+    the partitioning only where it counts."""
+    ignored = set() if partitioning_counts(saved, current) else {"partition_method"}
+    return {k: v for k, v in saved.items() if k not in ignored} == \
+        {k: v for k, v in current.items() if k not in ignored}
+
+
+def saved_precision(path: str) -> str:
+    """The training.precision checkpoint folder `path` was saved with (its config.json; fp32 when unrecorded)."""
+    try:
+        with open(os.path.join(path, CONFIG)) as f:
+            return json.load(f).get("training", {}).get("precision", "fp32")
+    except (OSError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{os.path.join(path, CONFIG)} is unreadable ({e}): resume from an earlier "
+                              "checkpoint") from None
+
+
+@dataclass(frozen=True)
+class UniversalCopy:
+    """A universal copy still to write before training (`write_universal_copy`, with the save folder's lock
+    held): checkpoint `source` converted into `out`, carrying `counters`. `reason` starts the line printed once
+    it is written; `stale`, when set, is the line saying why the earlier copy at `out` is replaced."""
+
+    source: LoadTarget
+    out: str
+    counters: dict
+    reason: str
+    stale: Optional[str] = None
+
+
 def plan_load(target: LoadTarget, shape: dict, world_size: int, universal_dir: Optional[str], precision: str,
-              log: Callable[[str], None], model_config: Optional[GPTConfig] = None) -> LoadTarget:
-    """What this run loads for `target` (rank 0, before the model is built): the checkpoint itself when its
-    shape is this run's, else its universal copy, converted now or found in `universal_dir` (default
-    `{target.directory}_universal`) under the checkpoint's tag. Raises CheckpointError for another model shape
-    or a universal copy that cannot be used; never writes inside `target.directory`. `model_config`: the
-    run's model, the shape of a universal folder DeepSpeed wrote (its names and shapes are checked here)."""
+              log: Callable[[str], None],
+              model_config: Optional[GPTConfig] = None) -> Tuple[LoadTarget, Optional[UniversalCopy]]:
+    """What this run loads for `target` (rank 0, before the model is built; reads, never writes): (the target to
+    load, the universal copy still to write or None). The checkpoint itself when its files fit this run: the
+    same model, parallel layout (tp, pp, dp, partitioning, ZeRO stage) and kind of optimizer files
+    (gptpar.model.universal.optimizer_files of training.precision); else its universal copy in `universal_dir`
+    (default `{target.directory}_universal`) under the checkpoint's tag: the one there when it was converted
+    from exactly these files (checkpoint_files.fingerprint), else one to write. Raises CheckpointError for
+    another model shape, a checkpoint that cannot be converted, or a universal copy that cannot be used; never
+    writes inside `target.directory`. `model_config`: the run's model, the shape of a universal folder DeepSpeed
+    wrote (its names and shapes are checked here)."""
     model = {"model": {k: v for k, v in shape["model"].items() if k != "padded_vocab_size"},
              "training": shape["training"]}  # a universal copy holds AdamW's moments (the default)
     to = parallel_sizes(shape)
     if target.universal is not None:
         meta = _read_universal_meta(target.universal, model_config)
         check_shape({"model": meta["model"]}, model, target.universal)
+        _universal_call(universal.check_files, target.universal, meta)  # every file whole, before the engine
         iteration = meta["counters"].get("iteration")
         carried = (f"iteration {iteration}" if iteration is not None else "no counters in it (written by DeepSpeed, "
                    "or converted without gptpar's rank files): its weights, Adam moments and step, with iteration, "
                    "consumed samples and the LR schedule starting from 0")
         log(f"loading universal checkpoint {target.universal} ({carried}) at (tp, pp, dp) = {to}")
-        return target
+        return target, None
     verify_checkpoint(target, saved_world_size(target, world_size))  # every file there and whole, first
     saved = read_rank_state(target.path)
     check_shape(saved["shape"], model, target.path)
-    if saved["shape"]["parallel"] == shape["parallel"] and saved["shape"]["model"] == shape["model"]:
-        return target
+    was = saved_precision(target.path)
+    layout = same_layout(saved["shape"]["parallel"], shape["parallel"]) and saved["shape"]["model"] == shape["model"]
+    files = universal.optimizer_files(was) == universal.optimizer_files(precision)
+    if layout and files:
+        return target, None
     source = parallel_sizes(saved["shape"])
+    if layout:
+        what = (f"it was saved with training.precision={was}, whose optimizer files a {precision} run does not "
+                "load")
+        fix = f"resume it with training.precision={was}"
+        reason = (f"checkpoint {target.path} was saved with training.precision={was}, whose optimizer files a "
+                  f"{precision} run does not load: going through its universal form")
+    else:
+        what = "it has another parallel shape"
+        fix = f"resume it at the shape it was saved with, (tp, pp, dp) = {source}"
+        reason = f"reshaping checkpoint {target.path} from (tp,pp,dp) {source} to {to}"
     if precision == "fp16":
-        raise CheckpointError(f"checkpoint {target.path} has another parallel shape, and training.precision=fp16 "
-                              "cannot be reshaped (its dynamic loss scale is not carried): resume it at the "
-                              f"shape it was saved with, (tp, pp, dp) = {source}")
+        raise CheckpointError(f"checkpoint {target.path}: {what}, and a training.precision=fp16 run cannot start "
+                              f"from its universal form (the dynamic loss scale is not carried): {fix}")
     if shape["training"]["optimizer"] != "adamw":
-        raise CheckpointError(f"checkpoint {target.path} has another parallel shape, and training.optimizer="
-                              f"{shape['training']['optimizer']} state cannot be reshaped (the universal form "
-                              "carries AdamW's fp32 moments, not bitsandbytes' block-quantised ones): resume it at "
-                              f"the shape it was saved with, (tp, pp, dp) = {source}")
-    out, how = universal_copy(target, saved, universal_dir, log)
-    log(f"reshaping checkpoint {target.path} from (tp,pp,dp) {source} to {to}: {how} {out}")
-    return LoadTarget(target.directory, target.tag, universal=out)
-
-
-def universal_copy(target: LoadTarget, saved: dict, universal_dir: Optional[str], log) -> Tuple[str, str]:
-    """(the folder of `target`'s universal copy, how it was obtained): the one already in `universal_dir`
-    (default `{target.directory}_universal`) under the checkpoint's tag, else converted there now (`saved`:
-    the checkpoint's rank-0 state, whose counters the copy carries)."""
+        raise CheckpointError(f"checkpoint {target.path}: {what}, and training.optimizer="
+                              f"{shape['training']['optimizer']} state cannot be reshaped through the universal form "
+                              "(it carries AdamW's fp32 moments, not bitsandbytes' block-quantised ones): " + fix)
+    _universal_call(universal.read_source, target.path)  # refuses what cannot be converted, before any folder
     out = os.path.join(universal_dir or f"{target.directory}_universal", target.tag)
     inside = os.path.commonpath([os.path.abspath(out), os.path.abspath(target.directory)])
     if inside == os.path.abspath(target.directory):
         raise CheckpointError(f"checkpoint.universal_dir puts the universal copy at {out}, inside the checkpoint "
                               f"folder {target.directory}: give it a folder outside it (nothing is written there)")
+    copy = UniversalCopy(target, out, carried_counters(saved), reason)
     if universal.is_universal(out):
         meta = _read_universal_meta(out)
-        counters = carried_counters(saved)
-        if meta["source"]["path"] != os.path.abspath(target.path) or meta["counters"] != counters:
-            raise CheckpointError(f"{out} holds the universal copy of {meta['source']['path']} at iteration "
-                                  f"{meta['counters'].get('iteration')}, not of {target.path} at iteration "
-                                  f"{counters.get('iteration')}: delete it or set checkpoint.universal_dir elsewhere")
-        how = "read from its existing universal copy"
-    else:
-        try:
-            os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-            universal.convert_deepspeed_checkpoint(target.path, out, log, counters=carried_counters(saved))
-        except universal.UniversalCheckpointError as e:
-            raise CheckpointError(str(e)) from None
-        except OSError as e:  # a full disk, no permission: nothing is left behind (the converter cleans up)
-            raise CheckpointError(f"could not write the universal copy {out} ({e}): free space there (it takes "
-                                  "12 bytes per parameter) or set checkpoint.universal_dir to another folder") from None
-        how = "converted to its universal copy"
-    return out, how
+        if meta["source"]["path"] != os.path.abspath(target.path):
+            raise CheckpointError(f"{out} holds the universal copy of {meta['source']['path']}, not of "
+                                  f"{target.path}: delete it or set checkpoint.universal_dir elsewhere")
+        if meta["source"].get("files") == fingerprint(target.path):
+            log(f"{reason}: read from its existing universal copy {out}")
+            return LoadTarget(target.directory, target.tag, universal=out), None
+        copy = dataclasses.replace(copy, stale=(
+            f"the universal copy {out} was converted from other files than {target.path} holds now (rewritten in "
+            "place since, e.g. re-saved after a rollback; or converted by an older gptpar): rebuilding it"))
+    return LoadTarget(target.directory, target.tag, universal=out), copy
+
+
+def write_universal_copy(copy: UniversalCopy, log: Callable[[str], None], owner: Optional[dict] = None) -> None:
+    """Convert `copy.source` into `copy.out` (rank 0, after plan_load, with the save folder's lock held),
+    replacing a stale copy first. A write that fails (a full disk) raises CheckpointError saying so, as a
+    failed save does; nothing is left behind (the converter removes its temporary folder). `owner`: the job,
+    recorded in the temporary folder while it is written (gptpar.model.universal.convert_deepspeed_checkpoint)."""
+    parent = os.path.dirname(os.path.abspath(copy.out))
+    try:
+        if copy.stale:
+            log(copy.stale)
+            shutil.rmtree(copy.out)
+        os.makedirs(parent, exist_ok=True)
+        universal.convert_deepspeed_checkpoint(copy.source.path, copy.out, log, counters=copy.counters,
+                                               source_files=fingerprint(copy.source.path), owner=owner)
+    except universal.UniversalCheckpointError as e:
+        raise CheckpointError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - a full disk, no permission: torch's writer raises RuntimeError
+        if not is_write_failure(e):
+            raise
+        raise CheckpointError(f"could not write the universal copy {copy.out}: {describe_write_failure(parent, e)}. "
+                              "Free space there (the copy takes 12 bytes per parameter) or set "
+                              "checkpoint.universal_dir to another folder, then start again") from None
+    log(f"{copy.reason}: converted to its universal copy {copy.out}")
+
+
+def _universal_call(function, *args):
+    try:
+        return function(*args)
+    except universal.UniversalCheckpointError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _read_universal_meta(directory: str, model_config: Optional[GPTConfig] = None) -> dict:
-    try:
-        return universal.read_meta(directory, model_config)
-    except universal.UniversalCheckpointError as e:
-        raise CheckpointError(str(e)) from None
+    return _universal_call(universal.read_meta, directory, model_config)
 
 
 def rng_states(tracker) -> dict:
@@ -348,20 +428,14 @@ class _SaveFailure:
 
 def describe_save_failure(save_dir: str, tag: str, rank: int, exc: BaseException) -> str:
     """Where and why a save failed, the free space left, and what `latest` still points at."""
-    cause = f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, RuntimeError) and "unexpected pos" in str(exc):
-        cause += " (torch's writer wrote fewer bytes than asked: usually a full disk)"
-    try:
-        free = f"{shutil.disk_usage(save_dir).free / 2 ** 20:.1f} MiB free there now"
-    except OSError as e:
-        free = f"free space unknown ({e.strerror})"
     try:
         kept = read_latest(save_dir)
     except CheckpointError:
         kept = None
     intact = f"`latest` still points at {kept}" if kept else "no earlier checkpoint there"
-    return (f"rank {rank} could not save checkpoint {tag} in {save_dir}: {cause}; {free}; {intact}. Free space "
-            "or set checkpoint.save to another folder, then resume (the partial folder is deleted at the next start)")
+    return (f"rank {rank} could not save checkpoint {tag} in {save_dir}: {describe_write_failure(save_dir, exc)}; "
+            f"{intact}. Free space or set checkpoint.save to another folder, then resume (the partial folder is "
+            "deleted at the next start)")
 
 
 def _agree_or_raise(errors: list, device) -> None:
@@ -377,5 +451,6 @@ def _agree_or_raise(errors: list, device) -> None:
 
 
 __all__ = ["Checkpointer", "CheckpointError", "CheckpointSaveError", "LoadTarget", "LATEST", "read_latest",
-           "write_latest", "tag_of", "shape_of", "check_shape", "read_rank_state", "carried_counters", "plan_load",
+           "write_latest", "tag_of", "shape_of", "check_shape", "read_rank_state", "carried_counters",
+           "partitioning_counts", "same_layout", "saved_precision", "UniversalCopy", "plan_load", "write_universal_copy",
            "rng_states", "set_rng_states"]

@@ -17,11 +17,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import zipfile
+import shutil
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from gptpar.model.universal import is_deepspeed_universal, is_universal
+from gptpar.model.weight_files import file_problem
 
 LATEST = "latest"
 TAG_RE = re.compile(r"^iter_(\d{7,})$")
@@ -86,6 +87,20 @@ def list_files(path: str) -> Dict[str, int]:
         for name in names:
             full = os.path.join(root, name)
             out[os.path.relpath(full, path)] = os.path.getsize(full)
+    return out
+
+
+def fingerprint(path: str) -> Dict[str, List[int]]:
+    """{relative path: [size, modification time (ns), inode number]} of every file under checkpoint `path`:
+    what a universal copy records of the files it was converted from, to tell whether they were rewritten since
+    (a checkpoint re-saved in place after a rollback). Stat calls only, however large the checkpoint: the
+    manifest is written under a temporary name and renamed over the old one at every save, so it gets a new
+    inode number even where the clock is too coarse to change a modification time, and any file DeepSpeed
+    rewrote gets a new modification time."""
+    out = {}
+    for rel in sorted(list_files(path)):
+        st = os.stat(os.path.join(path, rel))
+        out[rel] = [st.st_size, st.st_mtime_ns, st.st_ino]
     return out
 
 
@@ -239,8 +254,9 @@ def verify_checkpoint(target: LoadTarget, world_size: int) -> None:
                             "or not by gptpar?)")
     for rel in sorted(list_files(path)):
         full = os.path.join(path, rel)
-        if rel.endswith(".pt") and os.path.isfile(full) and not _opens_as_zip(full):
-            problems.append(f"{full} is not a whole torch file (truncated or corrupt)")
+        problem = file_problem(full) if rel.endswith(".pt") else None
+        if problem:
+            problems.append(f"{full} {problem}")
     if problems:
         raise CheckpointError(f"checkpoint {path} is damaged:\n  " + "\n  ".join(dict.fromkeys(problems))
                               + f"\n{fix}")
@@ -256,12 +272,28 @@ def saved_world_size(target: LoadTarget, default: int) -> int:
         return default
 
 
-def _opens_as_zip(path: str) -> bool:
+def is_write_failure(exc: BaseException) -> bool:
+    """Whether `exc` is the file system refusing a write (full, read-only, file too large): an OSError, torch's
+    writer's RuntimeError ("unexpected pos", "PytorchStreamWriter failed"), safetensors' I/O error."""
+    text = str(exc)
+    return (isinstance(exc, OSError)
+            or (isinstance(exc, RuntimeError) and ("unexpected pos" in text or "PytorchStreamWriter" in text))
+            or (type(exc).__name__ == "SafetensorError" and "I/O error" in text))
+
+
+def describe_write_failure(folder: str, exc: BaseException) -> str:
+    """What a failed write says, wherever gptpar writes (a checkpoint, a universal copy, a converted model):
+    the cause (torch's "unexpected pos" explained) and the free space left in `folder`."""
+    cause = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, RuntimeError) and "unexpected pos" in str(exc):
+        cause += " (torch's writer wrote fewer bytes than asked: usually a full disk)"
+    while folder and not os.path.isdir(folder):
+        folder = os.path.dirname(folder)
     try:
-        with zipfile.ZipFile(path):
-            return True
-    except (OSError, zipfile.BadZipFile):
-        return False
+        free = f"{shutil.disk_usage(folder or '.').free / 2 ** 20:.1f} MiB free there now"
+    except OSError as e:
+        free = f"free space unknown ({e.strerror})"
+    return f"{cause}; {free}"
 
 
 def _choices(directory: str, exclude: Optional[str] = None) -> str:
@@ -272,6 +304,7 @@ def _choices(directory: str, exclude: Optional[str] = None) -> str:
 
 
 __all__ = ["LATEST", "TAG_RE", "MANIFEST", "LOCK", "CheckpointError", "LoadTarget", "tag_of", "state_file",
-           "read_latest", "write_synced", "write_latest", "write_manifest", "list_files", "is_weights_only",
+           "read_latest", "write_synced", "write_latest", "write_manifest", "list_files", "fingerprint",
+           "is_write_failure", "describe_write_failure", "is_weights_only",
            "is_complete", "is_own_entry", "partial_checkpoints", "complete_checkpoints", "resolve_load",
            "verify_checkpoint", "saved_world_size"]

@@ -163,8 +163,12 @@ class ParallelConfig:
                                                "% pp == 0.")
     sequence_parallel: bool = _f(False, "Megatron sequence parallelism inside tensor-parallel regions "
                                         "(needs seq_length % tp == 0).")
-    distributed_timeout_minutes: float = _f(30.0, "Process-group timeout: a stalled rank ends the run with an "
-                                                  "error after this long instead of hanging.")
+    distributed_timeout_minutes: float = _f(30.0, "Process-group timeout: a stalled (or stopped) rank ends the "
+                                                  "run with one line naming this field after this long instead "
+                                                  "of hanging. Also bounds the save the ranks make when "
+                                                  "DeepSpeed's runner is gone. The preflight's wait for rank 0 (a "
+                                                  "universal conversion, a first scan of the data) is not bounded "
+                                                  "by it: the others poll.")
 
     def __post_init__(self):
         _check_fields("parallel", self)
@@ -428,9 +432,11 @@ class CheckpointConfig:
                                         "itself. The model fields must match the weights' shape (vocab_size may "
                                         "be larger).")
     universal_dir: Optional[str] = _f(None, "Where resuming a checkpoint of another parallel shape (tp, pp, dp, "
-                                            "partitioning) writes its universal copy, or finds the one written "
-                                            "before: `{universal_dir}/{tag}`. null = `{load folder}_universal` "
-                                            "beside the load folder (never inside it). See docs/checkpoints.md.")
+                                            "partitioning) or of another precision's optimizer files writes its "
+                                            "universal copy, or finds the one written before from the same files "
+                                            "(one made from files since rewritten is rebuilt): "
+                                            "`{universal_dir}/{tag}`. null = `{load folder}_universal` beside the "
+                                            "load folder (never inside it). See docs/checkpoints.md.")
     save_interval: Optional[int] = _f(None, "Save every this many iterations (and always at exit); "
                                             "null = only at exit.")
     keep_last: Optional[int] = _f(None, "Keep only the newest K checkpoints; null = keep all.")
@@ -670,13 +676,29 @@ def _set_nested(obj: dict, dotted: str, value: Any, item: str) -> None:
     obj[last] = value
 
 
+def unique_keys(pairs: Sequence[Tuple[str, Any]]) -> dict:
+    """json's object_pairs_hook: a JSON object as a dict, refusing a key given twice, which a JSON reader would
+    otherwise collapse to its last value without a word (two validation sets under one name, for instance)."""
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            names = ", ".join(repr(k) for k, _ in pairs)
+            raise ConfigError(f"the key {key!r} appears twice in one JSON object (keys {names}): a JSON reader keeps "
+                              "only the last, so the other would be dropped without a word; give each key once "
+                              "(each data.valid_data_path set its own name)")
+        seen.add(key)
+    return dict(pairs)
+
+
 def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> Config:
     """Read a JSON config (None = all defaults) and apply `section.key=value` overrides."""
     d = {}
     if path is not None:
         try:
             with open(path) as f:
-                d = json.load(f)
+                d = json.load(f, object_pairs_hook=unique_keys)
+        except ConfigError as e:
+            raise ConfigError(f"config file {path}: {e}") from None
         except FileNotFoundError:
             raise ConfigError(f"config file {path} not found: pass --config configs/<name>.json") from None
         except json.JSONDecodeError as e:
@@ -709,7 +731,9 @@ def parse_override(item: str) -> Tuple[str, str, Any]:
     if key not in known:
         raise _unknown_key(section, key, known, f" in override {item!r}")
     try:
-        value = json.loads(raw)
+        value = json.loads(raw, object_pairs_hook=unique_keys)
+    except ConfigError as e:
+        raise ConfigError(f"override {item!r}: {e}") from None
     except json.JSONDecodeError:
         return section, key, raw
     tp = typing.get_type_hints(cls).get(key, Any)
@@ -721,4 +745,4 @@ def parse_override(item: str) -> Tuple[str, str, Any]:
 __all__ = ["ConfigError", "Accelerator", "OPTIMIZERS", "package_installed", "Config", "ParallelConfig",
            "TrainingConfig", "DataConfig", "CheckpointConfig",
            "LoggingConfig", "GPTConfig", "SECTIONS", "DEEPSPEED_SECTION", "ALL_SECTIONS", "REMOVED_KEYS",
-           "MODEL_DOCS", "load_config", "config_from_dict", "parse_override"]
+           "MODEL_DOCS", "load_config", "config_from_dict", "parse_override", "unique_keys"]

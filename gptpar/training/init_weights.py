@@ -51,8 +51,9 @@ def choose_start(init_from: Optional[str], target: Optional[LoadTarget],
 
 
 def check_weights_fit(path: str, model: GPTConfig, field: str = "checkpoint.init_from") -> None:
-    """CheckpointError unless the weights at `path` exist and have `model`'s shape (every differing field named)."""
-    from gptpar.model.convert import ConversionError, read_weights_config
+    """CheckpointError unless the weights at `path` exist, have `model`'s shape (every differing field named) and
+    every file that will be read is whole (gptpar.model.convert.check_weight_files): before anything is built."""
+    from gptpar.model.convert import ConversionError, check_weight_files, read_weights_config
 
     if not os.path.exists(path):
         raise CheckpointError(f"{field} {path} does not exist: give a gptpar checkpoint (its save folder or an "
@@ -70,6 +71,10 @@ def check_weights_fit(path: str, model: GPTConfig, field: str = "checkpoint.init
     if diffs:
         raise CheckpointError(f"{field} {path} holds a model of another shape:\n  " + "\n  ".join(diffs)
                               + "\nset these model fields to the weights' values, or start from other weights")
+    try:
+        check_weight_files(path, config=model)
+    except ConversionError as e:
+        raise CheckpointError(f"{field} {path}: {e}") from None
 
 
 def load_initial_weights(model, cfg, pstate, path: str) -> None:

@@ -1,4 +1,5 @@
-"""Ranks die with their launcher: a rank whose launcher is gone exits at once, without saving.
+"""Ranks die with their launcher: a rank whose launcher is gone exits at once, without saving; a rank whose
+DeepSpeed runner is gone while DeepSpeed's launch.py lives saves first, then exits.
 
 torchrun starts each rank in its own session, and DeepSpeed's runner starts launch.py which starts the ranks,
 so `kill -9` of the launcher (or of its process group) leaves the ranks running: they keep training and
@@ -7,9 +8,25 @@ records, at start, the launcher processes above it and a daemon thread checks ev
 they still exist:
 
     torchrun              agent -> rank                 watches the agent (its parent)
-    deepspeed             runner -> launch.py -> rank   watches launch.py and the runner (its grandparent)
+    deepspeed             runner -> launch.py -> rank   watches launch.py (its parent) and the runner (its
+                                                        grandparent)
     python / srun / tests (no launcher)                  watches nothing: a shell or a test harness dying
                                                          must not end a run started under nohup
+
+What a rank does when one is gone:
+
+    its parent (torchrun's agent, launch.py)     exit at once (exit 1), without saving: nothing above the rank
+                                                 is left to stop it, and a save may race the next job
+    the deepspeed runner, launch.py still alive  save after the current iteration, then exit 0 (as for SIGTERM);
+                                                 if that has not happened within `save_seconds`
+                                                 (parallel.distributed_timeout_minutes), exit 1 without saving.
+                                                 Before training started (nothing to save) it exits at once.
+
+Why the second: DeepSpeed 0.19.8's runner installs its signal handlers only for multi-node PDSH launches, so on
+one node `kill PID` (SIGTERM) of the runner ends the runner alone while launch.py and the ranks go on; a rank
+cannot tell that from `kill -9` of the runner. Either way launch.py still holds the ranks, nothing else writes
+the save folder yet, and the user asked the job to stop: so the ranks save what they trained, as SIGTERM to
+the ranks or to launch.py (which passes it on) makes them do.
 
 prctl(PR_SET_PDEATHSIG) is not used: it covers only the direct parent (not DeepSpeed's runner), fires when
 the parent *thread* that forked exits, and is Linux-only. A process counts as gone when it no longer
@@ -21,7 +38,8 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import List, Optional, Tuple
+import time
+from typing import Callable, List, Optional, Tuple
 
 TORCHRUN_MARKERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch", "torch/distributed/run.py")
 DEEPSPEED_LAUNCH_MARKERS = ("deepspeed.launcher.launch", "deepspeed/launcher/launch.py")
@@ -46,7 +64,8 @@ def _cmdline(pid: int) -> str:
 
 
 def launcher_chain(ppid: Optional[int] = None, environ=None) -> List[Tuple[int, int, str]]:
-    """[(pid, start ticks, command)] of the launcher processes this rank must not outlive (see the docstring)."""
+    """[(pid, start ticks, command)] of the launcher processes this rank must not outlive (see the docstring):
+    its parent first, then (under DeepSpeed) the runner above launch.py."""
     environ = os.environ if environ is None else environ
     ppid = os.getppid() if ppid is None else ppid
     parent, command = proc_stat(ppid), _cmdline(ppid)
@@ -69,11 +88,15 @@ def gone(pid: int, start_ticks: int) -> bool:
 
 
 class LauncherWatch:
-    """The daemon thread; `start()` returns at once, the thread ends the process if a launcher dies."""
+    """The daemon thread; `start()` returns at once, the thread ends the process when its parent launcher dies,
+    or asks for a save and then ends it when a launcher above the parent (DeepSpeed's runner) dies."""
 
-    def __init__(self, chain: List[Tuple[int, int, str]], interval: float = 0.5, label: str = "rank"):
-        self.chain, self.interval, self.label = chain, interval, label
+    def __init__(self, chain: List[Tuple[int, int, str]], interval: float = 0.5, label: str = "rank",
+                 save_seconds: float = 1800.0):
+        self.chain, self.interval, self.label, self.save_seconds = chain, interval, label, save_seconds
         self.parent = os.getppid()
+        self.request_save: Optional[Callable[[str], None]] = None
+        self.saving_since: Optional[float] = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -86,25 +109,57 @@ class LauncherWatch:
     def stop(self) -> None:
         self._stop.set()
 
+    def save_with(self, request_save: Callable[[str], None]) -> None:
+        """From now on (training has started), a runner gone while the parent lives calls `request_save(reason)`
+        (gptpar.training.trainer.StopSignals.request) instead of ending the process at once."""
+        self.request_save = request_save
+
     def dead_launcher(self) -> Optional[Tuple[int, int, str]]:
-        if self.chain and os.getppid() != self.parent:
+        """The parent launcher, when it is gone (or this rank was re-parented)."""
+        if self.chain and (os.getppid() != self.parent or gone(*self.chain[0][:2])):
             return self.chain[0]
-        return next((entry for entry in self.chain if gone(entry[0], entry[1])), None)
+        return None
+
+    def dead_runner(self) -> Optional[Tuple[int, int, str]]:
+        """A launcher above the parent (DeepSpeed's runner), when it is gone."""
+        return next((entry for entry in self.chain[1:] if gone(entry[0], entry[1])), None)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             dead = self.dead_launcher()
             if dead is not None:
-                pid, _, command = dead
-                sys.stderr.write(f"pretrain_gpt.py: {self.label} {os.getpid()}: its launcher (pid {pid}: "
-                                 f"{command[:120]}) is gone; exiting without saving\n")
-                sys.stderr.flush()
-                os._exit(1)  # at once, from any state: no save, no collective, no atexit handlers
+                self._exit(f"its launcher (pid {dead[0]}: {dead[2][:120]}) is gone; exiting without saving")
+            if self.saving_since is None:
+                runner = self.dead_runner()
+                if runner is not None:
+                    self._runner_gone(runner)
+            elif time.monotonic() - self.saving_since > self.save_seconds:
+                self._exit(f"the save asked for when its runner went away did not finish within "
+                           f"{self.save_seconds:g} s (parallel.distributed_timeout_minutes); exiting without saving")
+
+    def _runner_gone(self, runner: Tuple[int, int, str]) -> None:
+        pid, _, command = runner
+        what = (f"its launcher's runner (pid {pid}: {command[:120]}) is gone while launch.py (pid "
+                f"{self.chain[0][0]}) lives")
+        if self.request_save is None:
+            self._exit(f"{what}; nothing trained yet: exiting without saving")
+        self.saving_since = time.monotonic()
+        self._say(f"{what}: saving after the current iteration, then exiting (within {self.save_seconds:g} s)")
+        self.request_save(f"the deepspeed runner (pid {pid}) is gone (killed, or sent SIGTERM, which it does not "
+                          "pass on when it runs on one node)")
+
+    def _say(self, message: str) -> None:
+        sys.stderr.write(f"pretrain_gpt.py: {self.label} {os.getpid()}: {message}\n")
+        sys.stderr.flush()
+
+    def _exit(self, message: str) -> None:
+        self._say(message)
+        os._exit(1)  # at once, from any state: no save, no collective, no atexit handlers
 
 
-def watch_launcher(label: str = "rank") -> LauncherWatch:
+def watch_launcher(label: str = "rank", save_seconds: float = 1800.0) -> LauncherWatch:
     """Start watching the launcher of this process (nothing to watch without one)."""
-    return LauncherWatch(launcher_chain(), label=label).start()
+    return LauncherWatch(launcher_chain(), label=label, save_seconds=save_seconds).start()
 
 
 __all__ = ["LauncherWatch", "watch_launcher", "launcher_chain", "gone", "proc_stat"]

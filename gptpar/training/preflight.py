@@ -1,34 +1,43 @@
 """Checks before the model is built: what checkpoint.load means, whether the data fits the model, and
 whether checkpoint.save can take this run. Rank 0 checks, every rank gets the outcome (one broadcast),
-so all ranks stop with the same message or go on with the same checkpoint to load.
+so all ranks stop with the same message or go on with the same checkpoint to load. The others wait for rank 0
+in a polled barrier (`wait_for_rank0`), never in one long collective: a conversion or a first scan of a large
+dataset may take longer than parallel.distributed_timeout_minutes.
 
 Order, so that a refused run changes nothing in checkpoint.save (not even a modification time):
     0. training.kill_switch_path exists?                 -> stop: exit 0 before anything is built
     1. another live job holds checkpoint.save?          (read-only)  gptpar.training.save_folder.peek_lock
-    2. checkpoint.load resolved and verified             (read-only)  gptpar.training.checkpoint_files; at another
-       parallel shape, converted to its universal copy outside the load folder (gptpar.training.checkpoint.plan_load);
-       or, without a checkpoint to resume, checkpoint.init_from (or a weights-only checkpoint.load) checked
-       against the model's shape                         (read-only)  gptpar.training.init_weights
+    2. checkpoint.load resolved and verified             (read-only)  gptpar.training.checkpoint_files; a universal
+       folder's files checked; at another parallel shape or kind of optimizer files, its universal copy planned
+       (gptpar.training.checkpoint.plan_load: an existing copy of exactly these files is reused, else one is
+       written in step 6); or, without a checkpoint to resume, checkpoint.init_from (or a weights-only
+       checkpoint.load) checked against the model's shape, every file it will read whole
+                                                         (read-only)  gptpar.training.init_weights
     3. checkpoint.save holding another run's checkpoints (read-only)
     4. every dataset's largest token id (data_path's and valid_data_path's) and the tokenizer's vocabulary
        < model.vocab_size (caches beside the data, gptpar.data.token_stats)
     5. checkpoint.save: lock, probe, leftovers, free space          gptpar.training.save_folder
+    6. with the lock held: killed conversions' temporary folders removed from the universal folder, and the
+       universal copy written (gptpar.training.checkpoint.write_universal_copy), so that two jobs on one save
+       folder never convert at once
 """
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import torch
 import torch.distributed as dist
 
 from gptpar.data.indexed import DataError
-from gptpar.training.checkpoint import plan_load
+from gptpar.training.checkpoint import plan_load, write_universal_copy
 from gptpar.training.checkpoint_files import (CheckpointError, LoadTarget, complete_checkpoints, read_latest,
                                               resolve_load)
 from gptpar.training.init_weights import check_weights_fit, choose_start
-from gptpar.training.save_folder import (JobLock, check_free_space, checkpoint_bytes, clean_leftovers,
-                                         peek_lock, probe_writable)
+from gptpar.training.save_folder import (JobLock, check_free_space, checkpoint_bytes, clean_conversion_leftovers,
+                                         clean_leftovers, peek_lock, probe_writable, this_job)
 
 
 @dataclass
@@ -49,42 +58,68 @@ class Preflight:
 
 def run_preflight(cfg, pstate, shape: dict, log: Callable[[str], None]) -> Preflight:
     """Collective: rank 0 checks, the others wait for its verdict. Raises CheckpointError or DataError."""
-    outcome, lock = None, None
-    if pstate.rank == 0:
+    def decide():
         try:
             kill = cfg.training.kill_switch_path
             if kill is not None and os.path.exists(kill):  # as Megatron-DeepSpeed: exit 0 before training
-                outcome = ("stop", f"kill switch {kill} exists (training.kill_switch_path): exiting before "
-                                   "training; remove the file to start or resume the run")
-            else:
-                target, init_from, lock = check_on_rank0(cfg, pstate.world_size, pstate.tp_size, pstate.pp_size,
-                                                         shape, log)
-                outcome = ("ok", (target, init_from))
+                return ("stop", f"kill switch {kill} exists (training.kill_switch_path): exiting before training; "
+                                "remove the file to start or resume the run")
+            target, init_from, lock = check_on_rank0(cfg, pstate.world_size, pstate.tp_size, pstate.pp_size, shape,
+                                                     log)
+            held.append(lock)
+            return ("ok", (target, init_from))
         except (CheckpointError, DataError) as e:
-            outcome = (type(e).__name__, str(e))
-        except Exception as e:  # noqa: BLE001 - any surprise must still reach the other ranks, not hang them
-            outcome = ("RuntimeError", f"{type(e).__name__}: {e}")
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [outcome]
-        dist.broadcast_object_list(box, src=0, device=pstate.device if pstate.device.type != "cpu" else None)
-        outcome = box[0]
-    kind, value = outcome
+            return (type(e).__name__, str(e))
+        except BaseException as e:  # noqa: BLE001 - any surprise must still reach the other ranks, not hang them
+            return ("RuntimeError", f"{type(e).__name__}: {e}")
+
+    held = []  # rank 0's lock
+    kind, value = wait_for_rank0(decide, pstate)
     if kind == "ok":
-        return Preflight(value[0], lock, init_from=value[1])
+        return Preflight(value[0], held[0] if held else None, init_from=value[1])
     if kind == "stop":
         return Preflight(None, stop=value)
     raise {"DataError": DataError, "RuntimeError": RuntimeError}.get(kind, CheckpointError)(value)
 
 
+def wait_for_rank0(work: Callable[[], object], pstate, poll_seconds: float = 1.0):
+    """`work()`'s result on rank 0 (run in a thread there), broadcast to every rank. The others wait in a polled
+    barrier: one small all-reduce every `poll_seconds` until rank 0 is done, so no collective lasts longer than
+    that however long the work takes (converting a 200B checkpoint takes hours, far past
+    parallel.distributed_timeout_minutes, which bounds each collective). `work` must return, not raise."""
+    result = []
+    worker = None
+    if pstate.rank == 0:
+        worker = threading.Thread(target=lambda: result.append(work()), name="gptpar-preflight", daemon=True)
+        worker.start()
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        worker.join()
+        return result[0]
+    device = pstate.device if pstate.device.type != "cpu" else None
+    done = torch.zeros(1, device=pstate.device)
+    while not done.item():
+        if worker is not None:
+            worker.join(timeout=poll_seconds)
+            done.fill_(float(not worker.is_alive()))
+        dist.all_reduce(done, op=dist.ReduceOp.MAX)  # the others block here until rank 0's next poll
+    box = [result[0] if result else None]
+    dist.broadcast_object_list(box, src=0, device=device)
+    return box[0]
+
+
 def check_on_rank0(cfg, world_size: int, tp: int, pp: int, shape: dict, log) -> tuple:
     """(load target or None, the weights to start from or None, the held JobLock or None); raises CheckpointError
-    / DataError."""
+    / DataError. Everything that only reads runs first; then the save folder is locked, and only with the lock
+    held is anything written: leftovers cleaned, a universal copy converted."""
     ck = cfg.checkpoint
     peek_lock(ck.save, ck.override_lock)
     target, note = resolve_load(ck.load)
     target, init_from, note = choose_start(ck.init_from, target, note)
+    copy, conversions = None, None
     if target is not None:
-        target = plan_load(target, shape, world_size, ck.universal_dir, cfg.training.precision, log, cfg.model)
+        if target.universal is None:  # where this checkpoint's universal copies go
+            conversions = ck.universal_dir or f"{target.directory}_universal"
+        target, copy = plan_load(target, shape, world_size, ck.universal_dir, cfg.training.precision, log, cfg.model)
     if init_from is not None:
         check_weights_fit(init_from, cfg.model, "checkpoint.init_from" if init_from == ck.init_from
                           else "checkpoint.load")
@@ -92,18 +127,23 @@ def check_on_rank0(cfg, world_size: int, tp: int, pp: int, shape: dict, log) -> 
     check_data(cfg, log)
     if note:
         log(note)
-    if not ck.save:
-        return target, init_from, None
-    lock = JobLock(ck.save)
-    lock.acquire(ck.override_lock, log)
+    lock = JobLock(ck.save) if ck.save else None
+    if lock is not None:
+        lock.acquire(ck.override_lock, log)
     try:
-        probe_writable(ck.save)
-        clean_leftovers(ck.save, log)
-        need = checkpoint_bytes(count_parameters(cfg.model, tp, pp), cfg.training.precision,
-                                cfg.training.zero_stage, world_size)
-        check_free_space(ck.save, need, log)
+        if ck.save:
+            probe_writable(ck.save)
+            clean_leftovers(ck.save, log)
+            need = checkpoint_bytes(count_parameters(cfg.model, tp, pp), cfg.training.precision,
+                                    cfg.training.zero_stage, world_size)
+            check_free_space(ck.save, need, log)
+        if conversions is not None:
+            clean_conversion_leftovers(conversions, log)
+        if copy is not None:
+            write_universal_copy(copy, log, owner=this_job())
     except BaseException:
-        lock.release()
+        if lock is not None:
+            lock.release()
         raise
     return target, init_from, lock
 
@@ -165,5 +205,5 @@ def count_parameters(model_cfg, tp: int, pp: int) -> int:
     return params
 
 
-__all__ = ["Preflight", "run_preflight", "check_on_rank0", "check_data", "count_parameters",
+__all__ = ["Preflight", "run_preflight", "wait_for_rank0", "check_on_rank0", "check_data", "count_parameters",
            "check_save_holds_no_other_run"]

@@ -12,6 +12,8 @@ refused run changes nothing:
     clean_leftovers partial iter_N folders (no manifest, newer than `latest`) and stale `.latest.tmp-PID` and
                     probe files of dead jobs
     check_free_space room for one checkpoint (checkpoint_bytes), warn below 2x, error below 1x
+    clean_conversion_leftovers  in checkpoint.universal_dir: `{tag}.tmp-PID` folders of universal conversions
+                    whose job is gone (the preflight then converts, if it must, with the lock held)
 
 The lock is released (deleted) when the run ends; a run killed with SIGKILL leaves it, and the next run on
 the same host takes it over because its pid is dead. A pid is "alive" only if a process with that pid
@@ -21,14 +23,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import time
 from typing import Callable, Optional
 
+from gptpar.model.universal import META, OWNER
 from gptpar.training.checkpoint_files import (LATEST_TMP_PREFIX, LOCK, PROBE_PREFIX, CheckpointError,
                                               partial_checkpoints, read_latest, write_synced)
 from gptpar.training.launcher_watch import proc_stat
+
+
+# A universal copy is written as `{universal_dir}/{tag}.tmp-PID` first (gptpar.model.universal)
+CONVERSION_TMP_RE = re.compile(r"^iter_\d{7,}\.tmp-(\d+)$")
 
 
 class SaveFolderError(CheckpointError):
@@ -87,10 +95,15 @@ def describe_job(lock: dict) -> str:
 
 def read_lock(directory: str) -> Optional[dict]:
     """The lock's contents; None without a lock; {} for a lock that cannot be read (being written, garbled)."""
+    return read_job(os.path.join(directory, LOCK))
+
+
+def read_job(path: str) -> Optional[dict]:
+    """A job record (`this_job()`'s JSON) at `path`; None without the file; {} for one that cannot be read."""
     try:
-        with open(os.path.join(directory, LOCK)) as f:
-            lock = json.load(f)
-        return lock if isinstance(lock, dict) else {}
+        with open(path) as f:
+            job = json.load(f)
+        return job if isinstance(job, dict) else {}
     except FileNotFoundError:
         return None
     except (OSError, ValueError):
@@ -234,6 +247,33 @@ def clean_leftovers(directory: str, log: Callable[[str], None]) -> None:
             os.remove(os.path.join(directory, name))
 
 
+def clean_conversion_leftovers(directory: str, log: Callable[[str], None]) -> None:
+    """Delete what killed universal conversions left in `directory` (checkpoint.universal_dir): `{tag}.tmp-PID`
+    folders, as large as a copy, whose job is gone on this host (gptpar.model.universal.OWNER inside says which
+    job wrote it; without it, a folder holding nothing but a universal copy's entries counts as the PID of its
+    name on this host). One of a live job is left alone, one from another host (its process cannot be checked
+    from here) is named with the fix."""
+    if not os.path.isdir(directory):
+        return
+    for name in sorted(os.listdir(directory)):
+        match, path = CONVERSION_TMP_RE.match(name), os.path.join(directory, name)
+        if not match or not os.path.isdir(path):
+            continue
+        owner = read_job(os.path.join(path, OWNER))
+        if owner is None:  # written by a gptpar before owners were recorded: only a folder of its own layout
+            if set(os.listdir(path)) - {"zero", META}:
+                continue
+            owner = {"pid": int(match.group(1)), "host": socket.gethostname()}
+        state = lock_state(owner)
+        if state == "dead":
+            log(f"removing {path}: the temporary folder of a universal conversion that did not finish (its job, "
+                f"{describe_job(owner)}, is gone)")
+            shutil.rmtree(path, ignore_errors=True)
+        elif state == "unknown":
+            log(f"warning: leaving {path}, the temporary folder of a universal conversion by {describe_job(owner)}, "
+                "which cannot be checked from this host: delete it if that job has ended")
+
+
 def check_free_space(directory: str, need: int, log: Callable[[str], None]) -> None:
     """Error below one checkpoint's worth of free space, warning below two."""
     free = shutil.disk_usage(directory).free
@@ -248,5 +288,6 @@ def check_free_space(directory: str, need: int, log: Callable[[str], None]) -> N
             "one is deleted)")
 
 
-__all__ = ["SaveFolderError", "JobLock", "peek_lock", "read_lock", "lock_state", "pid_alive", "checkpoint_bytes",
-           "make_folder", "probe_writable", "clean_leftovers", "check_free_space"]
+__all__ = ["SaveFolderError", "JobLock", "peek_lock", "read_lock", "read_job", "lock_state", "pid_alive", "this_job",
+           "checkpoint_bytes", "make_folder", "probe_writable", "clean_leftovers", "clean_conversion_leftovers",
+           "check_free_space"]

@@ -73,11 +73,17 @@ class Counters:
 
 
 class StopSignals:
-    """SIGTERM / SIGUSR1 set a flag; the loop finishes the iteration, saves and exits 0."""
+    """SIGTERM / SIGUSR1 set a flag; the loop finishes the iteration, saves and exits 0. `request(reason)` does
+    the same from inside the process (the launcher watch, when DeepSpeed's runner is gone)."""
 
     def __init__(self):
         self.received: Optional[int] = None
+        self.requested: Optional[str] = None
         self._previous = {}
+
+    def request(self, reason: str) -> None:
+        """Stop after the current iteration, saving first, for `reason` (safe from another thread)."""
+        self.requested = reason
 
     def install(self) -> None:
         for sig in STOP_SIGNALS:
@@ -332,11 +338,14 @@ class Trainer:
         minutes = (time.time() - self.start_time) / 60.0
         killed = t.kill_switch_path is not None and os.path.exists(t.kill_switch_path)
         flags = torch.tensor([self.signals.received or 0, killed, t.exit_duration_in_mins is not None
-                              and minutes > t.exit_duration_in_mins], dtype=torch.float64, device=self.pstate.device)
+                              and minutes > t.exit_duration_in_mins, self.signals.requested is not None],
+                             dtype=torch.float64, device=self.pstate.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[0] > 0:
             return f"received {signal.Signals(int(flags[0])).name}"
+        if flags[3] > 0:  # the reason is said by the ranks that asked (the others only see the flag)
+            return self.signals.requested or "another rank asked to stop and save (its own line says why)"
         if flags[1] > 0:
             return f"kill switch {t.kill_switch_path} found (training.kill_switch_path); remove it to resume"
         if flags[2] > 0:
