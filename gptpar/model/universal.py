@@ -41,6 +41,7 @@ from typing import Callable, Dict, Iterable, Iterator, Optional, Tuple
 import torch
 
 from gptpar.model.config import GPTConfig
+from gptpar.training.config import deepspeed_precision
 
 META = "gptpar_universal.json"
 FORMAT = "gptpar-universal"
@@ -294,7 +295,7 @@ class _StageShards:
     and the paths of its dp ranks' ZeRO partitions, from which `tp_slice` copies one parameter's state out."""
 
     def __init__(self, ckpt: str, stage: int, tp: int, dp: int, precision: str):
-        prefix = "bf16_" if precision == "bf16" else ""
+        prefix = "bf16_" if deepspeed_precision(precision) == "bf16" else ""  # fp8 writes bf16's files
         self.shapes, self.files = [], []
         for t in range(tp):
             mp_rank = stage * tp + t  # DeepSpeed's model-parallel rank: tp fastest within a stage
@@ -350,10 +351,10 @@ def convert_deepspeed_checkpoint(ckpt: str, out_dir: str, log: Callable[[str], N
     tp, pp, dp = (parallel.get(k, 1) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                                 "data_parallel_size"))
     precision = training.get("precision", "fp32")
-    if training.get("zero_stage", 1) != 1 or precision not in ("fp32", "bf16"):
+    if training.get("zero_stage", 1) != 1 or precision not in ("fp32", "bf16", "fp8"):
         raise UniversalCheckpointError(
             f"{ckpt}: saved with training.precision={precision}, zero_stage={training.get('zero_stage')}; "
-            "universal conversion reads ZeRO-1 optimizer shards in fp32 or bf16 (BF16_Optimizer) only")
+            "universal conversion reads ZeRO-1 optimizer shards in fp32 or bf16 (BF16_Optimizer, also fp8's) only")
     weight = parallel.get("embedding_weight") or 1
     tags = parameter_tags(config)
     if os.path.exists(out_dir):
