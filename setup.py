@@ -18,11 +18,14 @@ setup(
     ],
     extras_require={
         # Optional features, imported only where their option is used (the trainer and tools run without them):
-        # training.optimizer=adamw8bit (bitsandbytes' 8-bit AdamW, CUDA and CPU) and tools/plot_metrics.py.
+        # training.optimizer=adamw8bit (bitsandbytes' 8-bit AdamW, CUDA and CPU), training.precision=fp8
+        # (torchao's float8 training, pinned: gptpar calls one of its internals, gptpar/tensor_parallel/float8.py)
+        # and tools/plot_metrics.py.
         "8bit": ["bitsandbytes==0.50.2"],
+        "fp8": ["torchao==0.18.0"],
         "plot": ["matplotlib"],
         # transformers is the reference model in tests and benchmarks; pinned so comparisons stay reproducible.
-        # `make test` and `make demo` install this extra, so the 8-bit tests run and the demo draws its plot.
-        "dev": ["pytest", "transformers==5.23.0", "bitsandbytes==0.50.2", "matplotlib"],
+        # `make test` and `make demo` install this extra, so the 8-bit and fp8 tests run and the demo draws its plot.
+        "dev": ["pytest", "transformers==5.23.0", "bitsandbytes==0.50.2", "torchao==0.18.0", "matplotlib"],
     },
 )
