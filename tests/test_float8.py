@@ -368,3 +368,40 @@ def test_parallel_layers_equal_torchaos_float8_linear():
     labels = run_distributed(_layers_against_torchao, 2, timeout=300)[0]
     modes = {label[-1] for label in labels}
     assert modes == {"fp8", "padded", "bf16"} and len(labels) == 2 * len(CASES)
+
+
+# -- on a GPU: torch._scaled_mm, not the emulation --------------------------------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with float8 (compute capability 8.9+)")
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_cuda_float8_gemms_match_the_emulation(recipe):
+    """The real path (torch._scaled_mm) at the 200B tp-8 slices, padded and plain, against torchao's emulation of
+    the same casts (exact float8 rounding, fp32 matmuls): equal to accumulation order, while bf16's own GEMM is
+    a float8 rounding away; and the unpadded query_key_value slice (5400 x 14400) is refused by _scaled_mm, which
+    is why gptpar pads it."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 GEMMs need compute capability 8.9+")
+    real, emulated = Float8Matmul(recipe, emulate=False), Float8Matmul(recipe, emulate=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def run(mm, gemm, x, weight, dy):
+        x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        y = mm.linear(x, weight, gemm)
+        y.backward(dy)
+        return y.float(), x.grad.float(), weight.grad.float()
+
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    for out, inp in ((5400, 14400), (14400, 1800), (7200, 14400)):
+        gemm = plan_float8_gemm(out, inp)
+        assert gemm.mode == ("fp8" if out % 16 == inp % 16 == 0 else "padded")
+        x = torch.randn(2048, 2, inp, device="cuda", dtype=torch.bfloat16, generator=gen)
+        weight = torch.randn(out, inp, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+        dy = torch.randn(2048, 2, out, device="cuda", dtype=torch.bfloat16, generator=gen)
+        got, want = run(real, gemm, x, weight, dy), run(emulated, gemm, x, weight, dy)
+        for name, a, b in zip(("y", "grad x", "grad w"), got, want):
+            assert rel(a, b) < 1e-2, (recipe, out, inp, name, rel(a, b))
+        assert rel(F.linear(x, weight).float(), want[0]) > 1e-3, (recipe, out, inp)
+        if gemm.mode == "padded":
+            unpadded = Float8Gemm("t", out, inp, "fp8", out, inp)
+            with pytest.raises(Exception):
+                run(real, unpadded, x, weight, dy)
