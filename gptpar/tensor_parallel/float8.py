@@ -32,7 +32,8 @@ across tp by float8 rounding (bf16's differ across tp by summation order; tests/
 Shapes: `torch._scaled_mm(a (M, K), b (K, N))` needs K and N divisible by 16. A linear's three GEMMs put the
 weight slice's `in` and `out` in those places (forward K = in, N = out; grad-input K = out, N = in; grad-weight
 K = tokens, N = in), so both dimensions of every weight slice must divide by 16; torchao pads only inner
-dimensions (`pad_inner_dim`, set here, covers the token count M). `plan_float8_gemm` decides per GEMM, a pure
+dimensions (`pad_inner_dim`: used here only when micro batch x seq_length does not divide by 16, since torchao then
+copies every operand of every GEMM, aligned or not; no shipped config needs it). `plan_float8_gemm` decides per GEMM, a pure
 function used by the layers, the start-up log, `--dry-run` (gptpar.estimate.report) and the planner: `fp8` when
 both divide; `padded` (zeros appended to the weight slice and to the input inside the layer, the output cut back;
 invisible to checkpoints, whose weights keep their shapes; the zeros change no scale, so the result is the unpadded
@@ -208,14 +209,14 @@ class Float8Matmul:
         ns, self.import_note = import_torchao()
         self.recipe, self.emulate, self.version = recipe, emulate, ns["version"]
         self._matmul = ns["matmul"]
-        base = ns["Float8LinearConfig"].from_recipe_name(recipe)
-        self.config = dataclasses.replace(base, emulate=emulate, pad_inner_dim=True)  # pads the token count
-        # One ScaledMMConfig per GEMM (output, grad_input, grad_weight), as Float8Linear.__init__ builds them.
-        scaled = ns["ScaledMMConfig"]
-        c = self.config
-        self.mm_config = ns["LinearMMConfig"](
-            *(scaled(emulate, g.use_fast_accum, False, c.pad_inner_dim)
+        self.config = dataclasses.replace(ns["Float8LinearConfig"].from_recipe_name(recipe), emulate=emulate)
+        # One ScaledMMConfig per GEMM (output, grad_input, grad_weight), as Float8Linear.__init__ builds them; with
+        # pad_inner_dim for a token count that does not divide by 16 (the grad-weight GEMM's inner dimension).
+        scaled, c = ns["ScaledMMConfig"], self.config
+        self.mm_configs = {pad: ns["LinearMMConfig"](
+            *(scaled(emulate, g.use_fast_accum, False, pad)
               for g in (c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight)))
+            for pad in (False, True)}
 
     def describe(self) -> str:
         how = "emulated: no CUDA device, exact float8 rounding with fp32 matmuls, slow" if self.emulate \
@@ -224,13 +225,21 @@ class Float8Matmul:
         return f"GEMMs float8 through torchao {version} ({self.recipe} scales per tp shard; {how})"
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, gemm: Float8Gemm) -> torch.Tensor:
+        mm_config = self.mm_configs[(x.numel() // x.shape[-1]) % FLOAT8_MULTIPLE != 0]
         if gemm.mode == "fp8":
-            return self._matmul.apply(x, weight.t(), self.mm_config, self.config)
+            return self._matmul.apply(x, weight.t(), mm_config, self.config)
         pad_in, pad_out = gemm.padded_in - gemm.in_features, gemm.padded_out - gemm.out_features
         x = F.pad(x, (0, pad_in)) if pad_in else x  # (..., in') with zero columns: kept for backward
         padded = F.pad(weight, (0, pad_in, 0, pad_out)).contiguous()  # (out', in'): rebuilt in backward, not kept
-        with torch.autograd.graph.saved_tensors_hooks(*_rebuilt_in_backward(padded, weight, (0, pad_in, 0, pad_out))):
-            y = self._matmul.apply(x, padded.t(), self.mm_config, self.config)  # (..., out')
+        if torch.compiler.is_compiling():
+            # Compiled, AOTAutograd's partitioner chooses what backward keeps (recomputing the pad from the weight
+            # rather than keeping its copy), and the pad fuses with the float8 cast; the hooks' identity test would
+            # only break the graph.
+            y = self._matmul.apply(x, padded.t(), mm_config, self.config)
+        else:
+            with torch.autograd.graph.saved_tensors_hooks(*_rebuilt_in_backward(padded, weight,
+                                                                                (0, pad_in, 0, pad_out))):
+                y = self._matmul.apply(x, padded.t(), mm_config, self.config)  # (..., out')
         return y[..., :gemm.out_features] if pad_out else y
 
 
@@ -245,10 +254,10 @@ def _rebuilt_in_backward(padded: torch.Tensor, weight: torch.Tensor, pad):
     """saved_tensors_hooks that save, instead of the padded weight copy (or a view of it), a note to rebuild it from
     the parameter in backward: one copy of the weight slice per layer and micro-batch in flight less (156 MB per
     200B layer's query_key_value at tp 8). The hooks hold the copy's address, never the copy itself."""
-    address = padded.untyped_storage().data_ptr()
+    address = padded.untyped_storage().data_ptr()  # unique while the copy lives (all of the forward); 0 on meta
 
     def pack(t):
-        if t.untyped_storage().data_ptr() == address:  # the copy or a view of it (torchao saves its transpose)
+        if address and t.untyped_storage().data_ptr() == address:  # the copy or a view (torchao saves its transpose)
             return _Rebuild(t.size(), t.stride(), t.storage_offset())
         return t
 

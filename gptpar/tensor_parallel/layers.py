@@ -219,6 +219,10 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group)
         y = _gemm(self, x, None)  # partial sums (..., out), de-scaled before they are reduced
+        if self.float8 is not None and not self.sequence_parallel:
+            # torchao's autograd function returns a view of its result, which the in-place all-reduce below may not
+            # modify under torch.compile ("a view created inside a custom Function"): one copy of the partial sums
+            y = y.clone()
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.group)
         else:
