@@ -110,8 +110,9 @@ def main(argv=None):
             r = dict(padding_cost(mm, gemm, tokens, probe=(16, 32) if args.tiny else (64, 128)), config=where)
             rows.append(r)
             mb = lambda n: f"{n / 1e6:,.{0 if n > 1e7 else 3}f} MB"  # noqa: E731
+            written = r["bytes_written"]
             print(f"{where}: {r['gemm']}, {tokens} tokens: FLOPs +{100 * r['extra_flops']:.2f}%, bytes written "
-                  f"{mb(r['bytes_written']['unpadded'])} -> {mb(r['bytes_written']['padded'])} (+{mb(r['extra_bytes'])}, "
+                  f"{mb(written['unpadded'])} -> {mb(written['padded'])} (+{mb(r['extra_bytes'])}, "
                   f"+{100 * r['extra_bytes'] / r['bytes_written']['unpadded']:.1f}%; pad/slice copies "
                   f"{mb(sum(r['padded_ops_bytes'].values()))}) per micro-batch, forward + backward")
     if args.json:

@@ -241,7 +241,8 @@ def main(argv=None):
     sh = res["shape"]
     if res["float8"]:
         print(f"{res['float8']}\n  " + "\n  ".join(res["float8_gemms"]))
-    print(f"{res['gpu']} | {res['dtype']}{' + float8 GEMMs' if res['float8'] else ''} | one layer at tp {tp}: hidden {sh['hidden_size']}, {sh['heads_per_rank']} "
+    print(f"{res['gpu']} | {res['dtype']}{' + float8 GEMMs' if res['float8'] else ''} | one layer at tp {tp}: "
+          f"hidden {sh['hidden_size']}, {sh['heads_per_rank']} "
           f"heads x {sh['head_dim']}, ffn slice {sh['ffn_per_rank']}, mbs {mbs}, seq {sh['seq_length']} "
           f"(tp all-reduces excluded)")
     print(f"sdpa kernels: {', '.join(k for k, v in res['sdpa_backends'].items() if v == 'ok')}")

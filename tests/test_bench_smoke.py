@@ -163,6 +163,19 @@ def test_bench_layer_fp8_tiny(tmp_path):
     assert "float8 GEMMs" in out.stdout
 
 
+def test_bench_fp8_padding_tiny(tmp_path):
+    """bench_fp8_padding counts a padded GEMM's FLOPs as the padded shape's (what plan_float8_gemm says padding
+    adds) and finds the pad copies among the bytes it writes."""
+    pytest.importorskip("torchao")
+    out_json = tmp_path / "padding.json"
+    out = subprocess.run([sys.executable, "bench/bench_fp8_padding.py", "--tiny", "--json", str(out_json)], cwd=REPO,
+                         env=ENV, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (row,) = json.loads(out_json.read_text())["rows"]
+    assert row["extra_flops"] == pytest.approx(48 * 32 / (40 * 24) - 1) == pytest.approx(row["planned_extra_flops"])
+    assert row["extra_bytes"] > 0 and row["padded_ops_bytes"]["constant_pad_nd"] > 0
+
+
 @pytest.mark.slow
 def test_gpu_speed_script_flow_on_cpu(tmp_path):
     """bench/gpu_speed.sh with GPU_SPEED_CPU_SMOKE=1: every step at a tiny shape on the CPU (~1-2 min), so the

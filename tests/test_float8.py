@@ -232,7 +232,8 @@ def test_padded_gemm_equals_the_unpadded_one(recipe, monkeypatch):
 def test_import_is_quiet_and_says_why():
     """A plain `import torchao` here logs a "Failed to load" warning per C++ extension that does not load with
     this torch; building gptpar's Float8Matmul logs none and says how many in its note instead."""
-    codes = ("import torchao", "from gptpar.tensor_parallel.float8 import Float8Matmul\nprint(Float8Matmul().import_note)")
+    codes = ("import torchao",
+             "from gptpar.tensor_parallel.float8 import Float8Matmul\nprint(Float8Matmul().import_note)")
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               cwd=ROOT) for code in codes]  # side by side: each takes seconds to import torch
     (_, plain_err), (ours_out, ours_err) = (p.communicate(timeout=300) for p in procs)

@@ -24,22 +24,27 @@ output is de-scaled (the row-parallel partial sums are reduced in bf16). Megatro
 torchtitan reduce amaxes over the tp group because they *communicate in float8*: TE and torchtitan cast the
 sequence-parallel input before its all-gather (a float8 all-gather needs one scale on every rank), torchtitan's
 DTensors give each sharded tensor its global amax "to keep single device semantics", and TE's delayed scaling keeps
-amax histories that are reduced over tp x dp. Reducing here would cost ~10 latency-bound all-reduces of one scalar per
-layer and micro-batch (three sharded casts per GEMM pair, forward and backward) and buy no accuracy; what it would buy
-is tp-invariance: at tp 2 a GEMM quantises its weight with two scales where tp 1 uses one, so fp8 losses differ
-across tp by float8 rounding (bf16's differ across tp by summation order; tests/test_float8.py bounds both).
+amax histories that are reduced over tp x dp. Reducing here would cost a latency-bound all-reduce of one scalar per
+cast of a sharded tensor, about a dozen per layer and micro-batch (six in forward: the four weight slices and the two
+row-parallel inputs; as many in backward), and buy no accuracy; what it would buy is tp-invariance: at tp 2 a GEMM
+quantises its weight with two scales where tp 1 uses one, so fp8 losses differ across tp by float8 rounding, as
+bf16's differ across tp by summation order.
 
 Shapes: `torch._scaled_mm(a (M, K), b (K, N))` needs K and N divisible by 16. A linear's three GEMMs put the
 weight slice's `in` and `out` in those places (forward K = in, N = out; grad-input K = out, N = in; grad-weight
 K = tokens, N = in), so both dimensions of every weight slice must divide by 16; torchao pads only inner
 dimensions (`pad_inner_dim`: used here only when micro batch x seq_length does not divide by 16, since torchao then
-copies every operand of every GEMM, aligned or not; no shipped config needs it). `plan_float8_gemm` decides per GEMM, a pure
-function used by the layers, the start-up log, `--dry-run` (gptpar.estimate.report) and the planner: `fp8` when
-both divide; `padded` (zeros appended to the weight slice and to the input inside the layer, the output cut back;
-invisible to checkpoints, whose weights keep their shapes; the zeros change no scale, so the result is the unpadded
-GEMM's) while padding adds at most 1/8 to the GEMM's FLOPs; else `bf16` (only dimensions under ~128 reach that:
-GEMMs too small for float8's casts to pay off). The padded weight copy is not kept for backward (it is
-rebuilt there from the parameter): only the padded activation is, as the unpadded one would be.
+copies every operand of every GEMM, aligned or not; no shipped config needs it). `plan_float8_gemm` decides per
+GEMM, a pure function used by the layers, the start-up log, `--dry-run` (gptpar.estimate.report) and the planner:
+`fp8` when both divide; `padded` (zeros appended to the weight slice and to the input inside the layer, the output
+cut back; invisible to checkpoints, whose weights keep their shapes; the zeros change no scale, so the result is the
+unpadded GEMM's) while padding adds at most 1/8 to the GEMM's FLOPs; else `bf16` (only dimensions under ~128 reach
+that: GEMMs too small for float8's casts to pay off). In eager mode the padded weight copy is not kept for backward
+(it is rebuilt there from the parameter), only the padded activation is, as the unpadded one would be; under
+torch.compile the compiler's partitioner makes that choice (and fuses the pads into the casts).
+
+Eager float8 is slow: each cast is several kernels (an H100 ran the 200B tp-8 layer in 37 ms in fp8 against 14 ms in
+bf16); compile the layers (`training.compile`: 10.7 ms against compiled bf16's 13.2 ms; docs/precision.md).
 
 torchao 0.18.0 internals relied on (not public API; `make test` breaks when one changes):
     `torchao.float8.float8_linear.matmul_with_hp_or_float8_args`     tests/test_float8.py::test_parallel_layers_equal_torchaos_float8_linear,
@@ -51,6 +56,10 @@ torchao 0.18.0 internals relied on (not public API; `make test` breaks when one 
       `pad_inner_dim`, `gemm_config_*.use_fast_accum` fields
     the "Failed to load ..." warnings of torchao's import on the       tests/test_float8.py::test_import_is_quiet_and_says_why
       `torchao` logger (its C++ extensions, unused by float8 training)
+    that function's output is a view it owns (copied before the        tests/test_float8.py::test_a_compiled_layer_traces_fp8_in_one_graph
+      row-parallel in-place all-reduce) and it is allow_in_graph
+    the non-emulated path (torch._scaled_mm, torchao's padding of      tests/test_float8.py::test_cuda_float8_gemms_match_the_emulation
+      the token dimension)                                              (on a GPU only; it ran on an H100, torch 2.11)
 """
 from __future__ import annotations
 
@@ -288,4 +297,5 @@ def float8_summary(module: torch.nn.Module) -> Optional[str]:
 
 
 __all__ = ["FLOAT8_MULTIPLE", "MAX_PADDING", "GEMM_NAMES", "Float8Gemm", "plan_float8_gemm", "layer_float8_gemms",
-           "float8_cast_bytes", "describe_float8_gemms", "float8_flags", "import_torchao", "Float8Matmul", "float8_summary"]
+           "float8_cast_bytes", "describe_float8_gemms", "float8_flags", "import_torchao", "Float8Matmul",
+           "float8_summary"]
