@@ -219,7 +219,7 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group)
         y = _gemm(self, x, None)  # partial sums (..., out), de-scaled before they are reduced
-        if self.float8 is not None and not self.sequence_parallel:
+        if self.float8 is not None and not self.sequence_parallel and group_size(self.group) > 1:
             # torchao's autograd function returns a view of its result, which the in-place all-reduce below may not
             # modify under torch.compile ("a view created inside a custom Function"): one copy of the partial sums
             y = y.clone()
