@@ -163,6 +163,7 @@ def test_bench_layer_fp8_tiny(tmp_path):
     assert "float8 GEMMs" in out.stdout
 
 
+@pytest.mark.slow
 def test_bench_fp8_padding_tiny(tmp_path):
     """bench_fp8_padding counts a padded GEMM's FLOPs as the padded shape's (what plan_float8_gemm says padding
     adds) and finds the pad copies among the bytes it writes."""
