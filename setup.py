@@ -23,17 +23,19 @@ setup(
     ],
     extras_require={
         # Optional features, imported only where their option is used (the trainer and tools run without them):
-        # training.optimizer=adamw8bit (bitsandbytes' 8-bit AdamW, CUDA and CPU), tools/plot_metrics.py and
-        # tools/eval_harness.py.
+        # training.optimizer=adamw8bit (bitsandbytes' 8-bit AdamW, CUDA and CPU), training.precision=fp8
+        # (torchao's float8 training, pinned: gptpar calls one of its internals, gptpar/tensor_parallel/float8.py),
+        # tools/plot_metrics.py and tools/eval_harness.py.
         "8bit": ["bitsandbytes==0.50.2"],
+        "fp8": ["torchao==0.18.0"],
         "plot": ["matplotlib"],
         # tools/eval_harness.py: EleutherAI's lm-evaluation-harness (accelerate: its Hugging Face model, the
         # reference in tests, imports it).
         "eval": ["lm-eval==0.4.13", "accelerate"],
         # transformers is the reference model in tests and benchmarks; pinned so comparisons stay reproducible.
-        # `make test` and `make demo` install this extra, so the 8-bit and evaluation tests run and the demo
+        # `make test` and `make demo` install this extra, so the 8-bit, fp8 and evaluation tests run and the demo
         # draws its plot and evaluates its model.
-        "dev": ["pytest", "transformers==5.23.0", "bitsandbytes==0.50.2", "matplotlib", "lm-eval==0.4.13",
-                "accelerate"],
+        "dev": ["pytest", "transformers==5.23.0", "bitsandbytes==0.50.2", "torchao==0.18.0", "matplotlib",
+                "lm-eval==0.4.13", "accelerate"],
     },
 )

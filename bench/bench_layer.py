@@ -2,7 +2,8 @@
 and TFLOPs per GPU with none / selective / full recompute, written as a calibration file for the planner.
 
     python bench/bench_layer.py --config configs/200b.json --device cuda --json cal_h200.json
-    python bench/bench_layer.py --tiny            # CPU smoke: a 64-wide layer at tp 2, seconds
+    python bench/bench_layer.py --config configs/200b.json --device cuda --dtype fp8 --json cal_h100_fp8.json
+    python bench/bench_layer.py --tiny            # CPU smoke: a 64-wide layer at tp 2, seconds (--dtype fp8 too)
     python tools/plan_topology.py --config configs/200b.json --nodes 40 --calibration cal_h200.json
 
 At configs/200b.json's shape and tp 8 one GPU holds hidden 14400, 96/8 = 12 heads (head dim 150) and an FFN
@@ -15,6 +16,11 @@ from its bandwidth model. Parameters are in the config's precision (bf16: DeepSp
 module in bf16), the input (s, b, h) requires grad as inside a pipeline stage, the backward gets a random
 output gradient; no optimizer step. Modes: `none`; `selective` (the layer recomputes its attention core);
 `full` (gptpar's tracker-aware checkpoint around the layer, as the trainer does).
+
+`--dtype fp8` is training.precision fp8: bf16 parameters with the four GEMMs in float8 through torchao
+(`--fp8-recipe` tensorwise | rowwise; gptpar.tensor_parallel.float8), padded or kept in bf16 as the run would (at
+200B tp 8 query_key_value and dense are padded: the JSON's `float8_gemms` says so). Without CUDA it runs torchao's
+emulation, whose times say nothing about float8 speed (the CPU smoke only checks that it runs).
 
 TFLOPs per GPU = gptpar.estimate.flops.model_flops_per_iteration for one layer and this micro-batch (no vocab), / tp,
 counting each mode's recompute as the trainer's log line does (`tflops`), and without it (`model_tflops`,
@@ -37,10 +43,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gptpar.estimate.flops import model_flops_per_iteration  # noqa: E402
 from gptpar.model.config import RECOMPUTE_MODES, GPTConfig  # noqa: E402
 from gptpar.model.gpt import TransformerLayer  # noqa: E402
+from gptpar.tensor_parallel.float8 import GEMM_NAMES  # noqa: E402
 from gptpar.tensor_parallel.random import checkpoint, model_parallel_seed  # noqa: E402
 
 CALIBRATION_VERSION = 1
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
 
 
 def fake_tp_group(tp: int):
@@ -56,11 +63,12 @@ def fake_tp_group(tp: int):
     return dist.group.WORLD
 
 
-def build_layer(config: GPTConfig, tp: int, device, dtype, tracker) -> TransformerLayer:
+def build_layer(config: GPTConfig, tp: int, device, dtype, tracker, float8=None) -> TransformerLayer:
     """Rank 0's shard of one layer, allocated directly on the device (the seeded full-size init that gptpar
-    slices per rank would need the whole 200B layer in host memory); N(0, 0.02) weights, unit LayerNorms."""
-    layer = TransformerLayer(config, 0, tp_group=fake_tp_group(tp), rng_tracker=tracker, device="meta",
-                             dtype=dtype).to_empty(device=device)
+    slices per rank would need the whole 200B layer in host memory); N(0, 0.02) weights, unit LayerNorms.
+    `float8`: a gptpar.tensor_parallel.float8.Float8Matmul for the fp8 GEMMs."""
+    layer = TransformerLayer(config, 0, tp_group=fake_tp_group(tp), rng_tracker=tracker, float8=float8,
+                             device="meta", dtype=dtype).to_empty(device=device)
     with torch.no_grad():
         for name, p in layer.named_parameters():
             if p.dim() >= 2:
@@ -138,9 +146,16 @@ def layer_flops_per_gpu(config: GPTConfig, tp: int, mbs: int, mode) -> float:
                                      ffn_hidden_size=config.ffn_hidden_size) / tp
 
 
-def run(config: GPTConfig, *, tp: int, mbs: int, device, dtype, modes, warmup: int, iters: int, seed: int = 0) -> dict:
+def run(config: GPTConfig, *, tp: int, mbs: int, device, dtype, modes, warmup: int, iters: int, seed: int = 0,
+        fp8_recipe=None) -> dict:
+    """`fp8_recipe` (tensorwise | rowwise): the GEMMs in float8 (bf16 `dtype` around them); None: in `dtype`."""
     tracker = model_parallel_seed(seed, device=device)
-    layer = build_layer(config, tp, device, dtype, tracker)
+    float8 = None
+    if fp8_recipe is not None:
+        from gptpar.tensor_parallel.float8 import Float8Matmul
+
+        float8 = Float8Matmul(fp8_recipe, emulate=device.type != "cuda")
+    layer = build_layer(config, tp, device, dtype, tracker, float8)
     gen = torch.Generator(device=device).manual_seed(seed)
     h, s = config.hidden_size, config.seq_length
     x = torch.randn(s, mbs, h, device=device, dtype=dtype, generator=gen).requires_grad_()
@@ -160,6 +175,9 @@ def run(config: GPTConfig, *, tp: int, mbs: int, device, dtype, modes, warmup: i
         "gpu_mem_gib": (torch.cuda.get_device_properties(device).total_memory / 2 ** 30 if gpu else None),
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "dtype": str(dtype).replace("torch.", ""),
+        "float8": float8.describe() if float8 is not None else None,
+        "float8_gemms": ([getattr(layer, name).float8_gemm.describe(name) for name in GEMM_NAMES]
+                         if float8 is not None else None),
         "shape": {"hidden_size": h, "num_attention_heads": config.num_attention_heads,
                   "ffn_hidden_size": config.ffn_hidden_size, "seq_length": s, "micro_batch_size": mbs,
                   "tp_size": tp, "heads_per_rank": config.num_attention_heads // tp,
@@ -191,7 +209,9 @@ def main(argv=None):
     p.add_argument("--micro-batch-size", type=int, default=None, help="default: the config's")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="default: the config's precision on CUDA, fp32 on CPU")
+                   help="default: the config's precision on CUDA, fp32 on CPU; fp8 = bf16 with float8 GEMMs")
+    p.add_argument("--fp8-recipe", choices=("tensorwise", "rowwise"), default="tensorwise",
+                   help="with --dtype fp8: torchao's scaling recipe")
     p.add_argument("--modes", default=",".join(RECOMPUTE_MODES), help="comma-separated: none,selective,full")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
@@ -210,14 +230,19 @@ def main(argv=None):
             torch.set_num_threads(1)   # shared machine for a descheduled peer: ~8 ms per op, measured)
     tp, mbs = args.tp or tp, args.micro_batch_size or mbs
     config.check_parallel(tp, 1)
-    dtype = DTYPES[args.dtype or (precision if device.type == "cuda" else "fp32")]
+    name = args.dtype or (precision if device.type == "cuda" else "fp32")
+    dtype = DTYPES[name]
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
         if m not in RECOMPUTE_MODES:
             raise SystemExit(f"--modes: {m!r} is not one of {RECOMPUTE_MODES}")
-    res = run(config, tp=tp, mbs=mbs, device=device, dtype=dtype, modes=modes, warmup=warmup, iters=iters)
+    res = run(config, tp=tp, mbs=mbs, device=device, dtype=dtype, modes=modes, warmup=warmup, iters=iters,
+              fp8_recipe=args.fp8_recipe if name == "fp8" else None)
     sh = res["shape"]
-    print(f"{res['gpu']} | {res['dtype']} | one layer at tp {tp}: hidden {sh['hidden_size']}, {sh['heads_per_rank']} "
+    if res["float8"]:
+        print(f"{res['float8']}\n  " + "\n  ".join(res["float8_gemms"]))
+    print(f"{res['gpu']} | {res['dtype']}{' + float8 GEMMs' if res['float8'] else ''} | one layer at tp {tp}: "
+          f"hidden {sh['hidden_size']}, {sh['heads_per_rank']} "
           f"heads x {sh['head_dim']}, ffn slice {sh['ffn_per_rank']}, mbs {mbs}, seq {sh['seq_length']} "
           f"(tp all-reduces excluded)")
     print(f"sdpa kernels: {', '.join(k for k, v in res['sdpa_backends'].items() if v == 'ok')}")

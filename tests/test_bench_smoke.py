@@ -187,6 +187,40 @@ def test_bench_layer_tiny_calibrates_the_planner(tmp_path):
     assert grown == pytest.approx((8 + pp - 1) * cal["modes"]["selective"]["sec_per_layer"], rel=1e-9)
 
 
+def test_bench_layer_fp8_tiny(tmp_path):
+    """bench_layer's fp8 mode (the GPU script runs it at 200B tp 8) at the tiny shape on the CPU, emulated: the
+    layer's four GEMMs run in float8 (the plan gptpar.tensor_parallel.float8 gives at that shape), bf16 around."""
+    pytest.importorskip("torchao")
+    from gptpar.tensor_parallel.float8 import GEMM_NAMES, layer_float8_gemms
+
+    cal_path = tmp_path / "cal_fp8.json"
+    out = subprocess.run([sys.executable, "bench/bench_layer.py", "--tiny", "--device", "cpu", "--dtype", "fp8",
+                          "--modes", "none,full", "--json", str(cal_path)],
+                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    cal = json.loads(cal_path.read_text())
+    sh = cal["shape"]
+    assert cal["dtype"] == "bfloat16" and "emulated: no CUDA device" in cal["float8"]
+    plan = layer_float8_gemms(sh["hidden_size"], sh["ffn_hidden_size"], sh["tp_size"])
+    assert cal["float8_gemms"] == [g.describe(name) for g, name in zip(plan, GEMM_NAMES)]
+    assert all(g.mode == "fp8" for g in plan) and set(cal["modes"]) == {"none", "full"}
+    assert "float8 GEMMs" in out.stdout
+
+
+@pytest.mark.slow
+def test_bench_fp8_padding_tiny(tmp_path):
+    """bench_fp8_padding counts a padded GEMM's FLOPs as the padded shape's (what plan_float8_gemm says padding
+    adds) and finds the pad copies among the bytes it writes."""
+    pytest.importorskip("torchao")
+    out_json = tmp_path / "padding.json"
+    out = subprocess.run([sys.executable, "bench/bench_fp8_padding.py", "--tiny", "--json", str(out_json)], cwd=REPO,
+                         env=ENV, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (row,) = json.loads(out_json.read_text())["rows"]
+    assert row["extra_flops"] == pytest.approx(48 * 32 / (40 * 24) - 1) == pytest.approx(row["planned_extra_flops"])
+    assert row["extra_bytes"] > 0 and row["padded_ops_bytes"]["constant_pad_nd"] > 0
+
+
 @pytest.mark.slow
 def test_gpu_speed_script_flow_on_cpu(tmp_path):
     """bench/gpu_speed.sh with GPU_SPEED_CPU_SMOKE=1: every step at a tiny shape on the CPU (~1-2 min), so the

@@ -68,7 +68,7 @@ def test_no_import_circle_in_the_package():
 
 # Optional packages: only the option that needs one imports it, inside a function, so the trainer and the tools
 # run without them.
-OPTIONAL = {"bitsandbytes", "matplotlib", "wandb", "lm_eval"}
+OPTIONAL = {"bitsandbytes", "matplotlib", "wandb", "torchao", "lm_eval"}
 
 
 def import_time_modules(path):

@@ -6,7 +6,9 @@
 
 Hard constraints filter (tp <= GPUs per node, heads/hidden/ffn % tp, layer partition with >= 1 block
 per stage, memory fit); soft ones are flagged and penalised (batch ramp-up vs dp*mbs, trimmed global
-batch, fused softmax, hidden % 128). The time model is in docs/planning.md.
+batch, fused softmax, hidden % 128). The time model is in docs/planning.md. With training.precision fp8 each
+layout's flags say which GEMMs its tp pads or keeps in bf16 (gptpar.tensor_parallel.float8.plan_float8_gemm), and
+the config's own tp is described in full; the time model does not yet rate float8 GEMMs faster.
 
 --calibration FILE (repeatable; written by bench/bench_layer.py --json) adds a GPU kind whose compute rate
 comes from measured seconds per layer: the config's own layout is then predicted for the seed-fitted A100
@@ -22,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gptpar.estimate.planner import (Hardware, calibrated_hardware, calibration_notes, load_calibration,  # noqa: E402
                                      plan_topology, predict_layout)
 from gptpar.estimate.settings import settings_of  # noqa: E402
+from gptpar.tensor_parallel.float8 import describe_float8_gemms, layer_float8_gemms  # noqa: E402
 from gptpar.training.config import load_config  # noqa: E402
 
 TOP = 20
@@ -73,6 +76,9 @@ def main(argv=None) -> int:
         return 0
     print(f"{len(cands)} layouts fit; best {min(TOP, len(cands))} by predicted s/it (at the requested batch "
           f"{s['global_batch_size']}), soft flags penalise the rank")
+    if s["precision"] == "fp8":
+        print(describe_float8_gemms(layer_float8_gemms(s["hidden_size"], s["ffn_hidden_size"], s["tp_size"]),
+                                    s["tp_size"]))
     print(f"{'#':>3} {'nodes':>5} {'tp':>3} {'pp':>3} {'dp':>3} {'mbs':>3} {'gbs':>5} {'mem GiB':>7} {'s/it':>7} "
           f"{'compute':>7} {'bubble':>6} {'tp comm':>7} {'pp comm':>7} {'dp comm':>7}  flags")
     for i, c in enumerate(cands[:TOP], 1):

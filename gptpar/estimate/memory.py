@@ -12,6 +12,11 @@ with the client AdamW gptpar passes (`training.optimizer=adamw`). Measured on CP
     bf16 (always 1)   2        4 fp32 accumulation           4 master + 8 Adam                        18
     fp16 (always 1)   2        2                             4 master + 8 Adam + 4 fp32 grad partition  20
 
+fp8 holds bf16's model states exactly (to DeepSpeed it is bf16: gptpar.training.config.deepspeed_precision) and the
+same activations (torchao's float8 GEMM keeps its bf16 input and weight for backward, as F.linear does, and a padded
+GEMM keeps only its padded input); its float8 casts are transient, one GEMM's at a time:
+`float8_casts` per stage = gptpar.tensor_parallel.float8.float8_cast_bytes of the layer's largest GEMM.
+
 bf16 is DeepSpeed's BF16_Optimizer (`data_types.grad_accum_dtype = fp32`, `bf16.immediate_grad_update`): each
 bf16 gradient is added into a full fp32 buffer as autograd produces it and freed, so the 4 gradient bytes are
 not sharded - seed 000's 18 bytes at dp = 1. Mixed precision always runs at ZeRO-1 (a zero_stage of 0 is
@@ -44,9 +49,10 @@ from typing import Dict, Optional
 
 from gptpar.estimate.flops import params_per_stage, stage_layer_ranges
 from gptpar.model.config import pad_vocab_size, recompute_mode
+from gptpar.tensor_parallel.float8 import float8_cast_bytes, layer_float8_gemms
+from gptpar.training.config import PRECISIONS, deepspeed_precision
 
 GIB = 1024 ** 3
-PRECISIONS = ("fp32", "bf16", "fp16")
 # What `nvidia-smi` shows before any tensor exists: seed 000 measured 1271 MiB (V100) and 1573 MiB (A100 40GB).
 CUDA_CONTEXT_BYTES = 1573 * 1024 ** 2
 
@@ -68,6 +74,7 @@ def _states(precision: str, zero_stage: int, dp_size: int, optimizer: str = "ada
         raise ValueError(f"data_parallel_size must be >= 1, got {dp_size}")
     if optimizer not in MOMENT_BYTES:
         raise ValueError(f"training.optimizer must be one of {sorted(MOMENT_BYTES)}, got {optimizer!r}")
+    precision = deepspeed_precision(precision)  # fp8's model states are bf16's
     if precision != "fp32":
         zero_stage = 1  # as the trainer runs mixed precision (gptpar.training.config)
     weights, grads, sharded = _STATES[precision, zero_stage]
@@ -128,8 +135,9 @@ def memory_per_gpu(*, num_layers: int, hidden_size: int, num_attention_heads: in
                    position_embedding_type: str = "learned", embed_layernorm: bool = False) -> Dict[str, dict]:
     """Bytes per GPU for every pipeline stage and for the heaviest one.
 
-    Returns {"stages": [{"stage", "params", "weights", "gradients", "optimizer", "activations",
-    "cuda_context", "total"}...], "max": <the stage dict with the largest total>}.
+    Returns {"stages": [{"stage", "params", "weights", "gradients", "optimizer", "activations", "float8_casts",
+    "cuda_context", "total"}...], "max": <the stage dict with the largest total>}; float8_casts is 0 unless
+    precision is fp8.
     """
     if global_batch_size % (micro_batch_size * dp_size):
         raise ValueError(f"global_batch_size ({global_batch_size}) must divide by micro_batch_size x dp "
@@ -144,6 +152,10 @@ def memory_per_gpu(*, num_layers: int, hidden_size: int, num_attention_heads: in
                                 position_embedding_type=position_embedding_type, embed_layernorm=embed_layernorm)
     ranges = stage_layer_ranges(num_layers, pp_size, partition_method, embedding_weight)
     v_pad = pad_vocab_size(vocab_size, tp_size, make_vocab_size_divisible_by)
+    casts = 0
+    if precision == "fp8":
+        gemms = layer_float8_gemms(hidden_size, ffn_hidden_size or 4 * hidden_size, tp_size)
+        casts = float8_cast_bytes(gemms, micro_batch_size * seq_length)
     stages = []
     for i, (params, (start, end)) in enumerate(zip(per_rank, ranges)):
         st = model_state_bytes(params, precision, zero_stage, dp_size, optimizer)
@@ -154,8 +166,8 @@ def memory_per_gpu(*, num_layers: int, hidden_size: int, num_attention_heads: in
                                alibi=position_embedding_type == "alibi",
                                vocab_size=v_pad if i == pp_size - 1 else None)
         stages.append({"stage": i, "params": params, "weights": st["weights"], "gradients": st["gradients"],
-                       "optimizer": st["optimizer"], "activations": act, "cuda_context": cuda_context_bytes,
-                       "total": st["total"] + act + cuda_context_bytes})
+                       "optimizer": st["optimizer"], "activations": act, "float8_casts": casts,
+                       "cuda_context": cuda_context_bytes, "total": st["total"] + act + casts + cuda_context_bytes})
     return {"stages": stages, "max": max(stages, key=lambda d: d["total"])}
 
 

@@ -16,6 +16,7 @@ from gptpar.estimate.flops import model_flops_per_iteration, params_per_stage, s
 from gptpar.estimate.memory import GIB, memory_per_gpu
 from gptpar.estimate.settings import embedding_kind, require
 from gptpar.model.config import check_tp_divides, pad_vocab_size, recompute_mode
+from gptpar.tensor_parallel.float8 import float8_flags, layer_float8_gemms
 from gptpar.training.schedules import rampup_split_problem
 
 
@@ -254,6 +255,8 @@ def _candidate(s, tp, pp, dp, mbs, gbs_req, nodes, hw) -> Optional[Candidate]:
         soft.append("no fused softmax")
     if s["hidden_size"] % 128:
         soft.append("hidden%128")
+    if s["precision"] == "fp8":  # which GEMMs this tp pads or keeps in bf16 (informational, not ranked)
+        soft += float8_flags(layer_float8_gemms(s["hidden_size"], s["ffn_hidden_size"] or 4 * s["hidden_size"], tp))
     t = predict(s, tp, pp, dp, mbs, gbs, hw)
     per_req = t["sec_per_iter"] * gbs_req / gbs
     n_ramp = sum(1 for f in soft if f == "rampup" or f.startswith("gbs"))

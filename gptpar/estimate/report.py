@@ -15,6 +15,7 @@ from gptpar.estimate.flops import (exact_model_params, model_size_formula, param
 from gptpar.estimate.memory import GIB
 from gptpar.estimate.settings import embedding_kind, memory_of, settings_of
 from gptpar.model.config import pad_vocab_size
+from gptpar.tensor_parallel.float8 import describe_float8_gemms, layer_float8_gemms
 from gptpar.training.config import Config
 
 
@@ -81,8 +82,15 @@ def render_dry_run(config: Config, dp_size: int, sec_per_iter: Optional[float] =
                   f"recompute {s['activation_checkpointing']}) ==",
               f"heaviest stage {worst['stage']}: weights {worst['weights'] / GIB:.1f} + grads "
               f"{worst['gradients'] / GIB:.1f} + optimizer {worst['optimizer'] / GIB:.1f} + activations "
-              f"{worst['activations'] / GIB:.1f} + CUDA context {worst['cuda_context'] / GIB:.1f} = "
-              f"{worst['total'] / GIB:.1f} GiB"]
+              f"{worst['activations'] / GIB:.1f}"
+              + (f" + float8 casts {worst['float8_casts'] / GIB:.2f}" if worst["float8_casts"] else "")
+              + f" + CUDA context {worst['cuda_context'] / GIB:.1f} = {worst['total'] / GIB:.1f} GiB"]
+    if s["precision"] == "fp8":
+        lines += ["", f"== float8 GEMMs (training.precision fp8, fp8_recipe {s['fp8_recipe']}; "
+                      "gptpar.tensor_parallel.float8.plan_float8_gemm) ==",
+                  describe_float8_gemms(layer_float8_gemms(h, s["ffn_hidden_size"], tp), tp),
+                  "model FLOPs and TFLOPs unchanged (padding adds hardware FLOPs the count leaves out); weights, "
+                  "optimizer state and checkpoints as bf16's"]
 
     lines += ["", "== TFLOPs per GPU that measured seconds/iteration imply (recompute on; padded vocab) =="]
     runs = [tuple(r) for r in measured if (r[1], r[2]) == (L, h)]

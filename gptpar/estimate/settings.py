@@ -28,7 +28,7 @@ def settings_of(cfg: Config, dp_size: Optional[int] = None) -> dict:
         "tp_size": tp, "pp_size": p.pipeline_model_parallel_size, "dp_size": dp_size or p.data_parallel_size or 1,
         "partition_method": p.partition_method, "embedding_weight": p.embedding_weight or 1,
         "micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size,
-        "precision": t.precision, "zero_stage": t.zero_stage, "optimizer": t.optimizer,
+        "precision": t.precision, "fp8_recipe": t.fp8_recipe, "zero_stage": t.zero_stage, "optimizer": t.optimizer,
         "activation_checkpointing": recompute_mode(t.activation_checkpointing),
         "rampup_batch_size": t.rampup_batch_size,
     }

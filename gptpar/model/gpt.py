@@ -137,12 +137,13 @@ class TransformerLayer(nn.Module):
     `recompute_core_attention` is selective recompute: in training the attention core is recomputed in
     backward instead of keeping its (b, nh/tp, s, s) tensors, the linears and their inputs are kept.
     With ALiBi (gptpar.model.alibi) the core adds this rank's heads' distance biases to the scores.
+    `float8` (gptpar.tensor_parallel.float8.Float8Matmul) runs the four linears' GEMMs in float8 (precision fp8).
 
     `compiled` (set by `compile_transformer_layers`) runs `body` through torch.compile; see `_forward_compiled`."""
 
     def __init__(self, config: GPTConfig, layer_number: int, *, tp_group: Group = None,
                  sequence_parallel: bool = False, rng_tracker: Optional[RNGStatesTracker] = None,
-                 seed: int = 1234, recompute_core_attention: bool = False, device=None, dtype=None):
+                 seed: int = 1234, recompute_core_attention: bool = False, float8=None, device=None, dtype=None):
         super().__init__()
         self.recompute_core_attention = recompute_core_attention
         tp = group_size(tp_group)
@@ -158,7 +159,7 @@ class TransformerLayer(nn.Module):
         init = init_normal(config.init_method_std)
         # GPT-2 / Megatron: the projections into the residual stream are scaled by 1/sqrt(2 * layers).
         out_init = init_normal(config.init_method_std / math.sqrt(2.0 * config.num_layers))
-        tp_kw = dict(group=tp_group, sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        tp_kw = dict(group=tp_group, sequence_parallel=sequence_parallel, float8=float8, device=device, dtype=dtype)
         with seeded(block_seed(seed, 1 + layer_number)):
             self.input_layernorm = make_layer_norm(h, config.layernorm_epsilon, device=device, dtype=dtype)
             self.query_key_value = ColumnParallelLinear(h, 3 * h, init_method=init, **tp_kw)
@@ -361,19 +362,19 @@ class GPTModel(nn.Module):
     the mean loss when `labels` is given, else this rank's logits (b, s, V/tp).
 
     activation_checkpointing: "none", "selective" (the attention core is recomputed in backward), "full"
-    (each transformer layer is), or the older True (= full) / False (= none).
+    (each transformer layer is), or the older True (= full) / False (= none). `float8`: see TransformerLayer.
     """
 
     def __init__(self, config: GPTConfig, *, tp_group: Group = None, sequence_parallel: bool = False,
                  rng_tracker: Optional[RNGStatesTracker] = None, seed: int = 1234,
-                 activation_checkpointing="none", device=None, dtype=None):
+                 activation_checkpointing="none", float8=None, device=None, dtype=None):
         super().__init__()
         config.check_parallel(group_size(tp_group), 1)
         self.config = config
         self.recompute, self.rng_tracker = recompute_mode(activation_checkpointing), rng_tracker
         kw = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, device=device, dtype=dtype)
         self.embedding = GPTEmbedding(config, rng_tracker=rng_tracker, seed=seed, **kw)
-        self.layers = nn.ModuleList(TransformerLayer(config, i, rng_tracker=rng_tracker, seed=seed,
+        self.layers = nn.ModuleList(TransformerLayer(config, i, rng_tracker=rng_tracker, seed=seed, float8=float8,
                                                      recompute_core_attention=self.recompute == "selective", **kw)
                                     for i in range(config.num_layers))
         self.final_layernorm = FinalLayerNorm(config, **kw)

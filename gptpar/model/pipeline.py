@@ -38,7 +38,7 @@ def deepspeed_partition_method(plan: PartitionPlan) -> str:
 
 def layer_specs(config: GPTConfig, *, tp_group=None, sequence_parallel: bool = False, rng_tracker=None,
                 seed: int = 1234, embedding_weight: int = 1, recompute_core_attention: bool = False,
-                device=None, dtype=None) -> list:
+                float8=None, device=None, dtype=None) -> list:
     """DeepSpeed layer specs of the whole model (built lazily, stage by stage, by PipelineModule)."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
@@ -49,7 +49,7 @@ def layer_specs(config: GPTConfig, *, tp_group=None, sequence_parallel: bool = F
                        tied_weight_attr="word_embeddings.weight", **kw)]
         + markers
         + [LayerSpec(TransformerLayer, config, i, rng_tracker=rng_tracker, seed=seed,
-                     recompute_core_attention=recompute_core_attention, **kw)
+                     recompute_core_attention=recompute_core_attention, float8=float8, **kw)
            for i in range(config.num_layers)]
         + [LayerSpec(FinalLayerNorm, config, **kw)]
         + markers
@@ -95,7 +95,7 @@ def deepspeed_topology(pstate):
 
 def build_pipeline_model(config: GPTConfig, pstate, *, partition_method: str = "auto", embedding_weight: int = 1,
                          sequence_parallel: bool = False, rng_tracker=None, seed: int = 1234,
-                         activation_checkpointing="none", dtype=None):
+                         activation_checkpointing="none", float8=None, dtype=None):
     """The GPT as a DeepSpeed `PipelineModule` over `pstate`'s grid; this rank builds only its stage.
 
     activation_checkpointing "full" (or True) checkpoints every transformer layer through DeepSpeed's
@@ -109,7 +109,8 @@ def build_pipeline_model(config: GPTConfig, pstate, *, partition_method: str = "
     plan = partition_layers(config.num_layers, pstate.pp_size, partition_method, embedding_weight)
     specs = layer_specs(config, tp_group=pstate.tp_group, sequence_parallel=sequence_parallel,
                         rng_tracker=rng_tracker, seed=seed, embedding_weight=plan.embedding_weight,
-                        recompute_core_attention=recompute == "selective", device=pstate.device, dtype=dtype)
+                        recompute_core_attention=recompute == "selective", float8=float8, device=pstate.device,
+                        dtype=dtype)
     module = PipelineModule(
         layers=specs, loss_fn=GPTLoss(config.vocab_size, pstate.tp_group), topology=deepspeed_topology(pstate),
         partition_method=deepspeed_partition_method(plan),

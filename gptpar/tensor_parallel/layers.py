@@ -15,6 +15,10 @@ weight with extra (padding) rows at the end has the same leading rows. Memory st
 full matrix, so 200B-sized layers initialise without materialising their weights; the cost is the time to
 draw the full matrix on every rank. On the `meta` device nothing is initialised.
 
+With `float8` (a gptpar.tensor_parallel.float8.Float8Matmul: training.precision fp8) Column- and RowParallelLinear
+run their GEMMs in float8 through torchao, padded or kept in bf16 as `plan_float8_gemm` decides for this rank's
+weight slice (`float8_gemm`); the parameters keep their shapes and dtype.
+
 Sharded parameters carry Megatron's attributes `tensor_model_parallel`, `partition_dim`, `partition_stride`
 (DeepSpeed's gradient norm and clipping read them; checkpoint conversion and parameter counting too).
 Replicated parameters whose gradient must be summed over tp under sequence parallelism carry
@@ -31,10 +35,11 @@ import torch.nn.functional as F
 from torch.distributed import _functional_collectives as funcol
 
 from gptpar.tensor_parallel.comm import (
-    Group, divide, gather_from_sequence_parallel_region,
+    Group, copy_to_tensor_parallel_region, divide, gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region, group_rank, group_size, mark_sequence_parallel,
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region)
+from gptpar.tensor_parallel.float8 import Float8Matmul, plan_float8_gemm
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
 _INIT_BLOCK_ELEMENTS = 1 << 22
@@ -116,6 +121,25 @@ def linear_with_grad_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Opt
     return _LinearGradAllReduce.apply(x, weight, bias, group)
 
 
+def _set_float8(layer: nn.Module, float8: Optional[Float8Matmul]) -> None:
+    """The layer's float8 decision (`float8_gemm`, None without fp8) and the GEMM it runs in float8 (`float8`, None
+    when kept in bf16), from its weight slice's shape."""
+    layer.float8_gemm = plan_float8_gemm(*layer.weight.shape) if float8 is not None else None
+    layer.float8 = float8 if layer.float8_gemm is not None and layer.float8_gemm.mode != "bf16" else None
+
+
+def _gemm(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x W^T (+ bias) with the layer's weight slice: in float8 when it has a float8 GEMM, else F.linear."""
+    if layer.float8 is None:
+        return F.linear(x, layer.weight, bias)
+    y = layer.float8.linear(x, layer.weight, layer.float8_gemm)
+    return y if bias is None else y + bias
+
+
+def _float8_repr(layer: nn.Module) -> str:
+    return "" if layer.float8_gemm is None else f", fp8={layer.float8_gemm.mode}"
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split along its output dim: rank r computes Y[..., r*out/tp:(r+1)*out/tp].
 
@@ -125,7 +149,8 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, *, group: Group = None, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
-                 init_method: Optional[InitMethod] = None, dtype=None, device=None):
+                 init_method: Optional[InitMethod] = None, float8: Optional[Float8Matmul] = None,
+                 dtype=None, device=None):
         super().__init__()
         world = group_size(group)
         if sequence_parallel and gather_output:
@@ -142,18 +167,24 @@ class ColumnParallelLinear(nn.Module):
             set_tensor_parallel_attributes(self.bias, partition_dim=0)
         else:
             self.register_parameter("bias", None)
+        _set_float8(self, float8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.group)  # (s/tp, b, in) -> (s, b, in)
-            y = F.linear(x, self.weight, self.bias)  # (..., out/tp)
+            y = _gemm(self, x, self.bias)  # (..., out/tp)
+        elif self.float8 is not None:
+            # f, then the float8 GEMM: torchao's backward computes both gradients in one call, so the input
+            # gradient's all-reduce starts after the weight gradient instead of overlapping it
+            y = _gemm(self, copy_to_tensor_parallel_region(x, self.group), self.bias)
         else:
             y = linear_with_grad_all_reduce(x, self.weight, self.bias, self.group)  # f + linear
         return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"tp={group_size(self.group)}, bias={self.bias is not None}, sp={self.sequence_parallel}")
+                f"tp={group_size(self.group)}, bias={self.bias is not None}, sp={self.sequence_parallel}"
+                + _float8_repr(self))
 
 
 class RowParallelLinear(nn.Module):
@@ -166,7 +197,8 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, *, group: Group = None, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False,
-                 init_method: Optional[InitMethod] = None, dtype=None, device=None):
+                 init_method: Optional[InitMethod] = None, float8: Optional[Float8Matmul] = None,
+                 dtype=None, device=None):
         super().__init__()
         world = group_size(group)
         if sequence_parallel and not input_is_parallel:
@@ -185,11 +217,16 @@ class RowParallelLinear(nn.Module):
                 mark_sequence_parallel([self.bias], group)
         else:
             self.register_parameter("bias", None)
+        _set_float8(self, float8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group)
-        y = F.linear(x, self.weight)  # partial sums (..., out)
+        y = _gemm(self, x, None)  # partial sums (..., out), de-scaled before they are reduced
+        if self.float8 is not None and not self.sequence_parallel and group_size(self.group) > 1:
+            # torchao's autograd function returns a view of its result, which the in-place all-reduce below may not
+            # modify under torch.compile ("a view created inside a custom Function"): one copy of the partial sums
+            y = y.clone()
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.group)
         else:
@@ -198,7 +235,8 @@ class RowParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"tp={group_size(self.group)}, bias={self.bias is not None}, sp={self.sequence_parallel}")
+                f"tp={group_size(self.group)}, bias={self.bias is not None}, sp={self.sequence_parallel}"
+                + _float8_repr(self))
 
 
 class VocabParallelEmbedding(nn.Module):

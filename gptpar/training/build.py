@@ -58,12 +58,23 @@ def build_gpt(config, pstate, *, partition_method: str = "auto", embedding_weigh
     return model
 
 
+def build_float8(cfg: Config, pstate):
+    """precision fp8: the float8 GEMM every transformer layer's linears share (torchao's recipe
+    `training.fp8_recipe`, emulated where this rank has no CUDA device); None for any other precision."""
+    if cfg.training.precision != "fp8":
+        return None
+    from gptpar.tensor_parallel.float8 import Float8Matmul
+
+    return Float8Matmul(cfg.training.fp8_recipe, emulate=pstate.device.type != "cuda")
+
+
 def build_model(cfg: Config, pstate, tracker):
     """The run's model on this rank (see `build_gpt`), its transformer layers compiled with training.compile."""
     model = build_gpt(cfg.model, pstate, partition_method=cfg.parallel.partition_method,
                       embedding_weight=cfg.parallel.embedding_weight or 1,
                       sequence_parallel=cfg.parallel.sequence_parallel, rng_tracker=tracker, seed=cfg.training.seed,
-                      activation_checkpointing=cfg.training.activation_checkpointing)
+                      activation_checkpointing=cfg.training.activation_checkpointing,
+                      float8=build_float8(cfg, pstate))
     if cfg.training.compile:
         from gptpar.model.gpt import compile_transformer_layers
 
@@ -133,5 +144,5 @@ def dry_run(cfg: Config, tp: int, pp: int, dp: int) -> str:
     return report + "\n== stages of the real model (meta device) ==\n" + stage_report(cfg.model, plan, tp)
 
 
-__all__ = ["setup_environment", "seed_everything", "build_gpt", "build_model", "checkpoint_shape", "saved_config",
-           "build_trainer", "dry_run"]
+__all__ = ["setup_environment", "seed_everything", "build_gpt", "build_float8", "build_model", "checkpoint_shape",
+           "saved_config", "build_trainer", "dry_run"]

@@ -151,7 +151,7 @@ def parse(argv: Sequence[str]) -> Tuple[Optional[Config], Dict[str, Any], Option
         world = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * (p.data_parallel_size or 1) \
             if flags["dry_run"] else 1
     accelerator = None
-    if cfg.training.precision == "fp16" and not flags["dry_run"]:  # a dry run plans for GPUs
+    if cfg.training.precision in ("fp16", "fp8") and not flags["dry_run"]:  # a dry run plans for GPUs
         from gptpar.training.engine import detect_accelerator
 
         accelerator = detect_accelerator()

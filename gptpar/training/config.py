@@ -32,8 +32,22 @@ class ConfigError(ValueError):
 
 
 OPTIMIZERS = ("adamw", "adamw8bit")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's Float8LinearConfig.from_recipe_name names
 # The optional package an option needs and how to get it; imported only by the run that uses the option.
-OPTIONAL_PACKAGES = {("training", "optimizer", "adamw8bit"): ("bitsandbytes", "pip install bitsandbytes")}
+OPTIONAL_PACKAGES = {("training", "optimizer", "adamw8bit"): ("bitsandbytes", "pip install bitsandbytes"),
+                     ("training", "precision", "fp8"): ("torchao", "pip install torchao==0.18.0")}
+
+
+def deepspeed_precision(precision: str) -> str:
+    """What DeepSpeed runs for `training.precision`, and so the optimizer files its checkpoints hold: fp8 is bf16
+    to DeepSpeed (bf16 weights, BF16_Optimizer's fp32 accumulation and master weights; the float8 casts happen inside
+    gptpar's tensor-parallel layers, gptpar.tensor_parallel.float8), so an fp8 checkpoint is a bf16 one and resumes
+    in either precision. The one home of that mapping (the generated DeepSpeed config, the universal converter, the
+    memory and checkpoint-size estimates read it)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"training.precision must be one of {list(PRECISIONS)}, got {precision!r}")
+    return "bf16" if precision == "fp8" else precision
 
 
 def package_installed(name: str) -> bool:
@@ -50,6 +64,7 @@ class Accelerator:
 
     name: str    # says what it is and why, e.g. "DeepSpeed's CPU accelerator (oneDNN: no fp16 kernels)"
     fp16: bool   # whether fp16 training (loss-scaled) runs on it
+    fp8: bool = True  # whether float8 matmuls run on it: natively (CUDA compute capability 8.9+), or emulated (CPU)
 
 
 def _f(default: Any, doc: str, choices: Optional[Sequence] = None):
@@ -212,9 +227,19 @@ class TrainingConfig:
     precision: str = _f("fp32", "Parameter/compute precision. bf16 runs DeepSpeed's BF16_Optimizer: bf16 "
                                 "weights, fp32 gradient accumulation, fp32 master weights and Adam state "
                                 "partitioned over dp. fp16 (dynamic loss scaling) needs an accelerator with fp16 "
-                                "support (CUDA, or a CPU whose DeepSpeed accelerator reports it). Both run at "
-                                "ZeRO-1 (a zero_stage of 0 is promoted, said in one line).",
-                        choices=("fp32", "bf16", "fp16"))
+                                "support (CUDA, or a CPU whose DeepSpeed accelerator reports it). fp8 is bf16 with "
+                                "the transformer layers' four GEMMs (forward and backward) in float8 through "
+                                "torchao's float8 training (`pip install torchao==0.18.0`; a GPU of compute "
+                                "capability 8.9+ such as the H100, emulated on a CPU: slow, for tests); the output "
+                                "layer stays bf16, a weight slice whose dimensions do not divide by 16 is padded "
+                                "inside the layer or kept in bf16 (the start-up log and --dry-run say which); "
+                                "checkpoints are bf16's (docs/precision.md). All but fp32 run at ZeRO-1 (a "
+                                "zero_stage of 0 is promoted, said in one line).",
+                        choices=PRECISIONS)
+    fp8_recipe: str = _f("tensorwise", "precision fp8 only: torchao's scaling recipe. `tensorwise`: one dynamic "
+                                       "scale per tensor (per tp shard), e4m3 forward, e5m2 gradients, the fastest; "
+                                       "`rowwise`: a power-of-2 scale per row, e4m3 throughout, more accurate.",
+                         choices=FP8_RECIPES)
     loss_scale: float = _f(0.0, "fp16 only: a static loss scale; 0 = dynamic loss scaling.")
     initial_loss_scale: float = _f(4294967296.0, "fp16 only: the first dynamic loss scale (a power of 2).")
     loss_scale_window: int = _f(1000, "fp16 only: iterations without overflow before the scale doubles.")
@@ -278,7 +303,7 @@ class TrainingConfig:
         #   own ZeRO-1 ("unsupported mix of model_dtype=bfloat16 and grad_accum_dtype=float32" at stage 0);
         # - fp16 at stage 0 (FP16_(Unfused)Optimizer) is broken in 0.19.8: engine.backward multiplies the loss
         #   by the scale only for ZeRO optimizers, yet the step divides the gradients by it (tests/test_precision.py).
-        self.zero_stage_promoted = self.precision in ("bf16", "fp16") and self.zero_stage == 0
+        self.zero_stage_promoted = deepspeed_precision(self.precision) in ("bf16", "fp16") and self.zero_stage == 0
         if self.zero_stage_promoted:
             self.zero_stage = 1
 
@@ -325,6 +350,9 @@ class TrainingConfig:
             raise ConfigError(str(e)) from None
         if self.kill_switch_path == "":
             raise ConfigError("training.kill_switch_path is an empty string: give a file path or null")
+        if self.fp8_recipe != "tensorwise" and self.precision != "fp8":
+            raise ConfigError(f"training.fp8_recipe={self.fp8_recipe} applies to training.precision=fp8 only, got "
+                              f"precision {self.precision}: set training.precision=fp8 or remove fp8_recipe")
         if self.rampup_batch_size is not None and len(self.rampup_batch_size) != 3:
             raise ConfigError("training.rampup_batch_size must be [start, increment, samples], got "
                               f"{self.rampup_batch_size}")
@@ -338,7 +366,7 @@ class TrainingConfig:
         why = {"bf16": "bf16 accumulates gradients in fp32 only through BF16_Optimizer, which shards the fp32 "
                        "master weights and Adam state over dp",
                "fp16": "DeepSpeed 0.19.8's fp16 optimizer at stage 0 never scales the loss but unscales the "
-                       "gradients"}[self.precision]
+                       "gradients"}[deepspeed_precision(self.precision)]
         return f"training.zero_stage 0 -> 1 ({self.precision}): {why}"
 
 
@@ -608,6 +636,10 @@ class Config:
         if t.precision == "fp16" and accelerator is not None and not accelerator.fp16:
             raise ConfigError(f"training.precision fp16 is not supported here: {accelerator.name} has no fp16 "
                               "support. Use training.precision=bf16 (or fp32), or run on a GPU")
+        if t.precision == "fp8" and accelerator is not None and not accelerator.fp8:
+            raise ConfigError(f"training.precision fp8 is not supported here: {accelerator.name} has no float8 "
+                              "matmuls (torch._scaled_mm needs compute capability 8.9+: H100, H200, L4, ...). Use "
+                              "training.precision=bf16")
         if installed is not None:
             self._check_optional_packages(installed)
         return tp, pp, dp
@@ -742,7 +774,8 @@ def parse_override(item: str) -> Tuple[str, str, Any]:
     return section, key, value
 
 
-__all__ = ["ConfigError", "Accelerator", "OPTIMIZERS", "package_installed", "Config", "ParallelConfig",
+__all__ = ["ConfigError", "Accelerator", "OPTIMIZERS", "PRECISIONS", "FP8_RECIPES", "deepspeed_precision",
+           "package_installed", "Config", "ParallelConfig",
            "TrainingConfig", "DataConfig", "CheckpointConfig",
            "LoggingConfig", "GPTConfig", "SECTIONS", "DEEPSPEED_SECTION", "ALL_SECTIONS", "REMOVED_KEYS",
            "MODEL_DOCS", "load_config", "config_from_dict", "parse_override", "unique_keys"]

@@ -32,6 +32,7 @@ from typing import Callable, Optional
 from gptpar.model.universal import META, OWNER
 from gptpar.training.checkpoint_files import (LATEST_TMP_PREFIX, LOCK, PROBE_PREFIX, CheckpointError,
                                               partial_checkpoints, read_latest, write_synced)
+from gptpar.training.config import deepspeed_precision
 from gptpar.training.launcher_watch import proc_stat
 
 
@@ -53,6 +54,7 @@ def checkpoint_bytes(num_params: int, precision: str, zero_stage: int, world_siz
     DeepSpeed keeps an fp32 copy of the weights beside Adam's two moments (12 bytes), a plain fp32 AdamW
     only the moments (8). Sharding over tp/pp/dp splits these bytes without adding any (the LayerNorms
     replicated per tp rank are left out); each rank adds its small gptpar state file."""
+    precision = deepspeed_precision(precision)  # an fp8 run saves bf16's files
     weights = 4 if precision == "fp32" else 2
     optimizer = 8 if precision == "fp32" and zero_stage == 0 else 12
     return num_params * (weights + optimizer) + world_size * STATE_FILE_BYTES

@@ -24,11 +24,14 @@ def detect_accelerator() -> Accelerator:
     """The device this process will train on, as DeepSpeed's accelerator sees it (CUDA, or its CPU
     accelerator, whose fp16 support depends on the CPU: oneDNN has fp16 kernels with AVX512-FP16 / AMX-FP16)."""
     if torch.cuda.is_available():
-        return Accelerator(f"CUDA ({torch.cuda.get_device_name()})", fp16=True)
+        capability = torch.cuda.get_device_capability()
+        return Accelerator(f"CUDA ({torch.cuda.get_device_name()}, compute capability {capability[0]}.{capability[1]})",
+                           fp16=True, fp8=capability >= (8, 9))
     acc = deepspeed_api.accelerator()
     fp16 = bool(acc.is_fp16_supported())
+    # fp8 on a CPU runs torchao's emulation (gptpar.tensor_parallel.float8): exact float8 rounding, fp32 matmuls
     return Accelerator(f"DeepSpeed's {acc.device_name()} accelerator ({'reports' if fp16 else 'reports no'} fp16 "
-                       "support: oneDNN's fp16 kernels need AVX512-FP16 or AMX-FP16)", fp16=fp16)
+                       "support: oneDNN's fp16 kernels need AVX512-FP16 or AMX-FP16)", fp16=fp16, fp8=True)
 
 
 class ParallelStateMPU:

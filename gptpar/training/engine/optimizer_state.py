@@ -11,6 +11,7 @@ from typing import Dict, Optional
 import torch
 
 import gptpar.training.engine.deepspeed_api as deepspeed_api
+from gptpar.tensor_parallel.float8 import float8_summary
 
 
 def optimizers(ds):
@@ -128,8 +129,10 @@ def precision_plan(ds, dp_size: int) -> str:
             f" of {share:.3g} of the parameters (partitioned over dp {dp_size})" if share < 0.99
             else " of every parameter")
     chain = type(inner).__name__ if wrapper is inner else f"{type(wrapper).__name__} around {type(inner).__name__}"
+    float8 = float8_summary(ds.module)  # precision fp8: the layers' float8 GEMMs
     return (f"precision plan: parameters {names[params[0].dtype]}, gradient accumulation "
-            f"{names[ds.get_data_types()[1]]}, master weights {where}; optimizer {chain}")
+            f"{names[ds.get_data_types()[1]]}, master weights {where}; optimizer {chain}"
+            + (f"; {float8}" if float8 else ""))
 
 
 def held_state_bytes(ds) -> dict:

@@ -1,0 +1,301 @@
+"""Float8 GEMMs for the tensor-parallel layers (`training.precision = fp8`) through torchao's float8 training.
+
+What runs in float8: the four GEMMs of every transformer layer (query_key_value and dense_h_to_4h, column-parallel;
+dense and dense_4h_to_h, row-parallel), forward and both backward GEMMs, each through the autograd function inside
+torchao's `Float8Linear`: the input and the weight are cast to float8 e4m3 and the output gradient to e5m2
+(`tensorwise`) or all three to e4m3 with power-of-2 row scales (`rowwise`), each with a dynamic scale computed from
+the tensor itself, then multiplied by `torch._scaled_mm` on a CUDA GPU (compute capability 8.9+), or emulated
+without one (exact float8 rounding, fp32 matmuls: for tests and the CPU demo, not for speed). Everything else runs
+as precision bf16 does: bf16 weights and activations, DeepSpeed's BF16_Optimizer with fp32 gradient accumulation and
+fp32 master weights (to DeepSpeed fp8 is bf16: `gptpar.training.config.deepspeed_precision`), so checkpoints hold
+what a bf16 run's hold. The output layer (tied to the word embedding) stays bf16, as torchtitan's filter leaves it:
+its (V/tp, h) weight is the embedding table, and its logits feed the loss directly.
+
+Scales are per tp shard: each rank computes its scales from the tensor it holds, with no reduction over the tp group.
+What must agree across tp ranks is the quantisation of every *replicated* tensor - the column-parallel layer's
+input (the gathered sequence under sequence parallelism) and the row-parallel layer's output gradient - so that the
+replicated computations around them (LayerNorms, biases, the residual stream) stay identical: those tensors are bit
+for bit the same on every tp rank (the all-reduce and all-gather that produce them return the same bits everywhere)
+and an amax is deterministic, so their scales agree without any communication. The sharded tensors (the weight
+slices, the row-parallel input, the column-parallel output gradient) get one scale per shard: blockwise scaling
+with tp blocks, never coarser than one scale for the whole tensor (a shard's amax is at most the tensor's), and no
+rank's GEMM needs another rank's scale because gptpar communicates activations in bf16 and only after the GEMM's
+output is de-scaled (the row-parallel partial sums are reduced in bf16). Megatron (Transformer Engine) and
+torchtitan reduce amaxes over the tp group because they *communicate in float8*: TE and torchtitan cast the
+sequence-parallel input before its all-gather (a float8 all-gather needs one scale on every rank), torchtitan's
+DTensors give each sharded tensor its global amax "to keep single device semantics", and TE's delayed scaling keeps
+amax histories that are reduced over tp x dp. Reducing here would cost a latency-bound all-reduce of one scalar per
+cast of a sharded tensor, about a dozen per layer and micro-batch (six in forward: the four weight slices and the two
+row-parallel inputs; as many in backward), and buy no accuracy; what it would buy is tp-invariance: at tp 2 a GEMM
+quantises its weight with two scales where tp 1 uses one, so fp8 losses differ across tp by float8 rounding, as
+bf16's differ across tp by summation order.
+
+Shapes: `torch._scaled_mm(a (M, K), b (K, N))` needs K and N divisible by 16. A linear's three GEMMs put the
+weight slice's `in` and `out` in those places (forward K = in, N = out; grad-input K = out, N = in; grad-weight
+K = tokens, N = in), so both dimensions of every weight slice must divide by 16; torchao pads only inner
+dimensions (`pad_inner_dim`: used here only when micro batch x seq_length does not divide by 16, since torchao then
+copies every operand of every GEMM, aligned or not; no shipped config needs it). `plan_float8_gemm` decides per
+GEMM, a pure function used by the layers, the start-up log, `--dry-run` (gptpar.estimate.report) and the planner:
+`fp8` when both divide; `padded` (zeros appended to the weight slice and to the input inside the layer, the output
+cut back; invisible to checkpoints, whose weights keep their shapes; the zeros change no scale, so the result is the
+unpadded GEMM's) while padding adds at most 1/8 to the GEMM's FLOPs; else `bf16` (only dimensions under ~128 reach
+that: GEMMs too small for float8's casts to pay off). In eager mode the padded weight copy is not kept for backward
+(it is rebuilt there from the parameter), only the padded activation is, as the unpadded one would be; under
+torch.compile the compiler's partitioner makes that choice (and fuses the pads into the casts).
+
+Eager float8 is slow: each cast is several kernels (an H100 ran the 200B tp-8 layer in 37 ms in fp8 against 14 ms in
+bf16); compile the layers (`training.compile`: 10.7 ms against compiled bf16's 13.2 ms; docs/precision.md).
+
+torchao 0.18.0 internals relied on (not public API; `make test` breaks when one changes):
+    `torchao.float8.float8_linear.matmul_with_hp_or_float8_args`     tests/test_float8.py::test_parallel_layers_equal_torchaos_float8_linear,
+      `.apply(input, weight.t(), LinearMMConfig, Float8LinearConfig)`   ::test_padded_gemm_equals_the_unpadded_one
+      (the autograd function inside Float8Linear; torchtitan's TP path)
+    `torchao.float8.float8_training_tensor.LinearMMConfig` /          tests/test_float8.py::test_parallel_layers_equal_torchaos_float8_linear
+      `ScaledMMConfig(emulate, use_fast_accum, fp8_output, pad_inner_dim)` (built as Float8Linear.__init__ builds them)
+    `Float8LinearConfig.from_recipe_name` and its `emulate`,          tests/test_float8.py (every recipe)
+      `pad_inner_dim`, `gemm_config_*.use_fast_accum` fields
+    the "Failed to load ..." warnings of torchao's import on the       tests/test_float8.py::test_import_is_quiet_and_says_why
+      `torchao` logger (its C++ extensions, unused by float8 training)
+    that function's output is a view it owns (copied before the        tests/test_float8.py::test_a_compiled_layer_traces_fp8_in_one_graph
+      row-parallel in-place all-reduce) and it is allow_in_graph
+    the non-emulated path (torch._scaled_mm, torchao's padding of      tests/test_float8.py::test_cuda_float8_gemms_match_the_emulation
+      the token dimension)                                              (on a GPU only; it ran on an H100, torch 2.11)
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+FLOAT8_MULTIPLE = 16          # torch._scaled_mm: both dimensions of every weight slice
+MAX_PADDING = 0.125           # pad while it adds at most this share of the GEMM's FLOPs, else keep it in bf16
+GEMM_NAMES = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")  # TransformerLayer's, in order
+TORCHAO_VERSION = "0.18.0"    # the version whose internals this module was written against (setup.py's fp8 extra)
+
+
+# ---------------------------------------------------------------------------------------------
+# The decision: pure, shared by the layers, the start-up log, --dry-run and the planner
+# ---------------------------------------------------------------------------------------------
+
+def _round_up(n: int) -> int:
+    return -(-n // FLOAT8_MULTIPLE) * FLOAT8_MULTIPLE
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Gemm:
+    """How one linear's weight slice (out_features, in_features) on one tp rank runs under precision fp8:
+    `mode` "fp8" (as it is), "padded" (to padded_out x padded_in inside the layer) or "bf16" (kept)."""
+
+    name: str
+    out_features: int
+    in_features: int
+    mode: str
+    padded_out: int
+    padded_in: int
+
+    @property
+    def extra_flops(self) -> float:
+        """The share of FLOPs (and of the weight slice's bytes) that padding adds: 0 unless padded."""
+        if self.mode != "padded":
+            return 0.0
+        return self.padded_out * self.padded_in / (self.out_features * self.in_features) - 1.0
+
+    def describe(self, name: Optional[str] = None) -> str:
+        """e.g. `dense 14400x1800 fp8 padded to 14400x1808 (+0.44% FLOPs)`, under `name` if given."""
+        shape = f"{name or self.name} {self.out_features}x{self.in_features}"
+        if self.mode == "padded":
+            return f"{shape} fp8 padded to {self.padded_out}x{self.padded_in} (+{100 * self.extra_flops:.2f}% FLOPs)"
+        if self.mode == "bf16":
+            return f"{shape} kept in bf16 (padding to {self.padded_out}x{self.padded_in} would add " \
+                   f"{100 * (self.padded_out * self.padded_in / (self.out_features * self.in_features) - 1):.0f}%)"
+        return f"{shape} fp8"
+
+
+def plan_float8_gemm(out_features: int, in_features: int, name: str = "linear") -> Float8Gemm:
+    """The fp8 decision for a weight slice of (out_features, in_features): see the module docstring."""
+    out_p, in_p = _round_up(out_features), _round_up(in_features)
+    if (out_p, in_p) == (out_features, in_features):
+        mode = "fp8"
+    elif out_p * in_p <= (1 + MAX_PADDING) * out_features * in_features:
+        mode = "padded"
+    else:
+        mode = "bf16"
+    return Float8Gemm(name, out_features, in_features, mode, out_p, in_p)
+
+
+def layer_float8_gemms(hidden_size: int, ffn_hidden_size: int, tp_size: int) -> List[Float8Gemm]:
+    """The four GEMMs of one transformer layer on one tp rank, as TransformerLayer builds them (weights
+    (out, in): query_key_value (3h/tp, h), dense (h, h/tp), dense_h_to_4h (f/tp, h), dense_4h_to_h (h, f/tp))."""
+    h, f, t = hidden_size, ffn_hidden_size, tp_size
+    shapes = ((3 * h // t, h), (h, h // t), (f // t, h), (h, f // t))
+    return [plan_float8_gemm(out, inp, name) for name, (out, inp) in zip(GEMM_NAMES, shapes)]
+
+
+def float8_cast_bytes(gemms: List[Float8Gemm], tokens: int) -> int:
+    """Peak bytes of float8 casts and padding copies one GEMM of `gemms` holds at a time beyond what its bf16
+    GEMM would (the largest over them), with `tokens` = micro batch x seq_length rows: its backward holds the
+    output gradient cast twice (for the input- and the weight-gradient GEMMs), the weight and the input cast once
+    (1 byte each), and for a padded GEMM the rebuilt bf16 weight copy and the padded bf16 gradients (2 bytes).
+    Transient: freed when the GEMM's backward returns; no float8 tensor is kept between forward and backward."""
+    peak = 0
+    for g in gemms:
+        if g.mode == "bf16":
+            continue
+        o, i, m = g.padded_out, g.padded_in, tokens
+        held = 2 * m * o + o * i + m * i
+        if g.mode == "padded":
+            held += 2 * o * i + (2 * m * o if o != g.out_features else 0) + (2 * m * i if i != g.in_features else 0)
+        peak = max(peak, held)
+    return peak
+
+
+def describe_float8_gemms(gemms: List[Float8Gemm], tp_size: int) -> str:
+    """One line: what each GEMM of a transformer layer does under fp8 at this tp."""
+    return (f"fp8 GEMMs per transformer layer at tp {tp_size} (weight slice out x in): "
+            + "; ".join(g.describe() for g in gemms) + "; output layer (tied embedding) bf16")
+
+
+def float8_flags(gemms: List[Float8Gemm]) -> List[str]:
+    """Short flags for the planner's table: which GEMMs are padded or kept in bf16 (none: all fp8)."""
+    flags = []
+    for mode in ("padded", "bf16"):
+        names = [g.name for g in gemms if g.mode == mode]
+        if names:
+            flags.append(f"fp8 {'pads' if mode == 'padded' else 'keeps bf16:'} {','.join(names)}")
+    return flags
+
+
+# ---------------------------------------------------------------------------------------------
+# The float8 GEMM at run time (imports torchao; only a run with precision fp8 builds one)
+# ---------------------------------------------------------------------------------------------
+
+def import_torchao():
+    """torchao's float8 pieces, imported with its import-time noise caught: torchao 0.18.0 logs one "Failed to load
+    ..." warning per C++ extension that does not load with this torch build (its MX and CUTLASS kernels, which float8
+    training does not use: its GEMM is torch's own `_scaled_mm`, its casts are PyTorch ops), and torch logs that
+    torchao registers an enum with a deprecated call. Returns (namespace, a note on the extensions or None)."""
+    caught: List[logging.LogRecord] = []
+
+    class _Catch(logging.Handler):
+        def emit(self, record):
+            caught.append(record)
+
+    loggers = [logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")]
+    saved = [(lg.propagate, lg.handlers[:]) for lg in loggers]
+    handler = _Catch()
+    try:
+        for lg in loggers:
+            lg.propagate, lg.handlers = False, [handler]
+        import torchao
+        from torchao.float8.config import Float8LinearConfig
+        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+        from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
+    finally:
+        for lg, (propagate, handlers) in zip(loggers, saved):
+            lg.propagate, lg.handlers = propagate, handlers
+    failed = [r for r in caught if r.getMessage().startswith("Failed to load")]
+    unexpected = [r for r in caught if r not in failed and r.name == "torchao" and r.levelno >= logging.WARNING]
+    for record in unexpected:  # anything else torchao says is passed on
+        logging.getLogger("torchao").handle(record)
+    note = (f"{len(failed)} of torchao's C++ extension files did not load with this torch (unused by float8 "
+            "training)") if failed else None
+    ns = dict(version=torchao.__version__, Float8LinearConfig=Float8LinearConfig, LinearMMConfig=LinearMMConfig,
+              ScaledMMConfig=ScaledMMConfig, matmul=matmul_with_hp_or_float8_args)
+    return ns, note
+
+
+class Float8Matmul:
+    """The run's float8 GEMM: torchao's recipe `recipe` (tensorwise | rowwise), emulated unless `emulate` is False.
+    Built once per run (gptpar.training.build) and handed to every tensor-parallel linear of the transformer layers.
+
+    `linear(x, weight, gemm)`: x (..., in) times this rank's weight slice (out, in) transposed, in float8, as
+    `plan_float8_gemm` decided for it (`gemm.mode` "fp8" or "padded"; a "bf16" GEMM never reaches here); no bias."""
+
+    def __init__(self, recipe: str = "tensorwise", emulate: bool = True):
+        ns, self.import_note = import_torchao()
+        self.recipe, self.emulate, self.version = recipe, emulate, ns["version"]
+        self._matmul = ns["matmul"]
+        self.config = dataclasses.replace(ns["Float8LinearConfig"].from_recipe_name(recipe), emulate=emulate)
+        # One ScaledMMConfig per GEMM (output, grad_input, grad_weight), as Float8Linear.__init__ builds them; with
+        # pad_inner_dim for a token count that does not divide by 16 (the grad-weight GEMM's inner dimension).
+        scaled, c = ns["ScaledMMConfig"], self.config
+        self.mm_configs = {pad: ns["LinearMMConfig"](
+            *(scaled(emulate, g.use_fast_accum, False, pad)
+              for g in (c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight)))
+            for pad in (False, True)}
+
+    def describe(self) -> str:
+        how = "emulated: no CUDA device, exact float8 rounding with fp32 matmuls, slow" if self.emulate \
+            else "torch._scaled_mm"
+        version = self.version if self.version == TORCHAO_VERSION else f"{self.version}, written for {TORCHAO_VERSION}"
+        return f"GEMMs float8 through torchao {version} ({self.recipe} scales per tp shard; {how})"
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, gemm: Float8Gemm) -> torch.Tensor:
+        mm_config = self.mm_configs[(x.numel() // x.shape[-1]) % FLOAT8_MULTIPLE != 0]
+        if gemm.mode == "fp8":
+            return self._matmul.apply(x, weight.t(), mm_config, self.config)
+        pad_in, pad_out = gemm.padded_in - gemm.in_features, gemm.padded_out - gemm.out_features
+        x = F.pad(x, (0, pad_in)) if pad_in else x  # (..., in') with zero columns: kept for backward
+        padded = F.pad(weight, (0, pad_in, 0, pad_out)).contiguous()  # (out', in'): rebuilt in backward, not kept
+        if torch.compiler.is_compiling():
+            # Compiled, AOTAutograd's partitioner chooses what backward keeps (recomputing the pad from the weight
+            # rather than keeping its copy), and the pad fuses with the float8 cast; the hooks' identity test would
+            # only break the graph.
+            y = self._matmul.apply(x, padded.t(), mm_config, self.config)
+        else:
+            with torch.autograd.graph.saved_tensors_hooks(*_rebuilt_in_backward(padded, weight,
+                                                                                (0, pad_in, 0, pad_out))):
+                y = self._matmul.apply(x, padded.t(), mm_config, self.config)  # (..., out')
+        return y[..., :gemm.out_features] if pad_out else y
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rebuild:
+    size: torch.Size
+    stride: tuple
+    offset: int
+
+
+def _rebuilt_in_backward(padded: torch.Tensor, weight: torch.Tensor, pad):
+    """saved_tensors_hooks that save, instead of the padded weight copy (or a view of it), a note to rebuild it from
+    the parameter in backward: one copy of the weight slice per layer and micro-batch in flight less (156 MB per
+    200B layer's query_key_value at tp 8). The hooks hold the copy's address, never the copy itself."""
+    address = padded.untyped_storage().data_ptr()  # unique while the copy lives (all of the forward); 0 on meta
+
+    def pack(t):
+        if address and t.untyped_storage().data_ptr() == address:  # the copy or a view (torchao saves its transpose)
+            return _Rebuild(t.size(), t.stride(), t.storage_offset())
+        return t
+
+    def unpack(saved):
+        if isinstance(saved, _Rebuild):  # the same view of a new copy, laid out as the first (both contiguous)
+            return F.pad(weight, pad).contiguous().as_strided(saved.size, saved.stride, saved.offset)
+        return saved
+
+    return pack, unpack
+
+
+def float8_summary(module: torch.nn.Module) -> Optional[str]:
+    """What the precision plan line says of float8, read off the built layers (their `float8_gemm`, decided by
+    `plan_float8_gemm`): the recipe, native or emulated, and each GEMM of a transformer layer on this rank once
+    (every layer decides alike). None when no layer was built for fp8."""
+    first = {}
+    for name, m in module.named_modules():
+        gemm = getattr(m, "float8_gemm", None)
+        if gemm is not None:
+            first.setdefault(name.rsplit(".", 1)[-1], (m, gemm))
+    if not first:
+        return None
+    matmul = next((m.float8 for m, _ in first.values() if m.float8 is not None), None)
+    head = matmul.describe() if matmul is not None else "GEMMs kept in bf16 (none fits float8)"
+    gemms = "; ".join(g.describe(name) for name, (_, g) in first.items())
+    note = f" ({matmul.import_note})" if matmul is not None and matmul.import_note else ""
+    return f"{head}: {gemms}; output layer (tied embedding) bf16{note}"
+
+
+__all__ = ["FLOAT8_MULTIPLE", "MAX_PADDING", "GEMM_NAMES", "Float8Gemm", "plan_float8_gemm", "layer_float8_gemms",
+           "float8_cast_bytes", "describe_float8_gemms", "float8_flags", "import_torchao", "Float8Matmul",
+           "float8_summary"]
