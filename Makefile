@@ -37,7 +37,7 @@ test-all: $(STAMP)
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)
-	# docs/benchmarks.md's CPU figures (~15 min on 2 cores); the GPU ones: bench/gpu_run.sh on a GPU machine.
+	# docs/benchmarks.md's CPU figures (~15 min on 2 cores); the GPU ones: bash bench/gpu.sh on a GPU machine.
 	$(PY) bench/bench_single_rank.py
 	$(PY) bench/bench_scaling.py
 	$(PY) bench/bench_preprocess.py

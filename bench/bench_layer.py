@@ -3,6 +3,7 @@ and TFLOPs per GPU with none / selective / full recompute, written as a calibrat
 
     python bench/bench_layer.py --config configs/200b.json --device cuda --json cal_h200.json
     python bench/bench_layer.py --config configs/200b.json --device cuda --dtype fp8 --json cal_h100_fp8.json
+    python bench/bench_layer.py --config configs/200b.json --device cuda --dtype fp8 --compile --modes none
     python bench/bench_layer.py --tiny            # CPU smoke: a 64-wide layer at tp 2, seconds (--dtype fp8 too)
     python tools/plan_topology.py --config configs/200b.json --nodes 40 --calibration cal_h200.json
 
@@ -21,6 +22,9 @@ output gradient; no optimizer step. Modes: `none`; `selective` (the layer recomp
 (`--fp8-recipe` tensorwise | rowwise; gptpar.tensor_parallel.float8), padded or kept in bf16 as the run would (at
 200B tp 8 query_key_value and dense are padded: the JSON's `float8_gemms` says so). Without CUDA it runs torchao's
 emulation, whose times say nothing about float8 speed (the CPU smoke only checks that it runs).
+
+`--compile` compiles the layer as training.compile does (gptpar.model.gpt.compile_transformer_layers): float8
+GEMMs pay only compiled (their casts and scales are fused then; eager fp8 was 2.6x slower than bf16 on an H100).
 
 TFLOPs per GPU = gptpar.estimate.flops.model_flops_per_iteration for one layer and this micro-batch (no vocab), / tp,
 counting each mode's recompute as the trainer's log line does (`tflops`), and without it (`model_tflops`,
@@ -147,8 +151,9 @@ def layer_flops_per_gpu(config: GPTConfig, tp: int, mbs: int, mode) -> float:
 
 
 def run(config: GPTConfig, *, tp: int, mbs: int, device, dtype, modes, warmup: int, iters: int, seed: int = 0,
-        fp8_recipe=None) -> dict:
-    """`fp8_recipe` (tensorwise | rowwise): the GEMMs in float8 (bf16 `dtype` around them); None: in `dtype`."""
+        fp8_recipe=None, compile: bool = False) -> dict:
+    """`fp8_recipe` (tensorwise | rowwise): the GEMMs in float8 (bf16 `dtype` around them); None: in `dtype`.
+    `compile`: the layer compiled as training.compile does (the first warm-up pass compiles)."""
     tracker = model_parallel_seed(seed, device=device)
     float8 = None
     if fp8_recipe is not None:
@@ -156,6 +161,10 @@ def run(config: GPTConfig, *, tp: int, mbs: int, device, dtype, modes, warmup: i
 
         float8 = Float8Matmul(fp8_recipe, emulate=device.type != "cuda")
     layer = build_layer(config, tp, device, dtype, tracker, float8)
+    if compile:
+        from gptpar.model.gpt import compile_transformer_layers
+
+        compile_transformer_layers(layer)
     gen = torch.Generator(device=device).manual_seed(seed)
     h, s = config.hidden_size, config.seq_length
     x = torch.randn(s, mbs, h, device=device, dtype=dtype, generator=gen).requires_grad_()
@@ -174,7 +183,7 @@ def run(config: GPTConfig, *, tp: int, mbs: int, device, dtype, modes, warmup: i
         "device": device.type,
         "gpu_mem_gib": (torch.cuda.get_device_properties(device).total_memory / 2 ** 30 if gpu else None),
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "dtype": str(dtype).replace("torch.", ""),
+        "dtype": str(dtype).replace("torch.", ""), "compiled": compile,
         "float8": float8.describe() if float8 is not None else None,
         "float8_gemms": ([getattr(layer, name).float8_gemm.describe(name) for name in GEMM_NAMES]
                          if float8 is not None else None),
@@ -212,6 +221,7 @@ def main(argv=None):
                    help="default: the config's precision on CUDA, fp32 on CPU; fp8 = bf16 with float8 GEMMs")
     p.add_argument("--fp8-recipe", choices=("tensorwise", "rowwise"), default="tensorwise",
                    help="with --dtype fp8: torchao's scaling recipe")
+    p.add_argument("--compile", action="store_true", help="compile the layer as training.compile does")
     p.add_argument("--modes", default=",".join(RECOMPUTE_MODES), help="comma-separated: none,selective,full")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
@@ -237,11 +247,12 @@ def main(argv=None):
         if m not in RECOMPUTE_MODES:
             raise SystemExit(f"--modes: {m!r} is not one of {RECOMPUTE_MODES}")
     res = run(config, tp=tp, mbs=mbs, device=device, dtype=dtype, modes=modes, warmup=warmup, iters=iters,
-              fp8_recipe=args.fp8_recipe if name == "fp8" else None)
+              fp8_recipe=args.fp8_recipe if name == "fp8" else None, compile=args.compile)
     sh = res["shape"]
     if res["float8"]:
         print(f"{res['float8']}\n  " + "\n  ".join(res["float8_gemms"]))
-    print(f"{res['gpu']} | {res['dtype']}{' + float8 GEMMs' if res['float8'] else ''} | one layer at tp {tp}: "
+    print(f"{res['gpu']} | {res['dtype']}{' + float8 GEMMs' if res['float8'] else ''}"
+          f"{', compiled' if res['compiled'] else ''} | one layer at tp {tp}: "
           f"hidden {sh['hidden_size']}, {sh['heads_per_rank']} "
           f"heads x {sh['head_dim']}, ffn slice {sh['ffn_per_rank']}, mbs {mbs}, seq {sh['seq_length']} "
           f"(tp all-reduces excluded)")

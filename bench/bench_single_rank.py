@@ -3,7 +3,7 @@
     python bench/bench_single_rank.py                 # 6x384 s256 b8 and 12x768 s512 b4, fp32, + bf16 (~5 min, 2 cores)
     python bench/bench_single_rank.py --tiny          # seconds; the smoke test runs this
     python bench/bench_single_rank.py --device cuda --dtype bf16 --config configs/1.3b.json   # a GPU, ~1.3B, seq 2048
-    bash bench/gpu_run.sh                             # the GPU checks of docs/benchmarks.md (+ --hf, --compile)
+    bash bench/gpu.sh calibrate                       # on a GPU: per recompute mode, beside the layer calibration
 
 Both models live in one process with the same thread count, shapes (layers, hidden, heads, vocab, seq,
 micro-batch), dropout 0, the same activation (exact GELU) and the same optimizer (gptpar's `make_adamw`,

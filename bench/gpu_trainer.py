@@ -1,6 +1,6 @@
 """The trainer itself on one GPU: pretrain_gpt.py through DeepSpeed's launcher, configs/1.3b.json's shape.
 
-    bash bench/gpu_trainer.sh                       # on a CUDA machine: installs the carried wheels, runs this
+    bash bench/gpu.sh checks                        # on a CUDA machine: installs the carried wheels, runs this
     python bench/gpu_trainer.py --out DIR           # the same, DeepSpeed already importable
     python bench/gpu_trainer.py --out DIR --cpu-smoke   # every step at a tiny shape on CPU/gloo (the flow)
 

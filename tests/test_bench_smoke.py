@@ -221,26 +221,50 @@ def test_bench_fp8_padding_tiny(tmp_path):
     assert row["extra_bytes"] > 0 and row["padded_ops_bytes"]["constant_pad_nd"] > 0
 
 
-@pytest.mark.slow
-def test_gpu_speed_script_flow_on_cpu(tmp_path):
-    """bench/gpu_speed.sh with GPU_SPEED_CPU_SMOKE=1: every step at a tiny shape on the CPU (~1-2 min), so the
-    one GPU call runs a script whose flow, flags and summary have run end to end."""
-    pytest.importorskip("deepspeed")
+def _gpu_script_on_cpu(mode, tmp_path, timeout):
+    """`bash bench/gpu.sh MODE` with GPU_CPU_SMOKE=1: every step at a tiny shape on the CPU, so the one GPU call
+    runs a script whose flow, flags and summary have run end to end. Returns (stdout, out folder, raw folder)."""
     out = tmp_path / "out"
-    run = subprocess.run(["bash", "bench/gpu_speed.sh"], cwd=REPO, capture_output=True, text=True, timeout=600,
-                         env={**ENV, "GPU_SPEED_CPU_SMOKE": "1", "OUT": str(out), "PYTHON": sys.executable})
+    run = subprocess.run(["bash", "bench/gpu.sh", mode], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                         env={**ENV, "GPU_CPU_SMOKE": "1", "OUT": str(out), "PYTHON": sys.executable})
     assert run.returncode == 0, run.stderr[-3000:]
-    assert sorted(os.listdir(out)) == ["gpu_speed_raw.tgz", "summary.json", "summary.txt"]  # <= 8 files return
+    files = sorted(os.listdir(out))
+    assert len(files) <= 8 and "raw.tgz" in files and "machine.txt" in files, files  # what a device call returns
     raw = tmp_path / "raw"
-    with tarfile.open(out / "gpu_speed_raw.tgz") as tar:
+    with tarfile.open(out / "raw.tgz") as tar:
         tar.extractall(raw)
     assert not (raw / "failed.txt").exists(), (raw / "failed.txt").read_text() + run.stdout[-3000:]
     assert not (raw / "skipped.txt").exists(), (raw / "skipped.txt").read_text()
+    return run.stdout, out, raw
+
+
+@pytest.mark.slow
+def test_gpu_speed_script_flow_on_cpu(tmp_path):
+    """`bench/gpu.sh speed` (issue 21's call): the peer compiled, the trainer compiled, in fp8 and eager, the layer
+    in bf16 and fp8, and the summary's figures and ratios, each read from what its step wrote (~5 min on 2 cores)."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("torchao")
+    _, out, raw = _gpu_script_on_cpu("speed", tmp_path, timeout=1500)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["ratio_trainer_vs_compiled_peer"] > 0
-    assert set(summary["single_rank"]) == {"none", "selective", "full"}
-    assert len(summary["layer"]) == 2 and all(set(c["modes"]) == {"none", "selective", "full"}
-                                              for c in summary["layer"].values())
+    for name in ("trainer_compiled", "trainer_fp8", "trainer_eager"):
+        records = [json.loads(line) for line in (raw / f"{name}.jsonl").read_text().splitlines()]
+        assert summary[name]["lm_loss"] == [r["lm_loss"] for r in records if "lm_loss" in r]
+    assert summary["trainer_compiled"]["compile_s"] is not None and summary["trainer_eager"]["compile_s"] is None
+    assert "float8" in (raw / "trainer_fp8.log").read_text()
+    assert all(value is not None for value in summary["ratios"].values()), summary["ratios"]
+    peer = json.loads((raw / "peer_compiled.json").read_text())
+    assert summary["ratios"]["trainer_compiled_vs_peer_compiled"] == pytest.approx(
+        summary["trainer_compiled"]["tokens_per_s"] / peer["tokens_per_s"])
+    assert json.loads((raw / "layer_fp8.json").read_text())["float8"] and summary["layer_fp8"]["gemms"]
+
+
+@pytest.mark.slow
+def test_gpu_calibrate_script_flow_on_cpu(tmp_path):
+    """`bench/gpu.sh calibrate`: the layer's calibration file, the single rank per recompute mode and the planner
+    reading the calibration."""
+    stdout, _, raw = _gpu_script_on_cpu("calibrate", tmp_path, timeout=900)
+    assert set(json.loads((raw / "layer_200b_tp8_mbs2.json").read_text())["modes"]) == {"none", "selective", "full"}
+    assert all((raw / f"single_rank_1.3b_{mode}.json").exists() for mode in ("none", "selective", "full"))
     assert "A100 (seed 003 fit)" in (raw / "plan_200b_calibrated.log").read_text()
 
 

@@ -1,0 +1,155 @@
+"""The figures of `bash bench/gpu.sh speed` in one place: tokens/s, TFLOPs and peak memory of each run, the ratios
+issue 21 sets as targets, and the loss checks.
+
+    python bench/gpu_summary.py --out gpu_out          # -> gpu_out/summary.{json,txt}
+
+Reads what the script wrote: peer_compiled.json (bench_peer_loop.py), trainer_{compiled,fp8,eager}.jsonl and .log
+(the trainer's metrics file, one record per iteration, and its log, whose Megatron memory line gives the peak), and
+layer_{bf16,fp8}.json (bench_layer.py). A missing file is reported, not fatal. The trainer's seconds per iteration
+are the median over its iterations after the first `SKIP` (the compile, allocator growth, autotuning).
+"""
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from gptpar.training.logging import read_metrics  # noqa: E402
+
+SKIP = 3
+TARGETS = {"trainer_compiled_vs_peer_compiled": 1.05,   # tokens/s, same shape, batch and GPU
+           "layer_fp8_vs_bf16": 1.3,                     # forward + backward of one 200B tp-8 layer
+           "trainer_fp8_vs_compiled": 1.0}               # fp8 faster than bf16 at 1.3B
+# Last logged loss of fp8 against bf16's (issue 21's bound), and of the compiled run against the eager one
+# (dropout 0.1 draws other masks under compile, and bf16 GEMMs differ run to run: the same bound as gpu_trainer.py).
+LOSS_BOUNDS = {"fp8_vs_bf16": 0.02, "compiled_vs_eager": 0.02}
+TRAINERS = ("trainer_compiled", "trainer_fp8", "trainer_eager")
+
+
+def _load_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def peak_memory_gib(log_path):
+    """The largest `max allocated` of the trainer's memory report lines (MB, Megatron's format), in GiB."""
+    try:
+        with open(log_path, errors="replace") as f:
+            peaks = [float(m) for m in re.findall(r"max allocated: ([0-9.]+)", f.read())]
+    except OSError:
+        return None
+    return max(peaks) * 2 ** 20 / 2 ** 30 if peaks else None
+
+
+def compile_seconds(log_path):
+    try:
+        with open(log_path, errors="replace") as f:
+            found = re.findall(r"compil\w* [^\n]*?([0-9.]+) ?s\b", f.read())
+    except OSError:
+        return None
+    return float(found[0]) if found else None
+
+
+def trainer_figures(out_dir, name):
+    """Median s/iteration, tokens/s and TFLOPs of a trainer run (train records after the first SKIP), its losses
+    and the peak memory its log reports."""
+    try:
+        recs = [r for r in read_metrics(os.path.join(out_dir, name + ".jsonl")) if not r.get("eval")
+                and not r.get("timers") and "lm_loss" in r]
+    except OSError:
+        return None
+    if not recs:
+        return None
+    timed = [r for r in recs if r["iteration"] > SKIP] or recs
+    sec = statistics.median(r["elapsed_s"] for r in timed)
+    tokens_per_sample = recs[-1]["consumed_tokens"] // recs[-1]["consumed_samples"]
+    log = os.path.join(out_dir, name + ".log")
+    return {"iterations": len(recs), "timed_iterations": len(timed), "sec_per_iter_median": sec,
+            "global_batch_size": timed[-1]["global_batch_size"],
+            "tokens_per_s": timed[-1]["global_batch_size"] * tokens_per_sample / sec,
+            "tflops_median": statistics.median(r["tflops"] for r in timed),
+            "lm_loss": [r["lm_loss"] for r in recs], "peak_memory_gib": peak_memory_gib(log),
+            "compile_s": compile_seconds(log)}
+
+
+def layer_figures(path):
+    cal = _load_json(path)
+    if not cal:
+        return None
+    mode = cal["modes"].get("none") or next(iter(cal["modes"].values()))
+    return {"sec_per_layer": mode["sec_per_layer"], "tflops": mode["tflops"], "gpu": cal.get("gpu"),
+            "peak_memory_gib": mode.get("peak_memory_gib"), "shape": cal.get("shape"), "gemms": cal.get("gemms")}
+
+
+def _ratio(a, b):
+    return a / b if a and b else None
+
+
+def summarize(out_dir):
+    res = {"peer_compiled": _load_json(os.path.join(out_dir, "peer_compiled.json"))}
+    res.update({name: trainer_figures(out_dir, name) for name in TRAINERS})
+    res.update({f"layer_{kind}": layer_figures(os.path.join(out_dir, f"layer_{kind}.json")) for kind in ("bf16", "fp8")})
+    lines = []
+    peer = res["peer_compiled"]
+    lines.append("peer_compiled: " + (f"{peer['sec_per_iter_median']:.3f} s/iter, {peer['tokens_per_s']:,.0f} tokens/s, "
+                                      f"{peer['tflops']:.1f} TFLOPs, peak {peer.get('peak_memory_gib') or float('nan'):.1f}"
+                                      f" GiB ({peer['device']})" if peer else "missing"))
+    for name in TRAINERS:
+        t = res[name]
+        lines.append(f"{name}: " + (f"{t['sec_per_iter_median']:.3f} s/iter (median of {t['timed_iterations']}), "
+                                    f"{t['tokens_per_s']:,.0f} tokens/s, {t['tflops_median']:.1f} TFLOPs (log line), "
+                                    f"peak {t['peak_memory_gib'] or float('nan'):.1f} GiB, compile "
+                                    f"{t['compile_s'] if t['compile_s'] is not None else '-'} s, last loss "
+                                    f"{t['lm_loss'][-1]:.4f}" if t else "missing"))
+    for kind in ("bf16", "fp8"):
+        lay = res[f"layer_{kind}"]
+        lines.append(f"layer_{kind}: " + (f"{lay['sec_per_layer'] * 1e3:.2f} ms fwd+bwd, {lay['tflops']:.0f} TFLOPs"
+                                          if lay else "missing"))
+    tc, te, t8 = res["trainer_compiled"], res["trainer_eager"], res["trainer_fp8"]
+    same_batch = bool(tc and peer and tc["global_batch_size"] == peer["global_batch_size"])
+    ratios = {"trainer_compiled_vs_peer_compiled": _ratio(tc and tc["tokens_per_s"], peer and same_batch
+                                                          and peer["tokens_per_s"]),
+              "trainer_compiled_vs_eager": _ratio(tc and tc["tokens_per_s"], te and te["tokens_per_s"]),
+              "trainer_fp8_vs_compiled": _ratio(t8 and t8["tokens_per_s"], tc and tc["tokens_per_s"]),
+              "layer_fp8_vs_bf16": _ratio(res["layer_bf16"] and res["layer_bf16"]["sec_per_layer"],
+                                          res["layer_fp8"] and res["layer_fp8"]["sec_per_layer"])}
+    res["ratios"] = ratios
+    for key, value in ratios.items():
+        target = TARGETS.get(key)
+        verdict = "" if target is None or value is None else f" (target >= {target}: {'met' if value >= target else 'NOT met'})"
+        lines.append(f"ratio {key}: " + (f"{value:.3f}{verdict}" if value is not None else "missing"))
+    checks = {}
+    for key, (a, b) in {"fp8_vs_bf16": (t8, tc), "compiled_vs_eager": (tc, te)}.items():
+        if a and b and len(a["lm_loss"]) == len(b["lm_loss"]):
+            diff = abs(a["lm_loss"][-1] - b["lm_loss"][-1]) / abs(b["lm_loss"][-1])
+            checks[f"last_loss_{key}"] = {"relative_difference": diff, "bound": LOSS_BOUNDS[key],
+                                          "within": diff <= LOSS_BOUNDS[key]}
+            lines.append(f"last loss {key}: relative difference {diff:.4f} (bound {LOSS_BOUNDS[key]}: "
+                         f"{'within' if diff <= LOSS_BOUNDS[key] else 'NOT within'})")
+    if tc:
+        checks["trainer_loss_falls"] = tc["lm_loss"][-1] < tc["lm_loss"][0]
+    res["checks"], res["lines"] = checks, lines
+    return res
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="the folder bench/gpu.sh speed wrote")
+    args = p.parse_args(argv)
+    res = summarize(args.out)
+    text = "\n".join(res["lines"])
+    print(text)
+    with open(os.path.join(args.out, "summary.txt"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
