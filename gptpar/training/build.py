@@ -73,13 +73,25 @@ def checkpoint_shape(cfg: Config, pstate) -> dict:
                     cfg.model.padded_vocab_size(pstate.tp_size), cfg.resolved_partition_method(pstate.pp_size))
 
 
+def checkpoint_group(pstate, timeout_minutes: float):
+    """The gloo group a save's ranks agree over (None for one rank): its own, because an async save agrees from
+    the writer thread while training's collectives run on theirs. Collective: every rank calls it."""
+    if pstate.world_size == 1:
+        return None
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
 def build_trainer(cfg: Config, pstate, log, load_target, init_from=None):
     """Seeds, model, data sources, DeepSpeed engine and checkpointer, under one `Trainer`. `init_from`: weights
     to start from (gptpar.training.init_weights), put into the model before the engine copies them."""
     from gptpar.model.universal import deepspeed_universal_info, gpt_parameter_name
     from gptpar.training.checkpoint import Checkpointer
     from gptpar.training.data import build_sources
-    from gptpar.training.engine import build_engine, deepspeed_config
+    from gptpar.training.engine import CheckpointWriter, build_engine, deepspeed_config
     from gptpar.training.schedules import train_iters
     from gptpar.training.trainer import Trainer
 
@@ -97,6 +109,8 @@ def build_trainer(cfg: Config, pstate, log, load_target, init_from=None):
                           weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                           has_attention_mask=train_source.masks.has_attention_mask,
                           universal_checkpoint_info=deepspeed_universal_info(cfg.model))
+    writer = CheckpointWriter(async_save=ck.async_save, checksums=ck.checksums)
+    engine.install_checkpoint_writer(writer)
     checkpointer = Checkpointer(ck.save, load_target, ck.keep_last, pstate.rank, pstate.world_size,
                                 checkpoint_shape(cfg, pstate), cfg.to_json(), log=log, device=pstate.device,
                                 tp_rank=pstate.tp_rank, tp_size=pstate.tp_size,
@@ -104,7 +118,9 @@ def build_trainer(cfg: Config, pstate, log, load_target, init_from=None):
                                     gpt_parameter_name, pipelined=pstate.pp_size > 1,
                                     num_layers=cfg.model.num_layers,
                                     embedding_weight=cfg.parallel.embedding_weight or 1),
-                                model_config=cfg.model)
+                                model_config=cfg.model, writer=writer, checksums=ck.checksums,
+                                group=checkpoint_group(pstate, cfg.parallel.distributed_timeout_minutes)
+                                if ck.save else None)
     return Trainer(cfg, pstate, engine, train_source, valid_sources, checkpointer, tracker,
                    log=functools.partial(print, flush=True))
 
@@ -120,5 +136,5 @@ def dry_run(cfg: Config, tp: int, pp: int, dp: int) -> str:
     return report + "\n== stages of the real model (meta device) ==\n" + stage_report(cfg.model, plan, tp)
 
 
-__all__ = ["setup_environment", "seed_everything", "build_gpt", "build_model", "checkpoint_shape", "build_trainer",
-           "dry_run"]
+__all__ = ["setup_environment", "seed_everything", "build_gpt", "build_model", "checkpoint_shape", "checkpoint_group",
+           "build_trainer", "dry_run"]

@@ -32,6 +32,7 @@ disabled (`weights_only=True`); DeepSpeed's per-rank files are pickles, which it
 """
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import random
@@ -48,7 +49,7 @@ from gptpar.model.config import GPTConfig
 from gptpar.model.sharding import shard_tensor
 from gptpar.training.checkpoint_files import (CONFIG, LATEST, TAG_RE, CheckpointError, LoadTarget,
                                               complete_checkpoints, read_latest, saved_world_size, state_file, tag_of,
-                                              verify_checkpoint, write_latest, write_manifest)
+                                              verify_checkpoint, write_latest, write_manifest, write_synced)
 
 FORMAT_VERSION = 3  # 2: a manifest marks a complete checkpoint; 3: numpy's RNG state saved as a tensor
 
@@ -245,33 +246,106 @@ class Checkpointer:
     parameter_name: Callable[[str], str] = field(default=lambda name: name)
     model_config: Optional[GPTConfig] = None  # the model of a universal folder DeepSpeed wrote (it has none)
 
+    # The engine's CheckpointWriter (every file of a save goes through it), the process group its jobs agree
+    # over (gloo, separate from training's: an async job agrees from the writer thread), checksums on/off.
+    writer: Optional[object] = None
+    group: object = None
+    checksums: bool = True
+    _announced: set = field(default_factory=set)  # the waits said once (checkpoint.async_save)
+    _reported: Optional[object] = None  # the save whose outcome was last handed to the trainer
+
     # -- save ----------------------------------------------------------------------------------
     def save(self, engine, iteration: int, client_state: dict, tracker) -> str:
-        """Write checkpoint `iter_{iteration}` on every rank, then move `latest` to it. Returns the path."""
+        """Checkpoint `iter_{iteration}` on every rank. Every file (DeepSpeed's and this rank's state) goes
+        through the engine's CheckpointWriter; once every rank's files are whole, rank 0 writes config.json, the
+        manifest (sizes, checksums) and moves `latest` (`_agree_and_commit`). With checkpoint.async_save this
+        returns as soon as the snapshot is planned and the writer thread does the rest (`wait`, `finished`);
+        a save still in flight is waited for first. Returns the path."""
+        self.wait("saving the next one")
         tag = tag_of(iteration)
         path = os.path.join(self.save_dir, tag)
         with self._failures(tag, defer=True) as failed:
             if self.rank == 0:
                 os.makedirs(path, exist_ok=True)
         _agree_or_raise(failed, self.device)
-        # A rank failing inside DeepSpeed's save raises at once: DeepSpeed's own closing barrier cannot be
-        # joined from here, so the others wait there until the launcher or the process-group timeout ends
-        # them. `latest` does not move either way.
+        # A write that fails is kept by the writer and agreed on after all files were given (no rank leaves
+        # DeepSpeed's closing barrier early); anything else failing inside DeepSpeed's save raises at once.
         with self._failures(tag):
             engine.save_checkpoint(self.save_dir, tag, {"gptpar_iteration": iteration})
-        with self._failures(tag, defer=True) as failed:
-            state = dict(client_state, version=FORMAT_VERSION, shape=self.shape, rng=rng_states(tracker))
-            torch.save(state, os.path.join(path, state_file(self.rank)))
-        _agree_or_raise(failed, self.device)  # every rank's files are on disk before the pointer moves
-        with self._failures(tag, defer=True) as failed:
-            if self.rank == 0:  # config.json and the manifest last: a folder without them is partial
-                with open(os.path.join(path, CONFIG), "w") as f:
-                    f.write(self.config_json)
-                write_manifest(path, iteration, self.world_size)
+        state = dict(client_state, version=FORMAT_VERSION, shape=self.shape, rng=rng_states(tracker))
+        self.writer.save(state, os.path.join(path, state_file(self.rank)))
+        self.writer.start(functools.partial(self._agree_and_commit, path, iteration), name=path)
+        if not self.writer.async_save:
+            self.wait()
+        return path
+
+    def _agree_and_commit(self, path: str, iteration: int, records: dict, error: Optional[BaseException]):
+        """The end of a save, on every rank once its files are written (in the writer thread when async): the
+        ranks exchange their files' records and failures over `group`; if none failed rank 0 writes config.json,
+        the manifest and `latest`, and prunes. Returns the failure every rank reports (None: saved)."""
+        tag = os.path.basename(path)
+        mine = ({os.path.relpath(p, path): dict(r, rank=self.rank) for p, r in records.items()},
+                describe_save_failure(self.save_dir, tag, self.rank, error) if error is not None else None)
+        everyone = [mine]
+        if self.group is not None:
+            everyone = [None] * self.world_size
+            dist.all_gather_object(everyone, mine, group=self.group)
+        failures = [message for _, message in everyone if message]
+        if not failures and self.rank == 0:
+            try:
+                write_synced(os.path.join(path, CONFIG), self.config_json)  # config.json and the manifest last:
+                write_manifest(path, iteration, self.world_size,  # a folder without them is partial
+                               records={rel: r for files, _ in everyone for rel, r in files.items()},
+                               checksums=self.checksums)
                 write_latest(self.save_dir, tag)
                 self._prune(iteration)
-        _agree_or_raise(failed, self.device)
-        return path
+            except (OSError, RuntimeError) as e:
+                failures.append(describe_save_failure(self.save_dir, tag, self.rank, e))
+        if self.group is not None:  # every rank learns whether rank 0 committed
+            box = [failures]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            failures = box[0]
+        return failures[0] if failures else None
+
+    def wait(self, why: Optional[str] = None) -> None:
+        """Block until the save in flight (checkpoint.async_save) is written; raise CheckpointSaveError, on
+        every rank alike, if it failed. `why`: what waits, said once per kind of wait."""
+        if self.writer is None:
+            return
+        save = self.writer.in_flight()
+        if save is not None and why is not None and why not in self._announced:
+            self._announced.add(why)
+            self.log(f"waiting for checkpoint {save.name} to finish writing before {why} (checkpoint.async_save: "
+                     "one save in flight at a time)", flush=True)
+        self.writer.wait()
+        self._consume()
+
+    def poll(self) -> None:
+        """Between iterations: say that an async save was written (rank 0's log). Its failure is left to the
+        trainer, which agrees on it through `failed` (all ranks stop at the same iteration) and raises by `wait`."""
+        save = self.writer.finished() if self.writer is not None else None
+        if save is not None and save is not self._reported and save.outcome is None:
+            self._consume()
+
+    def failed(self) -> bool:
+        """Whether the last save is known, on this rank, to have failed (not yet raised)."""
+        save = self.writer.finished() if self.writer is not None else None
+        return save is not None and save is not self._reported and save.outcome is not None
+
+    def _consume(self) -> None:
+        """Hand the outcome of the last finished save to the run, once."""
+        save = self.writer.finished()
+        if save is None or save is self._reported:
+            return
+        self._reported = save
+        if isinstance(save.outcome, str):
+            raise CheckpointSaveError(save.outcome)
+        if save.outcome is not None:
+            raise CheckpointSaveError(f"the checkpoint writer failed saving {save.name} "
+                                      f"({type(save.outcome).__name__}: {save.outcome}); `latest` was not moved")
+        if self.writer.async_save:
+            self.log(f"saved checkpoint {save.name} in {save.seconds:.2f} s (written while training went on)",
+                     flush=True)
 
     def _failures(self, tag: str, defer: bool = False) -> "_SaveFailure":
         return _SaveFailure(self.save_dir, tag, self.rank, defer)

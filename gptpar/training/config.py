@@ -423,6 +423,16 @@ class CheckpointConfig:
     save_interval: Optional[int] = _f(None, "Save every this many iterations (and always at exit); "
                                             "null = only at exit.")
     keep_last: Optional[int] = _f(None, "Keep only the newest K checkpoints; null = keep all.")
+    async_save: bool = _f(True, "Write checkpoints while training goes on: the save copies this rank's state to "
+                                "host memory while the next iteration's forward and backward run, and a "
+                                "background thread writes DeepSpeed's usual files; `latest` moves once every "
+                                "rank's files are whole. One save in flight at a time (a save, the exit and a "
+                                "signal wait for it). Holds a host copy of this rank's checkpoint files between "
+                                "saves. false = the save blocks training until written. See docs/checkpoints.md.")
+    checksums: bool = _f(True, "Record the sha256 of every checkpoint file in its manifest (hashed as it is "
+                               "written) and verify them before resuming (each rank reads its own files) and "
+                               "before a universal conversion: a file whose bytes changed is refused, naming it. "
+                               "false = sizes only, nothing read twice.")
     override_lock: bool = _f(False, "Take over checkpoint.save's lock (`.gptpar.lock`) even when gptpar cannot "
                                     "tell that the job holding it has ended (it ran on another host, or the lock "
                                     "is unreadable). A lock of a live job on this host is always refused, one of "

@@ -122,7 +122,10 @@ class Trainer:
         self.signals.install()
         self.start_time = time.time()
         try:
-            return self._loop()
+            reason = self._loop()
+            if self.checkpointer is not None:
+                self.checkpointer.wait("exiting")  # an async save is whole (or its failure raised) before the end
+            return reason
         finally:
             self.signals.restore()
             self._close_writers()
@@ -146,6 +149,8 @@ class Trainer:
                     f"{self._latest_note()}. Lower training.lr or check the data, then resume")
             if t.eval_interval and c.iteration % t.eval_interval == 0:
                 self.evaluate()
+            if self.checkpointer is not None:
+                self.checkpointer.poll()
             reason = self.stop_reason()
             if self._save_due() or reason:
                 self.save(final=bool(reason))
@@ -275,10 +280,18 @@ class Trainer:
         t = self.cfg.training
         minutes = (time.time() - self.start_time) / 60.0
         killed = t.kill_switch_path is not None and os.path.exists(t.kill_switch_path)
+        save_failed = self.checkpointer is not None and self.checkpointer.failed()  # an async save, seen here
         flags = torch.tensor([self.signals.received or 0, killed, t.exit_duration_in_mins is not None
-                              and minutes > t.exit_duration_in_mins], dtype=torch.float64, device=self.pstate.device)
+                              and minutes > t.exit_duration_in_mins, save_failed], dtype=torch.float64,
+                             device=self.pstate.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[3] > 0:  # every rank raises the save's CheckpointSaveError here, at this iteration
+            self.checkpointer.wait()
+            from gptpar.training.checkpoint import CheckpointSaveError
+
+            raise CheckpointSaveError("another rank's checkpoint writer failed (its message says why); `latest` "
+                                      "was not moved")
         if flags[0] > 0:
             return f"received {signal.Signals(int(flags[0])).name}"
         if flags[1] > 0:
@@ -312,7 +325,11 @@ class Trainer:
         start = time.time()
         path = self.checkpointer.save(self.engine, self.counters.iteration, self.client_state(), self.tracker)
         self.saved_at = self.counters.iteration
-        self._say(f"saved checkpoint {path} in {time.time() - start:.2f} s")
+        if self.cfg.checkpoint.async_save:
+            self._say(f"saving checkpoint {path} in the background (training stopped {time.time() - start:.2f} s "
+                      "for it)")
+        else:
+            self._say(f"saved checkpoint {path} in {time.time() - start:.2f} s")
 
     def weights_finite(self) -> bool:
         """Whether every rank's weights are finite (one all-reduce MAX of a flag)."""
@@ -328,6 +345,8 @@ class Trainer:
         save = self.cfg.checkpoint.save
         if not save:
             return ""
+        if self.checkpointer is not None:
+            self.checkpointer.wait()  # `latest` as it will stay
         try:
             latest = read_latest(save)
         except CheckpointError:
