@@ -4,6 +4,9 @@
                                        must end with the process-group timeout (parallel.distributed_timeout_minutes)
     GPTPAR_TEST_KILL_IN_SAVE=N         rank 0 SIGKILLs itself while saving iteration N, after DeepSpeed wrote its
                                        files and before the gptpar files and `latest`
+    GPTPAR_TEST_SLOW_SAVE=N:SECONDS    every rank's checkpoint writer writes the start of each file of iteration N,
+                                       then sleeps SECONDS before writing it whole (with checkpoint.async_save the
+                                       save stays in flight that long while training goes on)
 
     python tests/fault_injection.py --config c.json ...   (the same arguments as pretrain_gpt.py)
 """
@@ -15,6 +18,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pretrain_gpt  # noqa: E402
+from gptpar.training.engine import checkpoint_writer  # noqa: E402
 from gptpar.training.engine import TrainEngine  # noqa: E402
 from gptpar.training.trainer import Trainer  # noqa: E402
 
@@ -41,11 +45,27 @@ def kill_in_save(iteration: int) -> None:
     TrainEngine.save_checkpoint = save_checkpoint
 
 
+def slow_save(iteration: int, seconds: float) -> None:
+    real = checkpoint_writer.write_file
+
+    def write_file(state, path, *args, **kwargs):
+        if f"iter_{iteration:07d}" in path:
+            with open(path, "wb") as partial:  # what a write cut short leaves
+                partial.write(b"PK\x03\x04 the start of a file")
+            time.sleep(seconds)
+        return real(state, path, *args, **kwargs)
+
+    checkpoint_writer.write_file = write_file
+
+
 if __name__ == "__main__":
     if "GPTPAR_TEST_STALL" in os.environ:
         stall_in_stop_reason(*map(int, os.environ["GPTPAR_TEST_STALL"].split(":")))
     if "GPTPAR_TEST_KILL_IN_SAVE" in os.environ:
         kill_in_save(int(os.environ["GPTPAR_TEST_KILL_IN_SAVE"]))
+    if "GPTPAR_TEST_SLOW_SAVE" in os.environ:
+        iteration, seconds = os.environ["GPTPAR_TEST_SLOW_SAVE"].split(":")
+        slow_save(int(iteration), float(seconds))
     code = pretrain_gpt.main()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -9,6 +9,10 @@ import os
 import re
 import shutil
 import socket
+import struct
+import subprocess
+import sys
+import zipfile
 
 import numpy as np
 import pytest
@@ -16,7 +20,7 @@ import torch
 
 from gptpar.testing import run_distributed
 from gptpar.training.checkpoint import read_latest
-from trainer_runs import log_lines, write_config
+from trainer_runs import ROOT, log_lines, write_config
 
 # The checkpoint folder's documented layout (gptpar.training.checkpoint_files), spelled out.
 SHARD = "mp_rank_00_model_states.pt"
@@ -63,6 +67,20 @@ def _write_vocab_dataset(prefix, max_id, num_docs=40, seed=0):
             b.add_document(rng.integers(0, max_id, size=60))
         b.add_document([max_id])
         b.finalize()
+
+
+def flip_a_byte_inside_a_tensor(path):
+    """Change one byte in the middle of the largest record of a torch file (a tensor's storage): the file keeps
+    its size and still opens as a zip archive."""
+    with zipfile.ZipFile(path) as z:
+        record = max(z.infolist(), key=lambda info: info.file_size)
+    with open(path, "r+b") as f:
+        f.seek(record.header_offset + 26)  # the local header: 30 bytes, then the name and the extra field
+        name_length, extra_length = struct.unpack("<HH", f.read(4))
+        f.seek(record.header_offset + 30 + name_length + extra_length + record.file_size // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x5A]))
 
 
 def run_cases(d, only=None):
@@ -143,6 +161,14 @@ def run_cases(d, only=None):
                          ("no_latest", drop_latest)):
         folder, prepare = copy_of(name, damage)
         run(name, two, "--set", f"checkpoint.load={folder}", "--set", f"checkpoint.save={folder}", prepare=prepare)
+    # -- a file whose bytes changed after it was written, at its size: refused by its checksum, at the same
+    # shape (rank 1 verifies the shard it wrote; both ranks stop) and before a universal conversion -----------
+    for name, shape in (("corrupt", ()), ("corrupt_reshape", ("--set", "parallel.data_parallel_size=1", "--set",
+                                                               "parallel.tensor_model_parallel_size=2"))):
+        folder, prepare = copy_of(name, lambda folder: flip_a_byte_inside_a_tensor(
+            os.path.join(folder, "iter_0000002", OPTIM_1)))
+        run(name, two, "--set", f"checkpoint.load={folder}", "--set", f"checkpoint.save={folder}", *shape,
+            prepare=prepare)
     run("load_file", two, "--set", f"checkpoint.load={a}/iter_0000002/config.json", prepare=keep("load_file", a))
     run("load_null_over_checkpoint", two, "--set", "checkpoint.load=null", prepare=keep("load_null_over_checkpoint", a))
 
@@ -184,8 +210,9 @@ def run_cases(d, only=None):
     real_save = torch.save
 
     def save_on_full_disk(obj, f, *args, **kwargs):
-        if isinstance(f, str) and "iter_0000004" in f:
-            with open(f, "wb") as partial:
+        name = f if isinstance(f, str) else getattr(f, "name", "")  # a path, or the file gptpar's writer opened
+        if "iter_0000004" in name:
+            with open(name, "wb") as partial:
                 partial.write(b"PK\x03\x04 half a file")
             real_save(obj, "/dev/full")  # the kernel's ENOSPC, as torch reports it
         return real_save(obj, f, *args, **kwargs)
@@ -274,6 +301,33 @@ def test_bad_load_exits_2_and_changes_nothing(cases, name, message):
     out = _expect(cases, name, 2, "pretrain_gpt.py: checkpoint error: ", message, str(d / name))
     assert not log_lines(out)
     _unchanged(cases, name)
+
+
+@pytest.mark.parametrize("name", ["corrupt", "corrupt_reshape"])
+def test_a_corrupted_file_of_the_same_size_is_refused_naming_it(cases, name):
+    """One byte of rank 1's ZeRO shard changed: its size and zip structure are intact, its sha256 is not. Both
+    ranks exit 2 before the model is built, naming the file and an earlier checkpoint to load instead; at
+    another shape the conversion refuses it before writing anything."""
+    d, _ = cases
+    out = _expect(cases, name, 2, "pretrain_gpt.py: checkpoint error: ",
+                  f"{d / name / 'iter_0000002' / OPTIM_1} does not match its sha256 in the manifest",
+                  "resume from an earlier checkpoint instead")
+    (_, out1, _) = _case(cases, name)[1]
+    assert f"{OPTIM_1} does not match its sha256" in out1  # rank 1 found it, rank 0 reports it too
+    assert not log_lines(out)
+    _unchanged(cases, name)
+    assert not os.path.exists(d / f"{name}_universal")
+
+
+def test_the_offline_universal_conversion_refuses_a_corrupted_file(cases):
+    d, _ = cases
+    output = d / "corrupt_offline_universal"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--load",
+                           str(d / "corrupt"), "--to", "universal", "--output", str(output)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"{d / 'corrupt' / 'iter_0000002' / OPTIM_1} does not match its sha256" in done.stderr
+    assert not os.path.exists(output)
 
 
 def test_load_of_a_file_exits_2(cases):

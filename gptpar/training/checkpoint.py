@@ -48,8 +48,9 @@ from gptpar.model import universal
 from gptpar.model.config import GPTConfig
 from gptpar.model.sharding import shard_tensor
 from gptpar.training.checkpoint_files import (CONFIG, LATEST, TAG_RE, CheckpointError, LoadTarget,
-                                              complete_checkpoints, read_latest, saved_world_size, state_file, tag_of,
-                                              verify_checkpoint, write_latest, write_manifest, write_synced)
+                                              complete_checkpoints, damaged, read_latest, saved_world_size,
+                                              state_file, tag_of, verify_checkpoint, verify_digests, write_latest,
+                                              write_manifest, write_synced)
 
 FORMAT_VERSION = 3  # 2: a manifest marks a complete checkpoint; 3: numpy's RNG state saved as a tensor
 
@@ -129,12 +130,14 @@ def parallel_sizes(shape: dict) -> Tuple[int, int, int]:
 
 
 def plan_load(target: LoadTarget, shape: dict, world_size: int, universal_dir: Optional[str], precision: str,
-              log: Callable[[str], None], model_config: Optional[GPTConfig] = None) -> LoadTarget:
+              log: Callable[[str], None], model_config: Optional[GPTConfig] = None,
+              checksums: bool = True) -> LoadTarget:
     """What this run loads for `target` (rank 0, before the model is built): the checkpoint itself when its
     shape is this run's, else its universal copy, converted now or found in `universal_dir` (default
     `{target.directory}_universal`) under the checkpoint's tag. Raises CheckpointError for another model shape
     or a universal copy that cannot be used; never writes inside `target.directory`. `model_config`: the
-    run's model, the shape of a universal folder DeepSpeed wrote (its names and shapes are checked here)."""
+    run's model, the shape of a universal folder DeepSpeed wrote (its names and shapes are checked here).
+    `checksums`: verify every file's checksum before converting (checkpoint.checksums)."""
     model = {"model": {k: v for k, v in shape["model"].items() if k != "padded_vocab_size"},
              "training": shape["training"]}  # a universal copy holds AdamW's moments (the default)
     to = parallel_sizes(shape)
@@ -162,15 +165,17 @@ def plan_load(target: LoadTarget, shape: dict, world_size: int, universal_dir: O
                               f"{shape['training']['optimizer']} state cannot be reshaped (the universal form "
                               "carries AdamW's fp32 moments, not bitsandbytes' block-quantised ones): resume it at "
                               f"the shape it was saved with, (tp, pp, dp) = {source}")
-    out, how = universal_copy(target, saved, universal_dir, log)
+    out, how = universal_copy(target, saved, universal_dir, log, checksums)
     log(f"reshaping checkpoint {target.path} from (tp,pp,dp) {source} to {to}: {how} {out}")
     return LoadTarget(target.directory, target.tag, universal=out)
 
 
-def universal_copy(target: LoadTarget, saved: dict, universal_dir: Optional[str], log) -> Tuple[str, str]:
+def universal_copy(target: LoadTarget, saved: dict, universal_dir: Optional[str], log,
+                   checksums: bool = True) -> Tuple[str, str]:
     """(the folder of `target`'s universal copy, how it was obtained): the one already in `universal_dir`
     (default `{target.directory}_universal`) under the checkpoint's tag, else converted there now (`saved`:
-    the checkpoint's rank-0 state, whose counters the copy carries)."""
+    the checkpoint's rank-0 state, whose counters the copy carries; with `checksums`, every file it reads is
+    verified against the manifest first)."""
     out = os.path.join(universal_dir or f"{target.directory}_universal", target.tag)
     inside = os.path.commonpath([os.path.abspath(out), os.path.abspath(target.directory)])
     if inside == os.path.abspath(target.directory):
@@ -185,6 +190,9 @@ def universal_copy(target: LoadTarget, saved: dict, universal_dir: Optional[str]
                                   f"{counters.get('iteration')}: delete it or set checkpoint.universal_dir elsewhere")
         how = "read from its existing universal copy"
     else:
+        problems = verify_digests(target.path) if checksums else []
+        if problems:
+            raise CheckpointError(damaged(target, problems))
         try:
             os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
             universal.convert_deepspeed_checkpoint(target.path, out, log, counters=carried_counters(saved))

@@ -1,22 +1,26 @@
 """Checks before the model is built: what checkpoint.load means, whether the data fits the model, and
-whether checkpoint.save can take this run. Rank 0 checks, every rank gets the outcome (one broadcast),
-so all ranks stop with the same message or go on with the same checkpoint to load.
+whether checkpoint.save can take this run. Rank 0 checks, every rank gets the outcome (a broadcast), so all
+ranks stop with the same message or go on with the same checkpoint to load.
 
 Order, so that a refused run changes nothing in checkpoint.save (not even a modification time):
     0. training.kill_switch_path exists?                 -> stop: exit 0 before anything is built
     1. another live job holds checkpoint.save?          (read-only)  gptpar.training.save_folder.peek_lock
     2. checkpoint.load resolved and verified             (read-only)  gptpar.training.checkpoint_files; at another
-       parallel shape, converted to its universal copy outside the load folder (gptpar.training.checkpoint.plan_load);
-       or, without a checkpoint to resume, checkpoint.init_from (or a weights-only checkpoint.load) checked
-       against the model's shape                         (read-only)  gptpar.training.init_weights
+       parallel shape, converted to its universal copy outside the load folder (gptpar.training.checkpoint.plan_load,
+       which checks every file's checksum first); or, without a checkpoint to resume, checkpoint.init_from (or a
+       weights-only checkpoint.load) checked against the model's shape    (read-only)  gptpar.training.init_weights
     3. checkpoint.save holding another run's checkpoints (read-only)
     4. every dataset's largest token id (data_path's and valid_data_path's) and the tokenizer's vocabulary
        < model.vocab_size (caches beside the data, gptpar.data.token_stats)
-    5. checkpoint.save: lock, probe, leftovers, free space          gptpar.training.save_folder
+    -- broadcast --
+    5. at the same shape, every rank hashes the files of the checkpoint it wrote and all agree (`verify_own_files`,
+       checkpoint.checksums)                             (read-only)
+    6. checkpoint.save: lock, probe, leftovers, free space (rank 0, then a broadcast)   gptpar.training.save_folder
 """
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -24,8 +28,8 @@ import torch.distributed as dist
 
 from gptpar.data.indexed import DataError
 from gptpar.training.checkpoint import plan_load
-from gptpar.training.checkpoint_files import (CheckpointError, LoadTarget, complete_checkpoints, read_latest,
-                                              resolve_load)
+from gptpar.training.checkpoint_files import (CheckpointError, LoadTarget, complete_checkpoints, damaged,
+                                              has_digests, read_latest, resolve_load, verify_digests)
 from gptpar.training.init_weights import check_weights_fit, choose_start
 from gptpar.training.save_folder import (JobLock, check_free_space, checkpoint_bytes, clean_leftovers,
                                          peek_lock, probe_writable)
@@ -48,18 +52,34 @@ class Preflight:
 
 
 def run_preflight(cfg, pstate, shape: dict, log: Callable[[str], None]) -> Preflight:
-    """Collective: rank 0 checks, the others wait for its verdict. Raises CheckpointError or DataError."""
-    outcome, lock = None, None
+    """Collective: rank 0 checks and the others wait for its verdict; then every rank verifies the checksums of
+    its own files of the checkpoint to resume; then rank 0 takes the save folder. Raises CheckpointError or
+    DataError, on every rank alike."""
+    def start():
+        kill = cfg.training.kill_switch_path
+        if kill is not None and os.path.exists(kill):  # as Megatron-DeepSpeed: exit 0 before training
+            return ("stop", f"kill switch {kill} exists (training.kill_switch_path): exiting before training; "
+                            "remove the file to start or resume the run"), None
+        return ("ok", check_start(cfg, pstate.world_size, shape, log)), None
+
+    kind, value = _decided_on_rank0(pstate, start)[0]
+    if kind == "stop":
+        return Preflight(None, stop=value)
+    target, init_from = value
+    if cfg.checkpoint.checksums and target is not None and target.universal is None:
+        verify_own_files(target, pstate, log)
+    _, lock = _decided_on_rank0(pstate, lambda: (("ok", None), take_save_folder(
+        cfg, pstate.world_size, pstate.tp_size, pstate.pp_size, log)))
+    return Preflight(target, lock, init_from=init_from)
+
+
+def _decided_on_rank0(pstate, check: Callable[[], tuple]) -> tuple:
+    """(the outcome every rank gets, what rank 0 keeps): `check()` on rank 0 returns (outcome, kept); its
+    CheckpointError / DataError (or any surprise) is raised on every rank after the broadcast."""
+    outcome, kept = None, None
     if pstate.rank == 0:
         try:
-            kill = cfg.training.kill_switch_path
-            if kill is not None and os.path.exists(kill):  # as Megatron-DeepSpeed: exit 0 before training
-                outcome = ("stop", f"kill switch {kill} exists (training.kill_switch_path): exiting before "
-                                   "training; remove the file to start or resume the run")
-            else:
-                target, init_from, lock = check_on_rank0(cfg, pstate.world_size, pstate.tp_size, pstate.pp_size,
-                                                         shape, log)
-                outcome = ("ok", (target, init_from))
+            outcome, kept = check()
         except (CheckpointError, DataError) as e:
             outcome = (type(e).__name__, str(e))
         except Exception as e:  # noqa: BLE001 - any surprise must still reach the other ranks, not hang them
@@ -68,23 +88,44 @@ def run_preflight(cfg, pstate, shape: dict, log: Callable[[str], None]) -> Prefl
         box = [outcome]
         dist.broadcast_object_list(box, src=0, device=pstate.device if pstate.device.type != "cpu" else None)
         outcome = box[0]
-    kind, value = outcome
-    if kind == "ok":
-        return Preflight(value[0], lock, init_from=value[1])
-    if kind == "stop":
-        return Preflight(None, stop=value)
-    raise {"DataError": DataError, "RuntimeError": RuntimeError}.get(kind, CheckpointError)(value)
+    if outcome[0] not in ("ok", "stop"):
+        raise {"DataError": DataError, "RuntimeError": RuntimeError}.get(outcome[0], CheckpointError)(outcome[1])
+    return outcome, kept
+
+
+def verify_own_files(target: LoadTarget, pstate, log: Callable[[str], None]) -> None:
+    """Collective: each rank hashes the files of checkpoint `target` that the same rank wrote (the manifest
+    records who wrote what; the same shape is the same layout of ranks), all in parallel, and every rank gets
+    every problem (CheckpointError naming each file), so all stop or all go on."""
+    start = time.perf_counter()
+    problems = verify_digests(target.path, pstate.rank)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, problems)
+        problems = [line for lines in everyone for line in lines]
+    if problems:
+        raise CheckpointError(damaged(target, problems))
+    if has_digests(target.path):
+        log(f"checksums of {target.path} verified (each rank its own files; rank 0 in "
+            f"{time.perf_counter() - start:.2f} s)")
 
 
 def check_on_rank0(cfg, world_size: int, tp: int, pp: int, shape: dict, log) -> tuple:
-    """(load target or None, the weights to start from or None, the held JobLock or None); raises CheckpointError
-    / DataError."""
+    """(load target or None, the weights to start from or None, the held JobLock or None): `check_start` then
+    `take_save_folder`, on one process; raises CheckpointError / DataError."""
+    target, init_from = check_start(cfg, world_size, shape, log)
+    return target, init_from, take_save_folder(cfg, world_size, tp, pp, log)
+
+
+def check_start(cfg, world_size: int, shape: dict, log) -> tuple:
+    """(load target or None, the weights to start from or None), read-only: steps 1-4 of the module docstring."""
     ck = cfg.checkpoint
     peek_lock(ck.save, ck.override_lock)
     target, note = resolve_load(ck.load)
     target, init_from, note = choose_start(ck.init_from, target, note)
     if target is not None:
-        target = plan_load(target, shape, world_size, ck.universal_dir, cfg.training.precision, log, cfg.model)
+        target = plan_load(target, shape, world_size, ck.universal_dir, cfg.training.precision, log, cfg.model,
+                           checksums=ck.checksums)
     if init_from is not None:
         check_weights_fit(init_from, cfg.model, "checkpoint.init_from" if init_from == ck.init_from
                           else "checkpoint.load")
@@ -92,8 +133,14 @@ def check_on_rank0(cfg, world_size: int, tp: int, pp: int, shape: dict, log) -> 
     check_data(cfg, log)
     if note:
         log(note)
+    return target, init_from
+
+
+def take_save_folder(cfg, world_size: int, tp: int, pp: int, log) -> Optional[JobLock]:
+    """Step 5: checkpoint.save locked, probed, cleaned and checked for room; the held lock (None without save)."""
+    ck = cfg.checkpoint
     if not ck.save:
-        return target, init_from, None
+        return None
     lock = JobLock(ck.save)
     lock.acquire(ck.override_lock, log)
     try:
@@ -105,7 +152,7 @@ def check_on_rank0(cfg, world_size: int, tp: int, pp: int, shape: dict, log) -> 
     except BaseException:
         lock.release()
         raise
-    return target, init_from, lock
+    return lock
 
 
 def check_save_holds_no_other_run(save: Optional[str], target: Optional[LoadTarget],
@@ -165,5 +212,5 @@ def count_parameters(model_cfg, tp: int, pp: int) -> int:
     return params
 
 
-__all__ = ["Preflight", "run_preflight", "check_on_rank0", "check_data", "count_parameters",
+__all__ = ["Preflight", "run_preflight", "verify_own_files", "check_on_rank0", "check_start", "take_save_folder", "check_data", "count_parameters",
            "check_save_holds_no_other_run"]
