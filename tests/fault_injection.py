@@ -2,8 +2,9 @@
 
     GPTPAR_TEST_STALL=RANK:ITERATION   that rank hangs before the stop all-reduce after ITERATION, so the others
                                        must end with the process-group timeout (parallel.distributed_timeout_minutes)
-    GPTPAR_TEST_KILL_IN_SAVE=N         rank 0 SIGKILLs itself while saving iteration N, after DeepSpeed wrote its
-                                       files and before the gptpar files and `latest`
+    GPTPAR_TEST_KILL_IN_SAVE=N         rank 0 SIGKILLs itself while saving iteration N, after DeepSpeed's
+                                       save_checkpoint returned (with checkpoint.async_save=false: its files written)
+                                       and before the gptpar files and `latest`
     GPTPAR_TEST_SLOW_SAVE=N:SECONDS    every rank's checkpoint writer writes the start of each file of iteration N,
                                        then sleeps SECONDS before writing it whole (with checkpoint.async_save the
                                        save stays in flight that long while training goes on)

@@ -74,8 +74,8 @@ def test_sigterm_to_one_rank_saves_and_every_rank_exits_zero(tmp_path):
 
 def test_save_killed_half_way_leaves_latest_on_the_previous_checkpoint(tmp_path):
     ck = str(tmp_path / "ck")
-    cfg = write_config(tmp_path / "c.json", parallel=dict(data_parallel_size=1),
-                       checkpoint=dict(save=ck, load=ck, save_interval=2))
+    cfg = write_config(tmp_path / "c.json", parallel=dict(data_parallel_size=1),  # a blocking save (async:
+                       checkpoint=dict(save=ck, load=ck, save_interval=2, async_save=False))  # test_async_checkpoint)
     codes, outs = _finish(_launch(1, ["--config", cfg], FAULTS, GPTPAR_TEST_KILL_IN_SAVE="4"))
     assert codes == [-signal.SIGKILL], outs[0]
     assert read_latest(ck) == "iter_0000002"

@@ -147,12 +147,14 @@ class _Snapshot:
             for live, host in self.copies:
                 host.copy_(_bytes_of(live))
             return
-        stream = torch.cuda.Stream()
-        stream.wait_event(self.ready)
-        with torch.cuda.stream(stream):
-            for live, host in self.copies:
-                host.copy_(_bytes_of(live), non_blocking=True)
-        stream.synchronize()
+        device = next(live.device for live, _ in self.copies if live.device.type == "cuda")
+        with torch.cuda.device(device):  # this thread's current device is not the caller's
+            stream = torch.cuda.Stream()
+            stream.wait_event(self.ready)
+            with torch.cuda.stream(stream):
+                for live, host in self.copies:
+                    host.copy_(_bytes_of(live), non_blocking=True)
+            stream.synchronize()
 
 
 class _Save:
