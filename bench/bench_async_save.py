@@ -3,9 +3,9 @@
     python bench/bench_async_save.py --out bench/results/cpu_async_save     # ~15 min on 2 CPU cores
     python bench/bench_async_save.py --out /tmp/async_smoke --tiny          # the same path on the tiny model
 
-A bf16 GPT of ~210M parameters (16 layers x 1024, vocab 8192, seq 256) on 2 gloo ranks (tp = 2: each rank saves
-its half, ~1.5 GB per checkpoint: weights, fp32 master weights, Adam moments), `--iters` iterations (default 12)
-with a save every `--every` (default 4), trained by pretrain_gpt.py four times, each in its own 2 processes:
+A bf16 GPT of ~210M parameters (16 layers x 1024, vocab 8192, seq 128, 2 micro-batches of 1 per iteration) on 2
+gloo ranks (tp = 2: each rank saves its half, ~1.5 GB per checkpoint: weights, fp32 master weights, Adam moments),
+`--iters` iterations (default 9) with a save every `--every` (default 3), trained by pretrain_gpt.py four times, each in its own 2 processes:
 without saves, with blocking saves (with and without checksums), with async saves; then the blocking run's last
 checkpoint resumed for one iteration (checksum verification and DeepSpeed's load, timed per rank). Per save and
 rank it records the time training is stopped:
@@ -30,7 +30,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-MODEL = {"num_layers": 16, "hidden_size": 1024, "num_attention_heads": 16, "seq_length": 256, "vocab_size": 8192}
+MODEL = {"num_layers": 16, "hidden_size": 1024, "num_attention_heads": 16, "seq_length": 128, "vocab_size": 8192}
 TINY = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32, "vocab_size": 256}
 
 
@@ -122,8 +122,8 @@ def run(label: str, argv: list, out: str) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for summary.json (and, while running, the checkpoints)")
-    p.add_argument("--iters", type=int, default=12)
-    p.add_argument("--every", type=int, default=4)
+    p.add_argument("--iters", type=int, default=9)
+    p.add_argument("--every", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="the tiny model: checks the path, measures nothing")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)

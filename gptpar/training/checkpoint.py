@@ -9,16 +9,24 @@ Layout of one checkpoint (tag `iter_{N:07d}`):
     {save}/iter_0000300/gptpar_rank_00000.pt   per rank: counters, ramp-up and LR-schedule inputs, the RNG
                                         states (torch, numpy, python, the tp tracker's streams)
     {save}/iter_0000300/config.json     the resolved config of the run that saved it
-    {save}/iter_0000300/gptpar_manifest.json   every file of the checkpoint and its size; written last, so a
-                                        folder without it is partial (gptpar.training.checkpoint_files)
+    {save}/iter_0000300/gptpar_manifest.json   every file of the checkpoint: its size, sha256 and writing rank;
+                                        written last, so a folder without it is partial
+                                        (gptpar.training.checkpoint_files)
+
+Every file goes through the engine's CheckpointWriter (gptpar.training.engine.checkpoint_writer), which hashes
+it as it is written and, with `checkpoint.async_save`, writes it from a host snapshot in a background thread
+while training goes on. Once every rank's files are whole the ranks agree (over their own gloo group, from the
+writer thread when async) and rank 0 writes config.json, the manifest and `latest` (`_agree_and_commit`). At
+most one save is in flight: the next save and the end of the run wait for it (`wait`).
 
 A save killed half-way leaves `latest` on the previous complete checkpoint, so a resume never reads a
 partial one; the next start deletes the partial folder (gptpar.training.save_folder). `keep_last` deletes
 the oldest complete checkpoints after `latest` moved on. A save that fails (a full disk, an I/O error)
-raises CheckpointSaveError naming the folder and the cause; `latest` stays where it was.
+raises CheckpointSaveError naming the folder and the cause, on every rank; `latest` stays where it was.
 
 Resume: what `checkpoint.load` points at is resolved and verified before training (checkpoint_files.
-resolve_load / verify_checkpoint, then `plan_load`); the model shape stored with it must equal the current
+resolve_load / verify_checkpoint, then `plan_load`; each rank checks the sha256 of the files it wrote,
+gptpar.training.preflight.verify_own_files); the model shape stored with it must equal the current
 config's (a clear error naming the key otherwise); every other key (LR, intervals, exit conditions, ...)
 comes from the current config. A checkpoint of another parallel shape (tp, pp, dp, partitioning) is
 resumed through its universal form (gptpar.model.universal, docs/checkpoints.md): rank 0 converts it once

@@ -40,6 +40,11 @@ uses them, and the test that breaks when one changes:
     `zero_allow_untested_optimizer` lets ZeRO-1 and BF16_Optimizer      test_optimizer8bit.py (resume equals uninterrupted),
       wrap bitsandbytes' AdamW8bit, whose state_dict they save          test_precision.py (its bytes)
       (ds_config.py)
+    the engine's `checkpoint_engine` attribute, called for every file   test_async_checkpoint.py (async files equal blocking
+      `save_checkpoint` writes and `load_checkpoint` reads (the           ones), test_reliability.py (corrupted files refused,
+      pipeline engine passes it to `PipelineModule.save_state_dict`),     a full disk during a save)
+      replaced by gptpar's CheckpointWriter after `initialize`
+      (checkpointing.py: `install_writer`; checkpoint_writer.py)
 """
 from __future__ import annotations
 
