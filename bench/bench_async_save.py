@@ -3,9 +3,10 @@
     python bench/bench_async_save.py --out bench/results/cpu_async_save     # ~15 min on 2 CPU cores
     python bench/bench_async_save.py --out /tmp/async_smoke --tiny          # the same path on the tiny model
 
-A bf16 GPT of ~210M parameters (16 layers x 1024, vocab 8192, seq 128, 2 micro-batches of 1 per iteration) on 2
-gloo ranks (tp = 2: each rank saves its half, ~1.5 GB per checkpoint: weights, fp32 master weights, Adam moments),
-`--iters` iterations (default 9) with a save every `--every` (default 3), trained by pretrain_gpt.py four times, each in its own 2 processes:
+A bf16 GPT of ~180M parameters (MODEL below: 2 layers x 256 and a 700k-row learned position table, vocab 8192,
+seq 32, one micro-batch of 1 per rank) on 2 gloo ranks (dp = 2, ZeRO-1 BF16_Optimizer: rank 0 saves the bf16
+weights and its half of the fp32 master weights and Adam moments, ~1.4 GB, rank 1 its half, ~1.1 GB), `--iters`
+iterations (default 9) with a save every `--every` (default 3), trained by pretrain_gpt.py four times, each in its own 2 processes:
 without saves, with blocking saves (with and without checksums), with async saves; then the blocking run's last
 checkpoint resumed for one iteration (checksum verification and DeepSpeed's load, timed per rank). Per save and
 rank it records the time training is stopped:
@@ -30,14 +31,18 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-MODEL = {"num_layers": 16, "hidden_size": 1024, "num_attention_heads": 16, "seq_length": 128, "vocab_size": 8192}
+# ~180M parameters, nearly all of them a learned position table: a save's cost is its bytes (14 per parameter in
+# bf16: weights, fp32 master weights, two fp32 Adam moments), whatever the parameters do, and the table keeps a
+# step short on this CPU, where bf16's backward GEMM (dy @ W) runs at ~0.15-0.6 GFLOP/s (3.8 for the forward).
+MODEL = {"num_layers": 2, "hidden_size": 256, "num_attention_heads": 4, "seq_length": 32, "vocab_size": 8192,
+         "max_position_embeddings": 700000}
 TINY = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32, "vocab_size": 256}
 
 
 def overrides(model: dict, iters: int, every=None, async_save=False, save_dir=None, checksums=True,
               load_dir=None) -> list:
     sets = {f"model.{k}": v for k, v in model.items()}
-    sets.update({"parallel.tensor_model_parallel_size": 2, "parallel.data_parallel_size": 1,
+    sets.update({"parallel.tensor_model_parallel_size": 1, "parallel.data_parallel_size": 2,
                  "training.precision": "bf16", "training.micro_batch_size": 1, "training.global_batch_size": 2,
                  "training.train_iters": iters, "training.lr_warmup_iters": 0, "training.eval_interval": None,
                  "logging.log_interval": 1, "checkpoint.save": save_dir, "checkpoint.save_interval": every,

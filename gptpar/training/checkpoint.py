@@ -275,7 +275,7 @@ class Checkpointer:
         """Checkpoint `iter_{iteration}` on every rank. Every file (DeepSpeed's and this rank's state) goes
         through the engine's CheckpointWriter; once every rank's files are whole, rank 0 writes config.json, the
         manifest (sizes, checksums) and moves `latest` (`_agree_and_commit`). With checkpoint.async_save this
-        returns as soon as the snapshot is planned and the writer thread does the rest (`wait`, `finished`);
+        returns as soon as the snapshot is planned and the writer thread does the rest (`wait`, `poll`);
         a save still in flight is waited for first. Returns the path."""
         self.wait("saving the next one")
         tag = tag_of(iteration)

@@ -78,20 +78,21 @@ class _HostBuffers:
     """Byte buffers for snapshots, kept from one save to the next (same sizes each save)."""
 
     def __init__(self):
-        self.free: List[torch.Tensor] = []
+        self.free: Dict[Tuple[int, bool], List[torch.Tensor]] = {}
         self.used: List[torch.Tensor] = []
 
     def take(self, nbytes: int, pinned: bool) -> torch.Tensor:
-        for i, buf in enumerate(self.free):
-            if buf.numel() == nbytes and buf.is_pinned() == pinned:
-                self.used.append(self.free.pop(i))
-                return self.used[-1]
-        self.used.append(torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned))
-        return self.used[-1]
+        kept = self.free.get((nbytes, pinned))
+        buf = kept.pop() if kept else torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        self.used.append(buf)
+        return buf
 
     def recycle(self) -> None:
         """After a save: its buffers are the free ones of the next (any other is released)."""
-        self.free, self.used = self.used, []
+        self.free = {}
+        for buf in self.used:
+            self.free.setdefault((buf.numel(), buf.is_pinned()), []).append(buf)
+        self.used = []
 
 
 def _tensors(obj, found: dict) -> None:
@@ -186,7 +187,8 @@ class CheckpointWriter:
 
     # -- DeepSpeed's interface --------------------------------------------------------------------
     def create(self, info) -> None:
-        pass
+        """DeepSpeed starts a checkpoint: nothing a failed one planned carries over."""
+        self._files, self._records, self._error = [], {}, None
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         os.makedirs(path, exist_ok=exist_ok)
