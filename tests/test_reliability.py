@@ -12,6 +12,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 import zipfile
 
 import numpy as np
@@ -20,6 +21,7 @@ import torch
 
 from gptpar.testing import run_distributed
 from gptpar.training.checkpoint import read_latest
+from gptpar.training.trainer import Trainer
 from trainer_runs import ROOT, log_lines, write_config
 
 # The checkpoint folder's documented layout (gptpar.training.checkpoint_files), spelled out.
@@ -218,6 +220,17 @@ def run_cases(d, only=None):
         return real_save(obj, f, *args, **kwargs)
     run("disk_full", four, patches=[(torch, "save", save_on_full_disk)])
     run("after_disk_full", four, prepare=lambda: open(os.path.join(h, ".latest.tmp-4242"), "w").close())
+    # the same with checkpoint.async_save, the failing save not the last: it fails in the background
+    j = str(d / "J")
+    six = write_config(d / "six.json", training=dict(train_iters=6),
+                       checkpoint=dict(save=j, load=j, save_interval=2, async_save=True))
+    real_step = Trainer.train_step
+
+    def slow_fifth_step(self):  # iteration 4's save has failed in the background by the time the 5th ends
+        if self.counters.iteration == 4:
+            time.sleep(2)
+        return real_step(self)
+    run("disk_full_async", six, patches=[(torch, "save", save_on_full_disk), (Trainer, "train_step", slow_fifth_step)])
 
     # -- NaN runs --------------------------------------------------------------------------------------
     k = str(d / "K")
@@ -390,6 +403,18 @@ def test_full_disk_during_a_save_names_the_folder_and_is_cleaned_up(cases):
     out = _expect(cases, "after_disk_full", 0, f"removing partial checkpoint {h}/iter_0000004",
                   f"removing stale temporary file {h}/.latest.tmp-4242", f"resumed from {h}/iter_0000002")
     assert read_latest(str(h)) == "iter_0000004" and os.path.isfile(h / "iter_0000004" / MANIFEST)
+
+
+def test_an_async_save_failing_in_the_background_stops_every_rank(cases):
+    """Iteration 4's async save fails in the background (a full disk, injected); every rank learns it at the next
+    stop check (iteration 5) and stops with its message, `latest` on iteration 2's."""
+    d, _ = cases
+    j = d / "J"
+    out = _expect(cases, "disk_full_async", 1, "pretrain_gpt.py: checkpoint save failed: ",
+                  f"could not save checkpoint iter_0000004 in {j}: RuntimeError",
+                  "`latest` still points at iter_0000002")
+    assert [line.split("/")[0].split()[-1] for line in log_lines(out)][-1] == "5"
+    assert read_latest(str(j)) == "iter_0000002" and not os.path.exists(j / "iter_0000006")
 
 
 def _finite_weights(checkpoint):
