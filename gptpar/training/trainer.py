@@ -12,6 +12,10 @@ which all ranks agree through one all-reduce per iteration. An iteration in trai
 draws its global batch and discards it: the counters (LR inputs included) advance as if it had trained, and it
 writes no log line (a `skipped_data` record instead); evaluation, saves and exit checks run as usual.
 
+With checkpoint.async_save a save returns once its snapshot is planned (gptpar.training.checkpoint): the loop then
+says when it was written (`Checkpointer.poll`), stops every rank at the same iteration if it failed (a flag in
+the stop all-reduce), and the end of the run waits for it.
+
 Elapsed time per iteration is the mean over the interval of the time from fetching the batch to the end of
 the optimizer step (evaluation and checkpoint saves are not in it); samples/s and TFLOPs derive from it.
 The log line is printed by the last pipeline stage's first data-parallel rank (tp rank 0); the same record
