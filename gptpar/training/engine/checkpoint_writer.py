@@ -172,8 +172,8 @@ class _Save:
 
 class CheckpointWriter:
     """DeepSpeed's checkpoint-engine interface (deepspeed/runtime/checkpoint_engine/checkpoint_engine.py) over
-    gptpar's writer. One per rank; see the module docstring. `save_dir`: file paths are recorded relative to
-    their checkpoint folder (`{save_dir}/{tag}`)."""
+    gptpar's writer. One per rank; see the module docstring. The records it hands the job are keyed by each
+    file's path as DeepSpeed gave it."""
 
     def __init__(self, async_save: bool, checksums: bool, zipfile_serialization: bool = True):
         self.async_save, self.checksums, self.zipfile_serialization = async_save, checksums, zipfile_serialization
