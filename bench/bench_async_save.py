@@ -1,6 +1,6 @@
 """How long a checkpoint save stops training, blocking vs asynchronous (checkpoint.async_save), in one run:
 
-    python bench/bench_async_save.py --out bench/results/cpu_async_save     # ~15 min on 2 CPU cores
+    python bench/bench_async_save.py --out bench/results/cpu_async_save     # ~13 min on 2 shared CPU cores
     python bench/bench_async_save.py --out /tmp/async_smoke --tiny          # the same path on the tiny model
 
 A bf16 GPT of ~147M parameters (MODEL below: 2 layers x 256 and a 560k-row learned position table, vocab 8192,

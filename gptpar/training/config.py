@@ -429,7 +429,7 @@ class CheckpointConfig:
                                  "rank's files are whole. One save in flight at a time (a save, the exit and a "
                                  "signal wait for it); holds a host copy of this rank's checkpoint files between "
                                  "saves. Off by default: on this repository's 2-core CPU it cut the stall per save "
-                                 "from ~19 s to ~0.04 s but did not make runs faster in total (the writer competes "
+                                 "from ~10 s to ~0.05 s but did not make runs faster in total (the writer competes "
                                  "with training for the same cores; docs/benchmarks.md); turn it on where host "
                                  "cores are free during the step (GPU training). See docs/checkpoints.md.")
     checksums: bool = _f(True, "Record the sha256 of every checkpoint file in its manifest (hashed as it is "
