@@ -1,9 +1,13 @@
 """pretrain_gpt.py with test-only faults injected from outside the package (production code has no hooks):
 
-    GPTPAR_TEST_KILL_IN_SAVE=N         rank 0 SIGKILLs itself while saving iteration N, after DeepSpeed wrote its
-                                       files and before the gptpar files and `latest`
+    GPTPAR_TEST_KILL_IN_SAVE=N         rank 0 SIGKILLs itself while saving iteration N, after DeepSpeed's
+                                       save_checkpoint returned (with checkpoint.async_save=false: its files written)
+                                       and before the gptpar files and `latest`
     GPTPAR_TEST_SLOW_CONVERSION=S      a universal conversion (rank 0, in the preflight) first sleeps S seconds, as
                                        a large checkpoint's takes longer than parallel.distributed_timeout_minutes
+    GPTPAR_TEST_SLOW_SAVE=N:SECONDS    every rank's checkpoint writer writes the start of each file of iteration N,
+                                       then sleeps SECONDS before writing it whole (with checkpoint.async_save the
+                                       save stays in flight that long while training goes on)
 
     python tests/fault_injection.py --config c.json ...   (the same arguments as pretrain_gpt.py)
 """
@@ -16,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pretrain_gpt  # noqa: E402
 from gptpar.model import universal  # noqa: E402
+from gptpar.training.engine import checkpoint_writer  # noqa: E402
 from gptpar.training.engine import TrainEngine  # noqa: E402
 
 
@@ -40,11 +45,27 @@ def slow_conversion(seconds: float) -> None:
     universal.convert_deepspeed_checkpoint = convert
 
 
+def slow_save(iteration: int, seconds: float) -> None:
+    real = checkpoint_writer.write_file
+
+    def write_file(state, path, *args, **kwargs):
+        if f"iter_{iteration:07d}" in path:
+            with open(path, "wb") as partial:  # what a write cut short leaves
+                partial.write(b"PK\x03\x04 the start of a file")
+            time.sleep(seconds)
+        return real(state, path, *args, **kwargs)
+
+    checkpoint_writer.write_file = write_file
+
+
 if __name__ == "__main__":
     if "GPTPAR_TEST_SLOW_CONVERSION" in os.environ:
         slow_conversion(float(os.environ["GPTPAR_TEST_SLOW_CONVERSION"]))
     if "GPTPAR_TEST_KILL_IN_SAVE" in os.environ:
         kill_in_save(int(os.environ["GPTPAR_TEST_KILL_IN_SAVE"]))
+    if "GPTPAR_TEST_SLOW_SAVE" in os.environ:
+        iteration, seconds = os.environ["GPTPAR_TEST_SLOW_SAVE"].split(":")
+        slow_save(int(iteration), float(seconds))
     code = pretrain_gpt.main()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -16,41 +16,10 @@ from gptpar.testing import free_port
 from gptpar.training.checkpoint import read_latest, tag_of, write_latest
 from gptpar.training.logging import parse_log_line
 from gptpar.training.trainer import StopSignals
-from trainer_runs import ROOT, log_lines, write_config
+from trainer_runs import ROOT, finish_ranks as _finish, launch_ranks as _launch, log_lines, rank_env as _env, write_config
 
 SCRIPT = os.path.join(ROOT, "pretrain_gpt.py")
 FAULTS = os.path.join(ROOT, "tests", "fault_injection.py")  # pretrain_gpt.py with a stall or a kill injected
-
-
-def _env(**extra):
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".venv", "torch_extensions"))
-    env.update(extra)
-    return env
-
-
-def _launch(world_size, argv, script=SCRIPT, **extra_env):
-    """Start `world_size` ranks of pretrain_gpt.py by hand (the launcher's environment variables)."""
-    port = str(free_port())
-    procs = []
-    for rank in range(world_size):
-        env = _env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra_env)
-        procs.append(subprocess.Popen([sys.executable, script] + argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    return procs
-
-
-def _finish(procs, timeout=120):
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=timeout)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    return [p.returncode for p in procs], outs
 
 
 def test_latest_pointer_is_replaced_atomically(tmp_path):
@@ -105,8 +74,8 @@ def test_sigterm_to_one_rank_saves_and_every_rank_exits_zero(tmp_path):
 
 def test_save_killed_half_way_leaves_latest_on_the_previous_checkpoint(tmp_path):
     ck = str(tmp_path / "ck")
-    cfg = write_config(tmp_path / "c.json", parallel=dict(data_parallel_size=1),
-                       checkpoint=dict(save=ck, load=ck, save_interval=2))
+    cfg = write_config(tmp_path / "c.json", parallel=dict(data_parallel_size=1),  # a blocking save (async:
+                       checkpoint=dict(save=ck, load=ck, save_interval=2, async_save=False))  # test_async_checkpoint)
     codes, outs = _finish(_launch(1, ["--config", cfg], FAULTS, GPTPAR_TEST_KILL_IN_SAVE="4"))
     assert codes == [-signal.SIGKILL], outs[0]
     assert read_latest(ck) == "iter_0000002"

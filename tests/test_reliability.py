@@ -9,7 +9,11 @@ import os
 import re
 import shutil
 import socket
+import struct
+import subprocess
 import sys
+import time
+import zipfile
 
 import numpy as np
 import pytest
@@ -17,6 +21,7 @@ import torch
 
 from gptpar.testing import run_distributed
 from gptpar.training.checkpoint import read_latest
+from gptpar.training.trainer import Trainer
 from trainer_runs import ROOT, log_lines, write_config
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))  # the tools' own main(), as tests/test_convert.py calls them
@@ -75,6 +80,20 @@ def _write_vocab_dataset(prefix, max_id, num_docs=40, seed=0):
             b.add_document(rng.integers(0, max_id, size=60))
         b.add_document([max_id])
         b.finalize()
+
+
+def flip_a_byte_inside_a_tensor(path):
+    """Change one byte in the middle of the largest record of a torch file (a tensor's storage): the file keeps
+    its size and still opens as a zip archive."""
+    with zipfile.ZipFile(path) as z:
+        record = max(z.infolist(), key=lambda info: info.file_size)
+    with open(path, "r+b") as f:
+        f.seek(record.header_offset + 26)  # the local header: 30 bytes, then the name and the extra field
+        name_length, extra_length = struct.unpack("<HH", f.read(4))
+        f.seek(record.header_offset + 30 + name_length + extra_length + record.file_size // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x5A]))
 
 
 def run_cases(d, only=None):
@@ -153,6 +172,14 @@ def run_cases(d, only=None):
                          ("no_latest", drop_latest)):
         folder, prepare = copy_of(name, damage)
         run(name, two, "--set", f"checkpoint.load={folder}", "--set", f"checkpoint.save={folder}", prepare=prepare)
+    # -- a file whose bytes changed after it was written, at its size: refused by its checksum, at the same
+    # shape (rank 1 verifies the shard it wrote; both ranks stop) and before a universal conversion -----------
+    for name, shape in (("corrupt", ()), ("corrupt_reshape", ("--set", "parallel.data_parallel_size=1", "--set",
+                                                               "parallel.tensor_model_parallel_size=2"))):
+        folder, prepare = copy_of(name, lambda folder: flip_a_byte_inside_a_tensor(
+            os.path.join(folder, "iter_0000002", OPTIM_1)))
+        run(name, two, "--set", f"checkpoint.load={folder}", "--set", f"checkpoint.save={folder}", *shape,
+            prepare=prepare)
     run("load_file", two, "--set", f"checkpoint.load={a}/iter_0000002/config.json", prepare=keep("load_file", a))
     run("load_null_over_checkpoint", two, "--set", "checkpoint.load=null", prepare=keep("load_null_over_checkpoint", a))
 
@@ -194,13 +221,25 @@ def run_cases(d, only=None):
     real_save = torch.save
 
     def save_on_full_disk(obj, f, *args, **kwargs):
-        if isinstance(f, str) and "iter_0000004" in f:
-            with open(f, "wb") as partial:
+        name = f if isinstance(f, str) else getattr(f, "name", "")  # a path, or the file gptpar's writer opened
+        if "iter_0000004" in name:
+            with open(name, "wb") as partial:
                 partial.write(b"PK\x03\x04 half a file")
             real_save(obj, "/dev/full")  # the kernel's ENOSPC, as torch reports it
         return real_save(obj, f, *args, **kwargs)
     run("disk_full", four, patches=[(torch, "save", save_on_full_disk)])
     run("after_disk_full", four, prepare=lambda: open(os.path.join(h, ".latest.tmp-4242"), "w").close())
+    # the same with checkpoint.async_save, the failing save not the last: it fails in the background
+    j = str(d / "J")
+    six = write_config(d / "six.json", training=dict(train_iters=6),
+                       checkpoint=dict(save=j, load=j, save_interval=2, async_save=True))
+    real_step = Trainer.train_step
+
+    def slow_fifth_step(self):  # iteration 4's save has failed in the background by the time the 5th ends
+        if self.counters.iteration == 4:
+            time.sleep(2)
+        return real_step(self)
+    run("disk_full_async", six, patches=[(torch, "save", save_on_full_disk), (Trainer, "train_step", slow_fifth_step)])
 
     # -- NaN runs --------------------------------------------------------------------------------------
     k = str(d / "K")
@@ -374,6 +413,33 @@ def test_bad_load_exits_2_and_changes_nothing(cases, name, message):
     _unchanged(cases, name)
 
 
+@pytest.mark.parametrize("name", ["corrupt", "corrupt_reshape"])
+def test_a_corrupted_file_of_the_same_size_is_refused_naming_it(cases, name):
+    """One byte of rank 1's ZeRO shard changed: its size and zip structure are intact, its sha256 is not. Both
+    ranks exit 2 before the model is built, naming the file and an earlier checkpoint to load instead; at
+    another shape the conversion refuses it before writing anything."""
+    d, _ = cases
+    out = _expect(cases, name, 2, "pretrain_gpt.py: checkpoint error: ",
+                  f"{d / name / 'iter_0000002' / OPTIM_1} does not match its sha256 in the manifest",
+                  "resume from an earlier checkpoint instead")
+    (_, out1, _) = _case(cases, name)[1]
+    assert f"{OPTIM_1} does not match its sha256" in out1  # rank 1 found it, rank 0 reports it too
+    assert not log_lines(out)
+    _unchanged(cases, name)
+    assert not os.path.exists(d / f"{name}_universal")
+
+
+def test_the_offline_universal_conversion_refuses_a_corrupted_file(cases):
+    d, _ = cases
+    output = d / "corrupt_offline_universal"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--load",
+                           str(d / "corrupt"), "--to", "universal", "--output", str(output)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"{d / 'corrupt' / 'iter_0000002' / OPTIM_1} does not match its sha256" in done.stderr
+    assert not os.path.exists(output)
+
+
 def test_load_of_a_file_exits_2(cases):
     d, _ = cases
     _expect(cases, "load_file", 2, f"checkpoint.load {d}/A/iter_0000002/config.json is a file")
@@ -434,6 +500,18 @@ def test_full_disk_during_a_save_names_the_folder_and_is_cleaned_up(cases):
     out = _expect(cases, "after_disk_full", 0, f"removing partial checkpoint {h}/iter_0000004",
                   f"removing stale temporary file {h}/.latest.tmp-4242", f"resumed from {h}/iter_0000002")
     assert read_latest(str(h)) == "iter_0000004" and os.path.isfile(h / "iter_0000004" / MANIFEST)
+
+
+def test_an_async_save_failing_in_the_background_stops_every_rank(cases):
+    """Iteration 4's async save fails in the background (a full disk, injected); every rank learns it at the next
+    stop check (iteration 5) and stops with its message, `latest` on iteration 2's."""
+    d, _ = cases
+    j = d / "J"
+    out = _expect(cases, "disk_full_async", 1, "pretrain_gpt.py: checkpoint save failed: ",
+                  f"could not save checkpoint iter_0000004 in {j}: RuntimeError",
+                  "`latest` still points at iter_0000002")
+    assert [line.split("/")[0].split()[-1] for line in log_lines(out)][-1] == "5"
+    assert read_latest(str(j)) == "iter_0000002" and not os.path.exists(j / "iter_0000006")
 
 
 def _finite_weights(checkpoint):

@@ -9,6 +9,7 @@ import io
 import json
 import math
 import os
+import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,6 +29,43 @@ TINY = {
     "checkpoint": {},
     "logging": {"log_interval": 1},
 }
+
+
+def rank_env(**extra):
+    """The environment of a rank started by hand (CPU, one thread, unbuffered output)."""
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".venv", "torch_extensions"))
+    env.update(extra)
+    return env
+
+
+def launch_ranks(world_size, argv, script=os.path.join(ROOT, "pretrain_gpt.py"), own_group=False, **extra_env):
+    """Start `world_size` ranks of `script` (pretrain_gpt.py) by hand, with the launcher's environment variables.
+    `own_group`: all ranks in one new process group (its id is rank 0's pid), for a SIGKILL of the whole job."""
+    from gptpar.testing import free_port
+
+    port = str(free_port())
+    procs = []
+    for rank in range(world_size):
+        env = rank_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra_env)
+        group = {} if not own_group else {"process_group": 0 if rank == 0 else procs[0].pid}
+        procs.append(subprocess.Popen([sys.executable, script] + argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, **group))
+    return procs
+
+
+def finish_ranks(procs, timeout=120):
+    """(exit codes, outputs) of ranks started by `launch_ranks`; all killed if one outlives `timeout` seconds."""
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    return [p.returncode for p in procs], outs
 
 
 def write_config(path, **sections):

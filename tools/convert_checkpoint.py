@@ -116,7 +116,7 @@ def to_universal(load: str, tag, output: str, start: float) -> int:
     from gptpar.model import universal
     from gptpar.model.convert import ConversionError, resolve_checkpoint_dir
     from gptpar.training.checkpoint import CheckpointError, carried_counters, read_rank_state
-    from gptpar.training.checkpoint_files import fingerprint, state_file
+    from gptpar.training.checkpoint_files import LoadTarget, damaged, fingerprint, state_file, verify_digests
 
     try:
         ckpt = resolve_checkpoint_dir(load, tag)
@@ -124,6 +124,10 @@ def to_universal(load: str, tag, output: str, start: float) -> int:
             if os.path.commonpath([os.path.abspath(output), folder]) == folder:
                 raise ConversionError(f"--output {output} is inside the checkpoint folder {folder}: write the "
                                       "universal checkpoint outside it (nothing is written there)")
+        problems = verify_digests(ckpt)  # every file the conversion reads, against the manifest's checksums
+        if problems:
+            folder = os.path.normpath(ckpt)
+            raise CheckpointError(damaged(LoadTarget(os.path.dirname(folder), os.path.basename(folder)), problems))
         has_state = os.path.isfile(os.path.join(ckpt, state_file(0)))
         counters = carried_counters(read_rank_state(ckpt)) if has_state else {}
         universal.convert_deepspeed_checkpoint(ckpt, output, counters=counters, source_files=fingerprint(ckpt))

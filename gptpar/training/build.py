@@ -96,13 +96,25 @@ def saved_config(cfg: Config, pstate) -> Config:
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, data_parallel_size=pstate.dp_size))
 
 
+def checkpoint_group(pstate, timeout_minutes: float):
+    """The gloo group a save's ranks agree over (None for one rank): its own, because an async save agrees from
+    the writer thread while training's collectives run on theirs. Collective: every rank calls it."""
+    if pstate.world_size == 1:
+        return None
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
 def build_trainer(cfg: Config, pstate, log, load_target, init_from=None):
     """Seeds, model, data sources, DeepSpeed engine and checkpointer, under one `Trainer`. `init_from`: weights
     to start from (gptpar.training.init_weights), put into the model before the engine copies them."""
     from gptpar.model.universal import deepspeed_universal_info, gpt_parameter_name
     from gptpar.training.checkpoint import Checkpointer
     from gptpar.training.data import build_sources
-    from gptpar.training.engine import build_engine, deepspeed_config
+    from gptpar.training.engine import CheckpointWriter, build_engine, deepspeed_config
     from gptpar.training.schedules import train_iters
     from gptpar.training.trainer import Trainer
 
@@ -120,6 +132,8 @@ def build_trainer(cfg: Config, pstate, log, load_target, init_from=None):
                           weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                           has_attention_mask=train_source.masks.has_attention_mask,
                           universal_checkpoint_info=deepspeed_universal_info(cfg.model))
+    writer = CheckpointWriter(async_save=ck.async_save, checksums=ck.checksums)
+    engine.install_checkpoint_writer(writer)
     checkpointer = Checkpointer(ck.save, load_target, ck.keep_last, pstate.rank, pstate.world_size,
                                 checkpoint_shape(cfg, pstate), saved_config(cfg, pstate).to_json(), log=log,
                                 device=pstate.device,
@@ -128,7 +142,9 @@ def build_trainer(cfg: Config, pstate, log, load_target, init_from=None):
                                     gpt_parameter_name, pipelined=pstate.pp_size > 1,
                                     num_layers=cfg.model.num_layers,
                                     embedding_weight=cfg.parallel.embedding_weight or 1),
-                                model_config=cfg.model)
+                                model_config=cfg.model, writer=writer, checksums=ck.checksums,
+                                group=checkpoint_group(pstate, cfg.parallel.distributed_timeout_minutes)
+                                if ck.save else None)
     return Trainer(cfg, pstate, engine, train_source, valid_sources, checkpointer, tracker,
                    log=functools.partial(print, flush=True))
 
@@ -145,4 +161,4 @@ def dry_run(cfg: Config, tp: int, pp: int, dp: int) -> str:
 
 
 __all__ = ["setup_environment", "seed_everything", "build_gpt", "build_float8", "build_model", "checkpoint_shape",
-           "saved_config", "build_trainer", "dry_run"]
+           "saved_config", "checkpoint_group", "build_trainer", "dry_run"]

@@ -9,16 +9,24 @@ Layout of one checkpoint (tag `iter_{N:07d}`):
     {save}/iter_0000300/gptpar_rank_00000.pt   per rank: counters, ramp-up and LR-schedule inputs, the RNG
                                         states (torch, numpy, python, the tp tracker's streams)
     {save}/iter_0000300/config.json     the resolved config of the run that saved it
-    {save}/iter_0000300/gptpar_manifest.json   every file of the checkpoint and its size; written last, so a
-                                        folder without it is partial (gptpar.training.checkpoint_files)
+    {save}/iter_0000300/gptpar_manifest.json   every file of the checkpoint: its size, sha256 and writing rank;
+                                        written last, so a folder without it is partial
+                                        (gptpar.training.checkpoint_files)
+
+Every file goes through the engine's CheckpointWriter (gptpar.training.engine.checkpoint_writer), which hashes
+it as it is written and, with `checkpoint.async_save`, writes it from a host snapshot in a background thread
+while training goes on. Once every rank's files are whole the ranks agree (over their own gloo group, from the
+writer thread when async) and rank 0 writes config.json, the manifest and `latest` (`_agree_and_commit`). At
+most one save is in flight: the next save and the end of the run wait for it (`wait`).
 
 A save killed half-way leaves `latest` on the previous complete checkpoint, so a resume never reads a
 partial one; the next start deletes the partial folder (gptpar.training.save_folder). `keep_last` deletes
 the oldest complete checkpoints after `latest` moved on. A save that fails (a full disk, an I/O error)
-raises CheckpointSaveError naming the folder and the cause; `latest` stays where it was.
+raises CheckpointSaveError naming the folder and the cause, on every rank; `latest` stays where it was.
 
 Resume: what `checkpoint.load` points at is resolved and verified before training (checkpoint_files.
-resolve_load / verify_checkpoint, then `plan_load`); the model shape stored with it must equal the current
+resolve_load / verify_checkpoint, then `plan_load`; each rank checks the sha256 of the files it wrote,
+gptpar.training.preflight.verify_own_files); the model shape stored with it must equal the current
 config's (a clear error naming the key otherwise); every other key (LR, intervals, exit conditions, ...)
 comes from the current config. A checkpoint of another parallel shape (tp, pp, dp, partitioning at pp > 1),
 or saved with a precision whose optimizer files this run's does not load (gptpar.model.universal.
@@ -35,6 +43,7 @@ disabled (`weights_only=True`); DeepSpeed's per-rank files are pickles, which it
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import pickle
@@ -52,9 +61,10 @@ from gptpar.model.config import GPTConfig
 from gptpar.model.sharding import shard_tensor
 from gptpar.model.weight_files import load_torch_file
 from gptpar.training.checkpoint_files import (CONFIG, LATEST, TAG_RE, CheckpointError, LoadTarget,
-                                              complete_checkpoints, describe_write_failure, fingerprint,
+                                              complete_checkpoints, damaged, describe_write_failure, fingerprint,
                                               is_write_failure, read_latest, saved_world_size, state_file, tag_of,
-                                              verify_checkpoint, write_latest, write_manifest)
+                                              verify_checkpoint, verify_digests, write_latest, write_manifest,
+                                              write_synced)
 
 FORMAT_VERSION = 3  # 2: a manifest marks a complete checkpoint; 3: numpy's RNG state saved as a tensor
 
@@ -177,8 +187,8 @@ class UniversalCopy:
 
 
 def plan_load(target: LoadTarget, shape: dict, world_size: int, universal_dir: Optional[str], precision: str,
-              log: Callable[[str], None],
-              model_config: Optional[GPTConfig] = None) -> Tuple[LoadTarget, Optional[UniversalCopy]]:
+              log: Callable[[str], None], model_config: Optional[GPTConfig] = None,
+              checksums: bool = True) -> Tuple[LoadTarget, Optional[UniversalCopy]]:
     """What this run loads for `target` (rank 0, before the model is built; reads, never writes): (the target to
     load, the universal copy still to write or None). The checkpoint itself when its files fit this run: the
     same model, parallel layout (tp, pp, dp, partitioning, ZeRO stage) and kind of optimizer files
@@ -187,7 +197,9 @@ def plan_load(target: LoadTarget, shape: dict, world_size: int, universal_dir: O
     from exactly these files (checkpoint_files.fingerprint), else one to write. Raises CheckpointError for
     another model shape, a checkpoint that cannot be converted, or a universal copy that cannot be used; never
     writes inside `target.directory`. `model_config`: the run's model, the shape of a universal folder DeepSpeed
-    wrote (its names and shapes are checked here)."""
+    wrote (its names and shapes are checked here). `checksums` (checkpoint.checksums): before a copy is planned,
+    every file it will be converted from is checked against the manifest's sha256 (CheckpointError naming each
+    damaged one), so a conversion never carries a corrupted shard into the copy."""
     model = {"model": {k: v for k, v in shape["model"].items() if k != "padded_vocab_size"},
              "training": shape["training"]}  # a universal copy holds AdamW's moments (the default)
     to = parallel_sizes(shape)
@@ -245,6 +257,9 @@ def plan_load(target: LoadTarget, shape: dict, world_size: int, universal_dir: O
         copy = dataclasses.replace(copy, stale=(
             f"the universal copy {out} was converted from other files than {target.path} holds now (rewritten in "
             "place since, e.g. re-saved after a rollback; or converted by an older gptpar): rebuilding it"))
+    problems = verify_digests(target.path) if checksums else []
+    if problems:
+        raise CheckpointError(damaged(target, problems))
     return LoadTarget(target.directory, target.tag, universal=out), copy
 
 
@@ -325,33 +340,106 @@ class Checkpointer:
     parameter_name: Callable[[str], str] = field(default=lambda name: name)
     model_config: Optional[GPTConfig] = None  # the model of a universal folder DeepSpeed wrote (it has none)
 
+    # The engine's CheckpointWriter (every file of a save goes through it), the process group its jobs agree
+    # over (gloo, separate from training's: an async job agrees from the writer thread), checksums on/off.
+    writer: Optional[object] = None
+    group: object = None
+    checksums: bool = True
+    _announced: set = field(default_factory=set)  # the waits said once (checkpoint.async_save)
+    _reported: Optional[object] = None  # the save whose outcome was last handed to the trainer
+
     # -- save ----------------------------------------------------------------------------------
     def save(self, engine, iteration: int, client_state: dict, tracker) -> str:
-        """Write checkpoint `iter_{iteration}` on every rank, then move `latest` to it. Returns the path."""
+        """Checkpoint `iter_{iteration}` on every rank. Every file (DeepSpeed's and this rank's state) goes
+        through the engine's CheckpointWriter; once every rank's files are whole, rank 0 writes config.json, the
+        manifest (sizes, checksums) and moves `latest` (`_agree_and_commit`). With checkpoint.async_save this
+        returns as soon as the snapshot is planned and the writer thread does the rest (`wait`, `poll`);
+        a save still in flight is waited for first. Returns the path."""
+        self.wait("saving the next one")
         tag = tag_of(iteration)
         path = os.path.join(self.save_dir, tag)
         with self._failures(tag, defer=True) as failed:
             if self.rank == 0:
                 os.makedirs(path, exist_ok=True)
         _agree_or_raise(failed, self.device)
-        # A rank failing inside DeepSpeed's save raises at once: DeepSpeed's own closing barrier cannot be
-        # joined from here, so the others wait there until the launcher or the process-group timeout ends
-        # them. `latest` does not move either way.
+        # A write that fails is kept by the writer and agreed on after all files were given (no rank leaves
+        # DeepSpeed's closing barrier early); anything else failing inside DeepSpeed's save raises at once.
         with self._failures(tag):
             engine.save_checkpoint(self.save_dir, tag, {"gptpar_iteration": iteration})
-        with self._failures(tag, defer=True) as failed:
-            state = dict(client_state, version=FORMAT_VERSION, shape=self.shape, rng=rng_states(tracker))
-            torch.save(state, os.path.join(path, state_file(self.rank)))
-        _agree_or_raise(failed, self.device)  # every rank's files are on disk before the pointer moves
-        with self._failures(tag, defer=True) as failed:
-            if self.rank == 0:  # config.json and the manifest last: a folder without them is partial
-                with open(os.path.join(path, CONFIG), "w") as f:
-                    f.write(self.config_json)
-                write_manifest(path, iteration, self.world_size)
+        state = dict(client_state, version=FORMAT_VERSION, shape=self.shape, rng=rng_states(tracker))
+        self.writer.save(state, os.path.join(path, state_file(self.rank)))
+        self.writer.start(functools.partial(self._agree_and_commit, path, iteration), name=path)
+        if not self.writer.async_save:
+            self.wait()
+        return path
+
+    def _agree_and_commit(self, path: str, iteration: int, records: dict, error: Optional[BaseException]):
+        """The end of a save, on every rank once its files are written (in the writer thread when async): the
+        ranks exchange their files' records and failures over `group`; if none failed rank 0 writes config.json,
+        the manifest and `latest`, and prunes. Returns the failure every rank reports (None: saved)."""
+        tag = os.path.basename(path)
+        mine = ({os.path.relpath(p, path): dict(r, rank=self.rank) for p, r in records.items()},
+                describe_save_failure(self.save_dir, tag, self.rank, error) if error is not None else None)
+        everyone = [mine]
+        if self.group is not None:
+            everyone = [None] * self.world_size
+            dist.all_gather_object(everyone, mine, group=self.group)
+        failures = [message for _, message in everyone if message]
+        if not failures and self.rank == 0:
+            try:
+                write_synced(os.path.join(path, CONFIG), self.config_json)  # config.json and the manifest last:
+                write_manifest(path, iteration, self.world_size,  # a folder without them is partial
+                               records={rel: r for files, _ in everyone for rel, r in files.items()},
+                               checksums=self.checksums)
                 write_latest(self.save_dir, tag)
                 self._prune(iteration)
-        _agree_or_raise(failed, self.device)
-        return path
+            except (OSError, RuntimeError) as e:
+                failures.append(describe_save_failure(self.save_dir, tag, self.rank, e))
+        if self.group is not None:  # every rank learns whether rank 0 committed
+            box = [failures]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            failures = box[0]
+        return failures[0] if failures else None
+
+    def wait(self, why: Optional[str] = None) -> None:
+        """Block until the save in flight (checkpoint.async_save) is written; raise CheckpointSaveError, on
+        every rank alike, if it failed. `why`: what waits, said once per kind of wait."""
+        if self.writer is None:
+            return
+        save = self.writer.in_flight()
+        if save is not None and why is not None and why not in self._announced:
+            self._announced.add(why)
+            self.log(f"waiting for checkpoint {save.name} to finish writing before {why} (checkpoint.async_save: "
+                     "one save in flight at a time)", flush=True)
+        self.writer.wait()
+        self._consume()
+
+    def poll(self) -> None:
+        """Between iterations: say that an async save was written (rank 0's log). Its failure is left to the
+        trainer, which agrees on it through `failed` (all ranks stop at the same iteration) and raises by `wait`."""
+        save = self.writer.finished() if self.writer is not None else None
+        if save is not None and save is not self._reported and save.outcome is None:
+            self._consume()
+
+    def failed(self) -> bool:
+        """Whether the last save is known, on this rank, to have failed (not yet raised)."""
+        save = self.writer.finished() if self.writer is not None else None
+        return save is not None and save is not self._reported and save.outcome is not None
+
+    def _consume(self) -> None:
+        """Hand the outcome of the last finished save to the run, once."""
+        save = self.writer.finished()
+        if save is None or save is self._reported:
+            return
+        self._reported = save
+        if isinstance(save.outcome, str):
+            raise CheckpointSaveError(save.outcome)
+        if save.outcome is not None:
+            raise CheckpointSaveError(f"the checkpoint writer failed saving {save.name} "
+                                      f"({type(save.outcome).__name__}: {save.outcome}); `latest` was not moved")
+        if self.writer.async_save:
+            self.log(f"saved checkpoint {save.name} in {save.seconds:.2f} s (written while training went on)",
+                     flush=True)
 
     def _failures(self, tag: str, defer: bool = False) -> "_SaveFailure":
         return _SaveFailure(self.save_dir, tag, self.rank, defer)

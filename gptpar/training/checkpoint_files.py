@@ -3,8 +3,9 @@ whether a checkpoint is complete.
 
     {dir}/latest                      the tag of the newest complete checkpoint ("iter_0000300")
     {dir}/iter_0000300/               one checkpoint; complete once gptpar_manifest.json exists
-    {dir}/iter_0000300/gptpar_manifest.json   every file of the checkpoint with its size, written by rank 0
-                                      after every rank finished and before `latest` moves
+    {dir}/iter_0000300/gptpar_manifest.json   every file of the checkpoint: its size, its sha256 (unless
+                                      checkpoint.checksums is off) and the rank that wrote it; written by rank 0
+                                      after every rank's files are whole and before `latest` moves
     {dir}/.gptpar.lock                the job writing this folder (gptpar.training.save_folder)
     {dir}/.gptpar-probe-PID, .latest.tmp-PID   short-lived files of a write probe and of the pointer update
 
@@ -14,6 +15,7 @@ that wrote it was killed). A folder holding nothing else has no checkpoint: load
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -32,6 +34,8 @@ LOCK = ".gptpar.lock"
 PROBE_PREFIX = ".gptpar-probe-"
 LATEST_TMP_PREFIX = f".{LATEST}.tmp-"
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # DeepSpeed copies them next to the checkpoints
+DIGEST = "sha256"  # of each file's bytes, in the manifest: `sha256sum FILE` prints the same
+MANIFEST_VERSION = 2  # 1: {file: size}; 2: {file: {"size", "sha256", "rank"}}
 
 
 class CheckpointError(RuntimeError):
@@ -104,17 +108,42 @@ def fingerprint(path: str) -> Dict[str, List[int]]:
     return out
 
 
-def write_manifest(path: str, iteration: int, world_size: int, weights_only: bool = False) -> None:
-    """Record every file of the finished checkpoint `path` (call after all ranks wrote theirs). `weights_only`
-    marks a checkpoint of model weights alone (tools/convert_checkpoint.py --to gptpar): no optimizer, no
-    counters, no per-rank state; loading it starts a run at iteration 0."""
-    files = {f: size for f, size in list_files(path).items() if f != MANIFEST}
+def file_digest(path: str) -> str:
+    """The hex DIGEST of a file's bytes."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, DIGEST).hexdigest()
+
+
+def write_manifest(path: str, iteration: int, world_size: int, weights_only: bool = False,
+                   records: Optional[Dict[str, dict]] = None, checksums: bool = True) -> None:
+    """Record every file of the finished checkpoint `path` (call after all ranks wrote theirs). `records`:
+    {relative path: {"size", DIGEST, "rank"}} of the files the ranks wrote (hashed as they were written);
+    every other file there (config.json, DeepSpeed's recovery scripts) is recorded now, as rank 0's, hashed
+    here with `checksums`. `weights_only` marks a checkpoint of model weights alone
+    (tools/convert_checkpoint.py --to gptpar): no optimizer, no counters, no per-rank state; loading it starts
+    a run at iteration 0."""
+    files = dict(records or {})
+    for rel, size in list_files(path).items():
+        if rel != MANIFEST and rel not in files:
+            files[rel] = {"size": size, "rank": 0}
+            if checksums:
+                files[rel][DIGEST] = file_digest(os.path.join(path, rel))
     tmp = os.path.join(path, f".{MANIFEST}.tmp-{os.getpid()}")
-    manifest = {"version": 1, "iteration": iteration, "world_size": world_size, "files": files}
+    manifest = {"version": MANIFEST_VERSION, "iteration": iteration, "world_size": world_size,
+                "files": dict(sorted(files.items()))}
     if weights_only:
         manifest["weights_only"] = True
     write_synced(tmp, json.dumps(manifest, indent=1))
     os.replace(tmp, os.path.join(path, MANIFEST))
+
+
+def manifest_files(path: str) -> Dict[str, dict]:
+    """{relative path: {"size"[, DIGEST, "rank"]}} from checkpoint `path`'s manifest (either version); raises
+    OSError, ValueError, KeyError or TypeError when it is missing or unreadable."""
+    with open(os.path.join(path, MANIFEST)) as f:
+        files = json.load(f)["files"]
+    return {rel: {"size": int(rec)} if isinstance(rec, int) else dict(rec, size=int(rec["size"]))
+            for rel, rec in files.items()}
 
 
 def is_weights_only(path: str) -> bool:
@@ -229,23 +258,23 @@ def verify_checkpoint(target: LoadTarget, world_size: int) -> None:
     """Raise CheckpointError unless every file of the checkpoint is there, whole, for `world_size` ranks.
 
     With a manifest every listed file must exist with its recorded size; every `.pt` must also open as a
-    zip archive (torch's format keeps its directory at the end, so a truncated file fails here)."""
+    zip archive (torch's format keeps its directory at the end, so a truncated file fails here). The files'
+    checksums are `verify_digests`' (each rank reads its own files)."""
     path = target.path
-    fix = f"resume from an earlier checkpoint instead ({_choices(target.directory, exclude=target.tag)})"
-    manifest_path = os.path.join(path, MANIFEST)
+    fix = earlier_checkpoint_fix(target)
     problems = []
-    if os.path.isfile(manifest_path):
+    if os.path.isfile(os.path.join(path, MANIFEST)):
         try:
-            with open(manifest_path) as f:
-                expected = json.load(f)["files"]
+            expected = manifest_files(path)
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{manifest_path} is unreadable ({e}): {fix}") from None
-        for rel, size in sorted(expected.items()):
+            raise CheckpointError(f"{os.path.join(path, MANIFEST)} is unreadable ({e}): {fix}") from None
+        for rel, record in sorted(expected.items()):
             full = os.path.join(path, rel)
             if not os.path.isfile(full):
                 problems.append(f"{full} is missing")
-            elif os.path.getsize(full) != size:
-                problems.append(f"{full} has {os.path.getsize(full)} bytes, the manifest says {size} (truncated?)")
+            elif os.path.getsize(full) != record["size"]:
+                problems.append(f"{full} has {os.path.getsize(full)} bytes, the manifest says {record['size']} "
+                                "(truncated?)")
     elif not os.path.isfile(os.path.join(path, CONFIG)):
         raise CheckpointError(f"{path} is incomplete (no {MANIFEST}: the save that wrote it was interrupted): {fix}")
     for rank in range(world_size):
@@ -258,8 +287,52 @@ def verify_checkpoint(target: LoadTarget, world_size: int) -> None:
         if problem:
             problems.append(f"{full} {problem}")
     if problems:
-        raise CheckpointError(f"checkpoint {path} is damaged:\n  " + "\n  ".join(dict.fromkeys(problems))
-                              + f"\n{fix}")
+        raise CheckpointError(damaged(target, problems))
+
+
+def verify_digests(path: str, rank: Optional[int] = None) -> List[str]:
+    """What is wrong with the checksums of checkpoint `path`'s files that `rank` wrote (None: every file):
+    one line per file whose bytes no longer hash to its manifest's DIGEST. Reads those files whole; files
+    without a digest (a manifest of version 1, or saved with checkpoint.checksums off) and missing ones
+    (verify_checkpoint's) are skipped."""
+    try:
+        records = manifest_files(path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return []  # no manifest (older checkpoints) or an unreadable one: verify_checkpoint reports it
+    problems = []
+    for rel, record in sorted(records.items()):
+        full = os.path.join(path, rel)
+        if DIGEST not in record or (rank is not None and record.get("rank", 0) != rank) or not os.path.isfile(full):
+            continue
+        digest = file_digest(full)
+        if digest != record[DIGEST]:
+            problems.append(f"{full} does not match its {DIGEST} in the manifest ({digest[:12]}..., recorded "
+                            f"{record[DIGEST][:12]}...): its bytes changed after it was written (disk or copy "
+                            "corruption)")
+    return problems
+
+
+def has_digests(path: str) -> bool:
+    """Whether checkpoint `path`'s manifest records checksums."""
+    try:
+        return any(DIGEST in record for record in manifest_files(path).values())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def damaged(target: LoadTarget, problems: List[str]) -> str:
+    """The message for checkpoint `target` and what is wrong with it."""
+    return (f"checkpoint {target.path} is damaged:\n  " + "\n  ".join(dict.fromkeys(problems))
+            + f"\n{earlier_checkpoint_fix(target)}")
+
+
+def earlier_checkpoint_fix(target: LoadTarget) -> str:
+    tags = [t for t in complete_checkpoints(target.directory) if t != target.tag]
+    if not tags:
+        return (f"resume from an earlier checkpoint instead (no other complete checkpoint in {target.directory}), "
+                "or start afresh with a new checkpoint.save")
+    return (f"resume from an earlier checkpoint instead: set checkpoint.load to one of the complete ones in "
+            f"{target.directory} ({', '.join(tags[-3:])}), e.g. checkpoint.load={os.path.join(target.directory, tags[-1])}")
 
 
 def saved_world_size(target: LoadTarget, default: int) -> int:
@@ -303,8 +376,9 @@ def _choices(directory: str, exclude: Optional[str] = None) -> str:
     return "complete ones in " + directory + ": " + ", ".join(tags[-3:])
 
 
-__all__ = ["LATEST", "TAG_RE", "MANIFEST", "LOCK", "CheckpointError", "LoadTarget", "tag_of", "state_file",
-           "read_latest", "write_synced", "write_latest", "write_manifest", "list_files", "fingerprint",
+__all__ = ["LATEST", "TAG_RE", "MANIFEST", "LOCK", "DIGEST", "CheckpointError", "LoadTarget", "tag_of", "state_file",
+           "read_latest", "write_synced", "write_latest", "file_digest", "write_manifest", "manifest_files",
+           "verify_digests", "has_digests", "damaged", "earlier_checkpoint_fix", "list_files", "fingerprint",
            "is_write_failure", "describe_write_failure", "is_weights_only",
            "is_complete", "is_own_entry", "partial_checkpoints", "complete_checkpoints", "resolve_load",
            "verify_checkpoint", "saved_world_size"]

@@ -468,6 +468,19 @@ class CheckpointConfig:
     save_interval: Optional[int] = _f(None, "Save every this many iterations (and always at exit); "
                                             "null = only at exit.")
     keep_last: Optional[int] = _f(None, "Keep only the newest K checkpoints; null = keep all.")
+    async_save: bool = _f(False, "Write checkpoints while training goes on: the save copies this rank's state to "
+                                 "host memory while the next iteration's forward and backward run, and a "
+                                 "background thread writes DeepSpeed's usual files; `latest` moves once every "
+                                 "rank's files are whole. One save in flight at a time (a save, the exit and a "
+                                 "signal wait for it); holds a host copy of this rank's checkpoint files between "
+                                 "saves. Off by default: on this repository's 2-core CPU it cut the stall per save "
+                                 "from ~10 s to ~0.05 s but did not make runs faster in total (the writer competes "
+                                 "with training for the same cores; docs/benchmarks.md); turn it on where host "
+                                 "cores are free during the step (GPU training). See docs/checkpoints.md.")
+    checksums: bool = _f(True, "Record the sha256 of every checkpoint file in its manifest (hashed as it is "
+                               "written) and verify them before resuming (each rank reads its own files) and "
+                               "before a universal conversion: a file whose bytes changed is refused, naming it. "
+                               "false = sizes only, nothing read twice.")
     override_lock: bool = _f(False, "Take over checkpoint.save's lock (`.gptpar.lock`) even when gptpar cannot "
                                     "tell that the job holding it has ended (it ran on another host, or the lock "
                                     "is unreadable). A lock of a live job on this host is always refused, one of "

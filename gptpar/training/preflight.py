@@ -1,8 +1,8 @@
 """Checks before the model is built: what checkpoint.load means, whether the data fits the model, and
-whether checkpoint.save can take this run. Rank 0 checks, every rank gets the outcome (one broadcast),
-so all ranks stop with the same message or go on with the same checkpoint to load. The others wait for rank 0
-in a polled barrier (`wait_for_rank0`), never in one long collective: a conversion or a first scan of a large
-dataset may take longer than parallel.distributed_timeout_minutes.
+whether checkpoint.save can take this run. Rank 0 checks, every rank gets the outcome (one broadcast), so all
+ranks stop with the same message or go on with the same checkpoint to load. The others wait for rank 0 in a
+polled barrier (`wait_for_rank0`), never in one long collective: a conversion, a checksum pass or a first scan of
+a large dataset may take longer than parallel.distributed_timeout_minutes.
 
 Order, so that a refused run changes nothing in checkpoint.save (not even a modification time):
     0. training.kill_switch_path exists?                 -> stop: exit 0 before anything is built
@@ -10,21 +10,26 @@ Order, so that a refused run changes nothing in checkpoint.save (not even a modi
     2. checkpoint.load resolved and verified             (read-only)  gptpar.training.checkpoint_files; a universal
        folder's files checked; at another parallel shape or kind of optimizer files, its universal copy planned
        (gptpar.training.checkpoint.plan_load: an existing copy of exactly these files is reused, else one is
-       written in step 6); or, without a checkpoint to resume, checkpoint.init_from (or a weights-only
-       checkpoint.load) checked against the model's shape, every file it will read whole
-                                                         (read-only)  gptpar.training.init_weights
+       written in step 7, after every file it is converted from passed its checksum); or, without a checkpoint
+       to resume, checkpoint.init_from (or a weights-only checkpoint.load) checked against the model's shape,
+       every file it will read whole                     (read-only)  gptpar.training.init_weights
     3. checkpoint.save holding another run's checkpoints (read-only)
     4. every dataset's largest token id (data_path's and valid_data_path's) and the tokenizer's vocabulary
        < model.vocab_size (caches beside the data, gptpar.data.token_stats)
-    5. checkpoint.save: lock, probe, leftovers, free space          gptpar.training.save_folder
-    6. with the lock held: killed conversions' temporary folders removed from the universal folder, and the
+    -- broadcast --
+    5. at the same shape, every rank hashes the files of the checkpoint it wrote and all agree (`verify_own_files`,
+       checkpoint.checksums)                             (read-only)
+    6. checkpoint.save: lock, probe, leftovers, free space (rank 0)   gptpar.training.save_folder
+    7. with the lock held: killed conversions' temporary folders removed from the universal folder, and the
        universal copy written (gptpar.training.checkpoint.write_universal_copy), so that two jobs on one save
        folder never convert at once
+    -- broadcast --
 """
 from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -33,8 +38,8 @@ import torch.distributed as dist
 
 from gptpar.data.indexed import DataError
 from gptpar.training.checkpoint import plan_load, write_universal_copy
-from gptpar.training.checkpoint_files import (CheckpointError, LoadTarget, complete_checkpoints, read_latest,
-                                              resolve_load)
+from gptpar.training.checkpoint_files import (CheckpointError, LoadTarget, complete_checkpoints, damaged,
+                                              has_digests, read_latest, resolve_load, verify_digests)
 from gptpar.training.init_weights import check_weights_fit, choose_start
 from gptpar.training.save_folder import (JobLock, check_free_space, checkpoint_bytes, clean_conversion_leftovers,
                                          clean_leftovers, peek_lock, probe_writable, this_job)
@@ -57,29 +62,70 @@ class Preflight:
 
 
 def run_preflight(cfg, pstate, shape: dict, log: Callable[[str], None]) -> Preflight:
-    """Collective: rank 0 checks, the others wait for its verdict. Raises CheckpointError or DataError."""
-    def decide():
+    """Collective: rank 0 checks and the others wait for its verdict (steps 0-4); then every rank verifies the
+    checksums of its own files of the checkpoint to resume (5); then rank 0 takes the save folder and writes what
+    must be written with it held (6-7). Raises CheckpointError or DataError, on every rank alike."""
+    kept = {}  # rank 0's: the universal copy to write, its folder, the lock
+
+    def start():
+        kill = cfg.training.kill_switch_path
+        if kill is not None and os.path.exists(kill):  # as Megatron-DeepSpeed: exit 0 before training
+            return ("stop", f"kill switch {kill} exists (training.kill_switch_path): exiting before training; "
+                            "remove the file to start or resume the run")
+        target, init_from, kept["copy"], kept["conversions"] = check_start(cfg, pstate.world_size, shape, log)
+        return ("ok", (target, init_from))
+
+    kind, value = _outcome(wait_for_rank0(_guarded(start), pstate))
+    if kind == "stop":
+        return Preflight(None, stop=value)
+    target, init_from = value
+    same_files = target is not None and target.universal is None
+    if cfg.checkpoint.checksums and same_files:
+        verify_own_files(target, pstate, log)
+
+    def take():
+        kept["lock"] = take_save_folder(cfg, pstate.world_size, pstate.tp_size, pstate.pp_size, log,
+                                        kept["copy"], kept["conversions"])
+        return ("ok", None)
+
+    _outcome(wait_for_rank0(_guarded(take), pstate))  # take_save_folder releases the lock when it raises
+    return Preflight(target, kept.get("lock"), init_from=init_from)
+
+
+def _guarded(check: Callable[[], tuple]) -> Callable[[], tuple]:
+    """`check` made safe for `wait_for_rank0`, whose work must return: its CheckpointError / DataError (or any
+    surprise) becomes the outcome (kind, message) every rank raises in `_outcome`."""
+    def run():
         try:
-            kill = cfg.training.kill_switch_path
-            if kill is not None and os.path.exists(kill):  # as Megatron-DeepSpeed: exit 0 before training
-                return ("stop", f"kill switch {kill} exists (training.kill_switch_path): exiting before training; "
-                                "remove the file to start or resume the run")
-            target, init_from, lock = check_on_rank0(cfg, pstate.world_size, pstate.tp_size, pstate.pp_size, shape,
-                                                     log)
-            held.append(lock)
-            return ("ok", (target, init_from))
+            return check()
         except (CheckpointError, DataError) as e:
             return (type(e).__name__, str(e))
         except BaseException as e:  # noqa: BLE001 - any surprise must still reach the other ranks, not hang them
             return ("RuntimeError", f"{type(e).__name__}: {e}")
+    return run
 
-    held = []  # rank 0's lock
-    kind, value = wait_for_rank0(decide, pstate)
-    if kind == "ok":
-        return Preflight(value[0], held[0] if held else None, init_from=value[1])
-    if kind == "stop":
-        return Preflight(None, stop=value)
-    raise {"DataError": DataError, "RuntimeError": RuntimeError}.get(kind, CheckpointError)(value)
+
+def _outcome(outcome: tuple) -> tuple:
+    if outcome[0] not in ("ok", "stop"):
+        raise {"DataError": DataError, "RuntimeError": RuntimeError}.get(outcome[0], CheckpointError)(outcome[1])
+    return outcome
+
+
+def verify_own_files(target: LoadTarget, pstate, log: Callable[[str], None]) -> None:
+    """Collective: each rank hashes the files of checkpoint `target` that the same rank wrote (the manifest
+    records who wrote what; the same shape is the same layout of ranks), all in parallel, and every rank gets
+    every problem (CheckpointError naming each file), so all stop or all go on."""
+    start = time.perf_counter()
+    problems = verify_digests(target.path, pstate.rank)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, problems)
+        problems = [line for lines in everyone for line in lines]
+    if problems:
+        raise CheckpointError(damaged(target, problems))
+    if has_digests(target.path):
+        log(f"checksums of {target.path} verified (each rank its own files; rank 0 in "
+            f"{time.perf_counter() - start:.2f} s)")
 
 
 def wait_for_rank0(work: Callable[[], object], pstate, poll_seconds: float = 1.0):
@@ -108,9 +154,16 @@ def wait_for_rank0(work: Callable[[], object], pstate, poll_seconds: float = 1.0
 
 
 def check_on_rank0(cfg, world_size: int, tp: int, pp: int, shape: dict, log) -> tuple:
-    """(load target or None, the weights to start from or None, the held JobLock or None); raises CheckpointError
-    / DataError. Everything that only reads runs first; then the save folder is locked, and only with the lock
-    held is anything written: leftovers cleaned, a universal copy converted."""
+    """(load target or None, the weights to start from or None, the held JobLock or None): `check_start` then
+    `take_save_folder` on one process (no checksums of the ranks' own files: `run_preflight` hashes those on
+    every rank); raises CheckpointError / DataError."""
+    target, init_from, copy, conversions = check_start(cfg, world_size, shape, log)
+    return target, init_from, take_save_folder(cfg, world_size, tp, pp, log, copy, conversions)
+
+
+def check_start(cfg, world_size: int, shape: dict, log) -> tuple:
+    """Steps 1-4, read-only: (load target or None, the weights to start from or None, the universal copy still to
+    write or None, the folder of this checkpoint's universal copies or None)."""
     ck = cfg.checkpoint
     peek_lock(ck.save, ck.override_lock)
     target, note = resolve_load(ck.load)
@@ -119,7 +172,8 @@ def check_on_rank0(cfg, world_size: int, tp: int, pp: int, shape: dict, log) -> 
     if target is not None:
         if target.universal is None:  # where this checkpoint's universal copies go
             conversions = ck.universal_dir or f"{target.directory}_universal"
-        target, copy = plan_load(target, shape, world_size, ck.universal_dir, cfg.training.precision, log, cfg.model)
+        target, copy = plan_load(target, shape, world_size, ck.universal_dir, cfg.training.precision, log, cfg.model,
+                                 checksums=ck.checksums)
     if init_from is not None:
         check_weights_fit(init_from, cfg.model, "checkpoint.init_from" if init_from == ck.init_from
                           else "checkpoint.load")
@@ -127,6 +181,15 @@ def check_on_rank0(cfg, world_size: int, tp: int, pp: int, shape: dict, log) -> 
     check_data(cfg, log)
     if note:
         log(note)
+    return target, init_from, copy, conversions
+
+
+def take_save_folder(cfg, world_size: int, tp: int, pp: int, log, copy=None,
+                     conversions: Optional[str] = None) -> Optional[JobLock]:
+    """Steps 6-7: checkpoint.save locked, probed, cleaned and checked for room; then, with the lock held, killed
+    conversions' leftovers in `conversions` removed and the universal `copy` written. The held lock (None without
+    checkpoint.save)."""
+    ck = cfg.checkpoint
     lock = JobLock(ck.save) if ck.save else None
     if lock is not None:
         lock.acquire(ck.override_lock, log)
@@ -145,7 +208,7 @@ def check_on_rank0(cfg, world_size: int, tp: int, pp: int, shape: dict, log) -> 
         if lock is not None:
             lock.release()
         raise
-    return target, init_from, lock
+    return lock
 
 
 def check_save_holds_no_other_run(save: Optional[str], target: Optional[LoadTarget],
@@ -205,5 +268,6 @@ def count_parameters(model_cfg, tp: int, pp: int) -> int:
     return params
 
 
-__all__ = ["Preflight", "run_preflight", "wait_for_rank0", "check_on_rank0", "check_data", "count_parameters",
+__all__ = ["Preflight", "run_preflight", "verify_own_files", "wait_for_rank0", "check_on_rank0", "check_start",
+           "take_save_folder", "check_data", "count_parameters",
            "check_save_holds_no_other_run"]

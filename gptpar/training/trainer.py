@@ -12,6 +12,10 @@ which all ranks agree through one all-reduce per iteration. An iteration in trai
 draws its global batch and discards it: the counters (LR inputs included) advance as if it had trained, and it
 writes no log line (a `skipped_data` record instead); evaluation, saves and exit checks run as usual.
 
+With checkpoint.async_save a save returns once its snapshot is planned (gptpar.training.checkpoint): the loop then
+says when it was written (`Checkpointer.poll`), stops every rank at the same iteration if it failed (a flag in
+the stop all-reduce), and the end of the run waits for it.
+
 Elapsed time per iteration is the mean over the interval of the time from fetching the batch to the end of
 the optimizer step (evaluation, checkpoint saves and torch.compile's compilation are not in it); samples/s and
 TFLOPs derive from it.
@@ -167,7 +171,10 @@ class Trainer:
         self.signals.install()
         self.start_time = time.time()
         try:
-            return self._loop()
+            reason = self._loop()
+            if self.checkpointer is not None:
+                self.checkpointer.wait("exiting")  # an async save is whole (or its failure raised) before the end
+            return reason
         finally:
             self.signals.restore()
             self._close_writers()
@@ -191,6 +198,8 @@ class Trainer:
                     f"{self._latest_note()}. Lower training.lr or check the data, then resume")
             if t.eval_interval and c.iteration % t.eval_interval == 0:
                 self.evaluate()
+            if self.checkpointer is not None:
+                self.checkpointer.poll()
             reason = self.stop_reason()
             if self._save_due() or reason:
                 self.save(final=bool(reason))
@@ -337,11 +346,18 @@ class Trainer:
         t = self.cfg.training
         minutes = (time.time() - self.start_time) / 60.0
         killed = t.kill_switch_path is not None and os.path.exists(t.kill_switch_path)
+        save_failed = self.checkpointer is not None and self.checkpointer.failed()  # an async save, seen here
         flags = torch.tensor([self.signals.received or 0, killed, t.exit_duration_in_mins is not None
-                              and minutes > t.exit_duration_in_mins, self.signals.requested is not None],
+                              and minutes > t.exit_duration_in_mins, self.signals.requested is not None, save_failed],
                              dtype=torch.float64, device=self.pstate.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[4] > 0:  # every rank raises the save's CheckpointSaveError here, at this iteration
+            self.checkpointer.wait()
+            from gptpar.training.checkpoint import CheckpointSaveError
+
+            raise CheckpointSaveError("another rank's checkpoint writer failed (its message says why); `latest` "
+                                      "was not moved")
         if flags[0] > 0:
             return f"received {signal.Signals(int(flags[0])).name}"
         if flags[3] > 0:  # the reason is said by the ranks that asked (the others only see the flag)
@@ -377,7 +393,11 @@ class Trainer:
         start = time.time()
         path = self.checkpointer.save(self.engine, self.counters.iteration, self.client_state(), self.tracker)
         self.saved_at = self.counters.iteration
-        self._say(f"saved checkpoint {path} in {time.time() - start:.2f} s")
+        if self.cfg.checkpoint.async_save:
+            self._say(f"saving checkpoint {path} in the background (training stopped {time.time() - start:.2f} s "
+                      "for it)")
+        else:
+            self._say(f"saved checkpoint {path} in {time.time() - start:.2f} s")
 
     def weights_finite(self) -> bool:
         """Whether every rank's weights are finite (one all-reduce MAX of a flag)."""
@@ -393,6 +413,8 @@ class Trainer:
         save = self.cfg.checkpoint.save
         if not save:
             return ""
+        if self.checkpointer is not None:
+            self.checkpointer.wait()  # `latest` as it will stay
         try:
             latest = read_latest(save)
         except CheckpointError:

@@ -1,12 +1,25 @@
 """DeepSpeed's part of a checkpoint: the model and optimizer shard files of one tag, written and read by the
-DeepSpeed engine (gptpar's own files, `latest`, the manifest and the save folder's rules live in
-gptpar/training/checkpoint.py, checkpoint_files.py and save_folder.py)."""
+DeepSpeed engine through gptpar's CheckpointWriter (checkpoint_writer.py: checksums, async saves). gptpar's own
+files, `latest`, the manifest and the save folder's rules live in gptpar/training/checkpoint.py,
+checkpoint_files.py and save_folder.py."""
 from __future__ import annotations
 
 import glob
 import os
 
 import torch
+
+from gptpar.training.engine.optimizer_state import optimizers
+
+
+def install_writer(ds, writer) -> None:
+    """Every file DeepSpeed's engine saves (and loads) goes through `writer` from now on: it becomes the engine's
+    `checkpoint_engine`, the object DeepSpeed 0.19.8 calls for each file (the pipeline engine's layer files
+    included), keeping the serialisation DeepSpeed chose. The client optimizer's step, the first thing that
+    changes the saved tensors in place, waits for the snapshot of an async save first."""
+    writer.zipfile_serialization = getattr(ds.checkpoint_engine, "zipfile_serialization", True)
+    ds.checkpoint_engine = writer
+    optimizers(ds)[1].register_step_pre_hook(lambda optimizer, args, kwargs: writer.wait_for_snapshot())
 
 
 def save(ds, save_dir: str, tag: str, client_state: dict) -> None:

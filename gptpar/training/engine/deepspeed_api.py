@@ -48,6 +48,11 @@ uses them, and the test that breaks when one changes:
     DeepSpeedZeroConfig (a pydantic model that forbids unknown keys)   test_deepspeed_overrides.py (typos, types, the values
       and `get_communication_data_type`                                  read back from the built engine)
       (`check_deepspeed_key`, for ds_config.check_deepspeed_overrides)
+    the engine's `checkpoint_engine` attribute, called for every file   test_async_checkpoint.py (async files equal blocking
+      `save_checkpoint` writes and `load_checkpoint` reads (the           ones), test_reliability.py (corrupted files refused,
+      pipeline engine passes it to `PipelineModule.save_state_dict`),     a full disk during a save)
+      replaced by gptpar's CheckpointWriter after `initialize`
+      (checkpointing.py: `install_writer`; checkpoint_writer.py)
 """
 from __future__ import annotations
 

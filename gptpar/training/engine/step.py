@@ -31,6 +31,7 @@ class TrainEngine:
     def __init__(self, ds_engine, pstate, pipelined: bool):
         self.ds, self.pstate, self.pipelined = ds_engine, pstate, pipelined
         self.device = torch.device(ds_engine.device)
+        self.checkpoint_writer = None  # gptpar's CheckpointWriter once `install_checkpoint_writer` ran
         self.phase_seconds: Optional[Dict[str, float]] = None  # `time_phases()` turns the timers on
 
     # -- the step ------------------------------------------------------------------------------
@@ -111,6 +112,11 @@ class TrainEngine:
     def save_checkpoint(self, save_dir: str, tag: str, client_state: dict) -> None:
         """DeepSpeed's part of checkpoint `tag` (model and optimizer shards); `latest` is gptpar's to move."""
         checkpointing.save(self.ds, save_dir, tag, client_state)
+
+    def install_checkpoint_writer(self, writer) -> None:
+        """Route every checkpoint file through `writer` (checkpoint_writer.CheckpointWriter: checksums, async)."""
+        checkpointing.install_writer(self.ds, writer)
+        self.checkpoint_writer = writer
 
     def load_checkpoint(self, directory: str, tag: str) -> bool:
         """Restore DeepSpeed's part of checkpoint `tag`; False when DeepSpeed found nothing to load."""
