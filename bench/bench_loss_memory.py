@@ -74,18 +74,19 @@ def measure(fn, emb, hidden, labels, repeats: int) -> dict:
     return {"peak_bytes": peak, "largest_bytes": largest, "seconds_median": statistics.median(times)}
 
 
-BLOCK_BYTES = {"cpu": 4 << 20, "gpu": 16 << 20}  # one fp32 block of gptpar's loss (cross_entropy._BLOCK_ELEMENTS)
+GPU_BLOCK_BYTES = 16 << 20  # one fp32 block of gptpar's loss on a GPU (cross_entropy._BLOCK_ELEMENTS_ACCELERATOR)
 
 
 def predicted_bytes(path: str, n: int, v: int, v_real: int, h: int, dtype_bytes: int, block_bytes: int) -> int:
     """The accounting of each path's peak (bytes), to compare with the count and to extrapolate.
 
-    model / pipeline (gptpar, block-wise): the logits in their dtype (which become their gradient in place) + one
-    fp32 block + the gradients of the hidden states and of the weight. textbook: F.cross_entropy's backward, when
+    model / pipeline (gptpar, block-wise): the logits in their dtype (which become their gradient in place) + at
+    most three fp32 blocks (a bf16 block's conversion, logsumexp's temporaries) + the gradients of the hidden states
+    and of the weight: an upper bound. textbook: F.cross_entropy's backward, when
     three fp32 (N, V) tensors are alive: the saved log-probabilities, nll_loss's zero-filled gradient and
     log_softmax's gradient (its forward peak, bf16 logits + their fp32 copy + the log-probabilities, is lower)."""
     if path in ("model", "pipeline"):
-        return n * v * dtype_bytes + min(block_bytes, n * v_real * 4) + n * h * dtype_bytes + v * h * dtype_bytes
+        return n * v * dtype_bytes + 3 * min(block_bytes, n * v_real * 4) + n * h * dtype_bytes + v * h * dtype_bytes
     return n * v_real * 12
 
 
@@ -98,11 +99,18 @@ def main(argv=None):
     p.add_argument("--vocab-size", type=int, default=50257)
     p.add_argument("--dtypes", default="bf16,fp32")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--block-elements", type=int, default=1 << 18,
+                   help="gptpar's fp32 block on this CPU (default 1 MB: about the share of the logits that a GPU's 16 "
+                        "MB block is at the 1.3B shape, so the count extrapolates; the CPU's own default is 32 MB)")
     p.add_argument("--json", default=None)
     p.add_argument("--tiny", action="store_true")
     args = p.parse_args(argv)
     if args.tiny:
         args.seq, args.batch, args.hidden, args.vocab_size, args.repeats = 32, 2, 16, 500, 1
+    from gptpar.tensor_parallel import cross_entropy
+
+    if hasattr(cross_entropy, "_BLOCK_ELEMENTS"):  # (older gptpar had no blocks)
+        cross_entropy._BLOCK_ELEMENTS["cpu"] = args.block_elements
     config = GPTConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=1, seq_length=args.seq,
                        vocab_size=args.vocab_size)
     v, n, h = config.padded_vocab_size(1), args.seq * args.batch, args.hidden
@@ -117,7 +125,7 @@ def main(argv=None):
         labels = torch.randint(0, args.vocab_size, (args.batch, args.seq))
         for path, fn in loss_paths(config, dtype).items():
             res = measure(fn, emb, hidden, labels, args.repeats)
-            pred = predicted_bytes(path, n, v, args.vocab_size, h, dtype.itemsize, BLOCK_BYTES["cpu"])
+            pred = predicted_bytes(path, n, v, args.vocab_size, h, dtype.itemsize, 4 * args.block_elements)
             rows.append(dict(dtype=name, path=path, n=n, v=v, h=h, **res, predicted_bytes=pred,
                              bytes_per_logit=res["peak_bytes"] / (n * v)))
             r = rows[-1]
@@ -130,7 +138,7 @@ def main(argv=None):
           "accounting:")
     for name in args.dtypes.split(","):
         for path in ("model", "textbook"):
-            b = predicted_bytes(path, **full, dtype_bytes=DTYPES[name].itemsize, block_bytes=BLOCK_BYTES["gpu"])
+            b = predicted_bytes(path, **full, dtype_bytes=DTYPES[name].itemsize, block_bytes=GPU_BLOCK_BYTES)
             print(f"  {name:5s} {path:9s} {b / 2 ** 30:6.2f} GiB")
     if args.json:
         with open(args.json, "w") as f:

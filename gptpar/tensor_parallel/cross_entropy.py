@@ -29,9 +29,10 @@ import torch.distributed as dist
 
 from gptpar.tensor_parallel.comm import Group, group_rank, group_size
 
-# Elements per fp32 block: on a CPU ~4 MB, in cache while a block's passes run; on a GPU 16 MB, within an H100's
-# 50 MB L2, with few enough blocks (~100 at 8192 x 50304) that kernel launches stay cheap.
-_BLOCK_ELEMENTS = {"cpu": 1 << 20}
+# Elements per fp32 block: on a GPU 16 MB, within an H100's 50 MB L2, with few enough blocks (~100 at 8192 x 50304)
+# that kernel launches stay cheap; on a CPU 32 MB (~160 rows of 50k): measured fastest on the 2-core benchmark machine
+# among 2^15..2^26 elements (fewer rows left the row-parallel reductions with too little work per thread).
+_BLOCK_ELEMENTS = {"cpu": 1 << 23}
 _BLOCK_ELEMENTS_ACCELERATOR = 1 << 22
 
 
@@ -61,22 +62,36 @@ def _locate(target: torch.Tensor, vocab_start: int, local_vocab: int, ignore_ind
     return _Targets((target - vocab_start).masked_fill(~here, 0), here, ignored)
 
 
+def _fp32_block(logits: torch.Tensor, r0: int, rows: int, real: int) -> torch.Tensor:
+    """Rows [r0, r0 + rows) of the real columns in fp32: the buffer itself for fp32 logits, else a contiguous copy
+    (converted whole-row, then sliced: a strided conversion is several times slower on a CPU)."""
+    if logits.dtype == torch.float32:
+        return logits[r0:r0 + rows, :real]
+    block = logits[r0:r0 + rows].float()
+    return block if real == block.shape[1] else block[:, :real].contiguous()
+
+
 def _loss_forward(logits: torch.Tensor, real: int, targets: _Targets, group: Group, label_smoothing: float,
-                  n_classes: int):
-    """Per-token fp32 losses and log-sum-exp of `logits` (N, V/tp), any dtype; columns [real:] are padding."""
+                  n_classes: int, owned: bool = False):
+    """Per-token fp32 losses and log-sum-exp of `logits` (N, V/tp), any dtype; columns [real:] are padding; and
+    whether `logits` now holds log-probabilities: with `owned` fp32 logits at tp = 1 each block becomes its
+    log-probabilities in place while in cache, sparing backward a pass (the fused CPU loss's original algorithm)."""
     n = logits.shape[0]
     local_lse = torch.empty(n, dtype=torch.float32, device=logits.device)
     column_sum = torch.zeros(n, dtype=torch.float32, device=logits.device) if label_smoothing > 0 else None
-    rows = _block_rows(real, logits.device)
-    for r0 in range(0, n, rows):
-        block = logits[r0:r0 + rows, :real].float()  # (rows, real): a copy for bf16, the buffer itself for fp32
-        torch.logsumexp(block, dim=-1, out=local_lse[r0:r0 + rows])  # -inf on a rank holding only padding
-        if column_sum is not None:
-            column_sum[r0:r0 + rows] = block.sum(dim=-1)
-        del block  # before the next block is made
     target_logit = torch.zeros(n, dtype=torch.float32, device=logits.device)
     if real > 0:  # (a rank whose slice is all padding holds no target)
         target_logit = logits.gather(-1, targets.local.unsqueeze(-1)).squeeze(-1).float().masked_fill(~targets.here, 0)
+    log_probs = owned and logits.dtype == torch.float32 and group_size(group) == 1
+    rows = _block_rows(real, logits.device)
+    for r0 in range(0, n, rows):
+        block = _fp32_block(logits, r0, rows, real)
+        lse = torch.logsumexp(block, dim=-1, out=local_lse[r0:r0 + rows])  # -inf on a rank holding only padding
+        if column_sum is not None:
+            column_sum[r0:r0 + rows] = block.sum(dim=-1)
+        if log_probs:
+            block.sub_(lse.unsqueeze(-1))
+        del block  # before the next block is made
     if group_size(group) > 1:
         top = local_lse.clone()
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
@@ -90,19 +105,20 @@ def _loss_forward(logits: torch.Tensor, real: int, targets: _Targets, group: Gro
     loss = lse - target_logit
     if column_sum is not None:
         loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - column_sum / n_classes)
-    return loss.masked_fill_(targets.ignored, 0.0), lse
+    return loss.masked_fill_(targets.ignored, 0.0), lse, log_probs
 
 
 def _loss_backward_(logits: torch.Tensor, real: int, lse: torch.Tensor, targets: _Targets, grad_loss: torch.Tensor,
-                    label_smoothing: float, n_classes: int) -> torch.Tensor:
-    """Overwrite `logits` (N, V/tp) with d(sum grad_loss * loss)/d logits, block by block in fp32; returns it."""
+                    label_smoothing: float, n_classes: int, log_probs: bool = False) -> torch.Tensor:
+    """Overwrite `logits` (N, V/tp) - or the log-probabilities `_loss_forward` left in them - with
+    d(sum grad_loss * loss)/d logits, block by block in fp32; returns it."""
     g = grad_loss.float().masked_fill(targets.ignored, 0.0)  # (N,)
     onehot = (targets.here.float() * (1.0 - label_smoothing)).mul_(g)  # what the target column loses
     rows = _block_rows(real, logits.device)
     for r0 in range(0, logits.shape[0] if real > 0 else 0, rows):
         block = logits[r0:r0 + rows, :real]
-        x = block.float()  # fp32 logits: `block` itself, updated in place
-        x.sub_(lse[r0:r0 + rows, None]).exp_()  # softmax
+        x = _fp32_block(logits, r0, rows, real)  # fp32 logits: `block` itself, updated in place
+        (x if log_probs else x.sub_(lse[r0:r0 + rows, None])).exp_()  # softmax
         if label_smoothing > 0:
             x.sub_(label_smoothing / n_classes)
         x.mul_(g[r0:r0 + rows, None])
@@ -124,7 +140,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx.real = real_columns(start, local_vocab, vocab_size)
         ctx.n_classes = vocab_size if vocab_size is not None else local_vocab * group_size(group)
         ctx.label_smoothing, ctx.inplace_backward, ctx.logits_shape = label_smoothing, inplace_backward, logits.shape
-        loss, lse = _loss_forward(flat, ctx.real, targets, group, label_smoothing, ctx.n_classes)
+        loss, lse, _ = _loss_forward(flat, ctx.real, targets, group, label_smoothing, ctx.n_classes)
         ctx.save_for_backward(flat, lse, *targets)
         return loss.view(target.shape)
 
@@ -187,7 +203,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                       else torch.mm(h, w_rows.t()))
             targets = _locate(target, start, local_vocab, ignore_index)
             n_classes = vocab_size if vocab_size is not None else local_vocab * group_size(group)
-            loss, lse = _loss_forward(logits, real, targets, group, label_smoothing, n_classes)
+            loss, lse, ctx.log_probs = _loss_forward(logits, real, targets, group, label_smoothing, n_classes,
+                                                     owned=True)
         ctx.save_for_backward(h, w, logits, lse, *targets)
         ctx.real, ctx.n_classes, ctx.label_smoothing = real, n_classes, label_smoothing
         ctx.group, ctx.reduce_input_grad, ctx.workspace = group, reduce_input_grad, workspace
@@ -198,7 +215,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
         h, w, logits, lse, *targets = ctx.saved_tensors
-        grad = _loss_backward_(logits, ctx.real, lse, _Targets(*targets), grad_loss, ctx.label_smoothing, ctx.n_classes)
+        grad = _loss_backward_(logits, ctx.real, lse, _Targets(*targets), grad_loss, ctx.label_smoothing, ctx.n_classes,
+                               ctx.log_probs)
         rows = grad.shape[1]  # the GEMM's weight rows: real ones on a CPU, all on a GPU
         grad_hidden = grad_weight = handle = None
         if ctx.needs_input_grad[0]:
