@@ -262,7 +262,9 @@ def test_named_validation_sets_each_equal_a_single_set_evaluation(runs):
                 losses.append(model(text[:, :-1], labels=text[:, 1:]).item())
         assert by_set[name]["lm_loss"] == pytest.approx(sum(losses) / 2, rel=1e-5), name
     code_loss, prose_loss = by_set["code"]["lm_loss"], by_set["prose"]["lm_loss"]
-    assert abs(code_loss - prose_loss) > 1e-3 * code_loss  # two different texts, two different losses
+    # The check above can tell the sets apart: their losses differ by well over its tolerance (a model at its
+    # random init scores any text near ln(256), so the gap is small in absolute terms - a few 1e-4 relative).
+    assert abs(code_loss - prose_loss) > 10 * 1e-5 * code_loss
     assert by_set[None]["lm_loss"] == pytest.approx((code_loss + prose_loss) / 2, rel=1e-12)
     for name in ("code", "prose"):
         assert f" validation loss of {name} at iteration 1 | lm loss value: {by_set[name]['lm_loss']:.6E} |" \
