@@ -146,7 +146,7 @@ checks() {
   local smoke=()
   [ "${GPU_CPU_SMOKE:-0}" = 1 ] && smoke=(--cpu-smoke) && export DS_ACCELERATOR=cpu
   [ "${GPU_CPU_SMOKE:-0}" = 1 ] || step tests_cuda 200 $PY -m pytest -q -p no:cacheprovider -k cuda \
-      tests/test_model.py tests/test_bloom.py tests/test_compile.py tests/test_fp8.py
+      tests/test_model.py tests/test_bloom.py tests/test_compile.py tests/test_float8.py
   step trainer_checks 360 $PY bench/gpu_trainer.py --out "$OUT/trainer_checks" --scratch /tmp/gpu_trainer_ck "${smoke[@]}"
   cp "$OUT/trainer_checks/summary.json" "$OUT/summary.json" 2>/dev/null
   grep -h -A2 "passed\|failed" "$OUT/tests_cuda.log" 2>/dev/null | tail -3 | tee "$OUT/summary.txt"
