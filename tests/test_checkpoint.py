@@ -147,7 +147,9 @@ def test_the_preflight_wait_outlasts_the_collective_timeout(tmp_path):
 
     results = run_distributed(_wait_for_a_slow_rank0, 2, (str(tmp_path / "store"),), timeout=120)
     assert [got for got, _ in results] == ["rank 0's verdict"] * 2
-    assert all(waited >= 4 for _, waited in results)
+    # Each rank waited well past the 1 s collective timeout. Not ">= 4": rank 1 starts its clock when it leaves the
+    # process group's rendezvous, which on a loaded machine can be a moment after rank 0 began its 4 s of work.
+    assert all(waited >= 2 for _, waited in results), results
 
 
 @pytest.mark.slow
