@@ -31,6 +31,7 @@ def test_bench_single_rank_tiny(tmp_path):
         assert r["flops_per_step"] > r["flops_per_step_causal"] > 0 and r["gptpar"]["mfu"] > 0
 
 
+@pytest.mark.slow  # make test budget (~10 min on 2 cores): in make test-slow
 def test_bench_single_rank_without_hf(tmp_path):
     stdout, res = _run(["bench/bench_single_rank.py", "--no-hf", "--bf16-shapes", "", "--breakdown"], tmp_path,
                        timeout=120)
@@ -39,6 +40,7 @@ def test_bench_single_rank_without_hf(tmp_path):
     assert b["floor_s"] == b["gemm_s"] + b["attention_s"] > 0 and 0 < b["mfu_ceiling"]
 
 
+@pytest.mark.slow  # make test budget (~10 min on 2 cores): in make test-slow
 def test_bench_scaling_tiny(tmp_path):
     pytest.importorskip("deepspeed")
     stdout, res = _run(["bench/bench_scaling.py"], tmp_path, timeout=300)

@@ -45,6 +45,7 @@ def test_sigusr1_sets_the_stop_flag():
     assert signal.getsignal(signal.SIGUSR1) is previous
 
 
+@pytest.mark.slow  # make test budget (~10 min on 2 cores): in make test-slow
 def test_sigterm_to_one_rank_saves_and_every_rank_exits_zero(tmp_path):
     ck = str(tmp_path / "ck")
     cfg = write_config(tmp_path / "c.json", training=dict(train_iters=100000), checkpoint=dict(save=ck, load=ck))
@@ -228,6 +229,7 @@ def _wait_gone(procs, seconds):
     return False
 
 
+@pytest.mark.slow  # make test budget (~10 min on 2 cores): in make test-slow
 def test_kill_9_of_torchrun_ends_its_ranks_and_a_second_job_is_refused(tmp_path):
     pytest.importorskip("psutil")
     ck = str(tmp_path / "ck")

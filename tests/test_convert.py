@@ -69,7 +69,7 @@ def _hf_loss(model_dir, architecture="GPT2LMHeadModel"):
     return torch.stack(losses).mean().item()
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 2), (2, 1)])
+@pytest.mark.parametrize("tp,pp", [(2, 2), pytest.param(2, 1, marks=pytest.mark.slow)])  # (2,1): make test-slow
 def test_export_to_hf_and_universal(tmp_path, tp, pp):
     import convert_checkpoint
 

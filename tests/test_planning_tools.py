@@ -149,6 +149,7 @@ def _configs_and_one_without_the_state_keys(tmp_path):
     return paths + [str(tmp_path / "bare.json")]
 
 
+@pytest.mark.slow  # make test budget (~10 min on 2 cores): in make test-slow
 def test_memory_tool_prints_what_the_dry_run_prints(tmp_path, capsys):
     import pretrain_gpt
 

@@ -203,6 +203,7 @@ def _bf16_optimizer_of(pp, dp):
             "losses": losses, "grad_norms": norms}
 
 
+@pytest.mark.slow  # make test budget (~10 min on 2 cores): in make test-slow
 def test_bf16_accumulates_in_fp32_through_bf16_optimizer():
     """pp = 1 and pp = 2 at dp = 2: BF16_Optimizer with fp32 buffers, no warning, and the same global batches'
     losses and (dp-reduced, global) grad norms as one rank, to bf16 accuracy."""
