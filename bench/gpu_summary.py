@@ -84,7 +84,7 @@ def layer_figures(path):
         return None
     mode = cal["modes"].get("none") or next(iter(cal["modes"].values()))
     return {"sec_per_layer": mode["sec_per_layer"], "tflops": mode["tflops"], "gpu": cal.get("gpu"),
-            "peak_memory_gib": mode.get("peak_memory_gib"), "shape": cal.get("shape"), "gemms": cal.get("gemms")}
+            "peak_memory_gib": mode.get("peak_memory_gib"), "shape": cal.get("shape"), "gemms": cal.get("float8_gemms")}
 
 
 def _ratio(a, b):
