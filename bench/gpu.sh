@@ -125,9 +125,19 @@ speed() {
              --set checkpoint.save_interval=null --set checkpoint.keep_last=null --set logging.log_interval=1
              --set logging.tensorboard_dir=null)
   echo "== 1. the ratio: the trainer compiled vs the compiled peer loop"
-  step peer_compiled 150 $PY bench/bench_peer_loop.py $peer --compile --json "$OUT/peer_compiled.json"
+  step peer_compiled 190 $PY bench/bench_peer_loop.py $peer --compile --gptpar --json "$OUT/peer_compiled.json"
   step trainer_compiled 170 "${run[@]}" --set training.compile=true \
       --set logging.metrics_file="$OUT/trainer_compiled.jsonl"
+  # Where the time goes: torch.profiler over two iterations (the top kernels, the device's busy share).
+  step trainer_profile 120 "${run[@]}" --set training.compile=true --set training.train_iters=5 \
+      --set logging.profile=4-5
+  if [ -f .before/pretrain_gpt.py ]; then
+    # The same run on an earlier tree carried in .before/ (git archive of a commit): what a change gained.
+    [ -e .before/data ] || ln -s "$PWD/data" .before/data
+    step trainer_compiled_before 170 env -C .before PYTHONPATH="$PWD/.before${PYTHONPATH:+:$PYTHONPATH}" \
+        "${run[@]}" --set training.compile=true \
+        --set logging.metrics_file="$OUT/trainer_compiled_before.jsonl"
+  fi
   echo "== 2. fp8: the trainer, and one 200B tp-8 layer"
   step trainer_fp8 170 "${run[@]}" --set training.compile=true --set training.precision=fp8 \
       --set logging.metrics_file="$OUT/trainer_fp8.jsonl"

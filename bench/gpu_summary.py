@@ -26,7 +26,7 @@ TARGETS = {"trainer_compiled_vs_peer_compiled": 1.05,   # tokens/s, same shape, 
 # Last logged loss of fp8 against bf16's (issue 21's bound), and of the compiled run against the eager one
 # (dropout 0.1 draws other masks under compile, and bf16 GEMMs differ run to run: the same bound as gpu_trainer.py).
 LOSS_BOUNDS = {"fp8_vs_bf16": 0.02, "compiled_vs_eager": 0.02}
-TRAINERS = ("trainer_compiled", "trainer_fp8", "trainer_eager")
+TRAINERS = ("trainer_compiled", "trainer_fp8", "trainer_eager", "trainer_compiled_before")
 
 
 def _load_json(path):
@@ -92,7 +92,11 @@ def _ratio(a, b):
 
 
 def summarize(out_dir):
-    res = {"peer_compiled": _load_json(os.path.join(out_dir, "peer_compiled.json"))}
+    peer = _load_json(os.path.join(out_dir, "peer_compiled.json"))
+    if peer and "peer" in peer:  # bench_peer_loop.py --gptpar: the peer and gptpar's model alone, same process
+        res = {"peer_compiled": peer["peer"], "model_alone_compiled": peer["gptpar"]}
+    else:
+        res = {"peer_compiled": peer, "model_alone_compiled": None}
     res.update({name: trainer_figures(out_dir, name) for name in TRAINERS})
     res.update({f"layer_{kind}": layer_figures(os.path.join(out_dir, f"layer_{kind}.json")) for kind in ("bf16", "fp8")})
     lines = []
@@ -100,8 +104,14 @@ def summarize(out_dir):
     lines.append("peer_compiled: " + (f"{peer['sec_per_iter_median']:.3f} s/iter, {peer['tokens_per_s']:,.0f} tokens/s, "
                                       f"{peer['tflops']:.1f} TFLOPs, peak {peer.get('peak_memory_gib') or float('nan'):.1f}"
                                       f" GiB ({peer['device']})" if peer else "missing"))
+    alone = res["model_alone_compiled"]
+    if alone:
+        lines.append(f"model_alone_compiled: {alone['sec_per_iter_median']:.3f} s/iter, {alone['tokens_per_s']:,.0f} "
+                     "tokens/s (gptpar's GPTModel in the peer's loop: fp32 parameters, bf16 autocast, no DeepSpeed)")
     for name in TRAINERS:
         t = res[name]
+        if t is None and name == "trainer_compiled_before":
+            continue
         lines.append(f"{name}: " + (f"{t['sec_per_iter_median']:.3f} s/iter (median of {t['timed_iterations']}), "
                                     f"{t['tokens_per_s']:,.0f} tokens/s, {t['tflops_median']:.1f} TFLOPs (log line), "
                                     f"peak {t['peak_memory_gib'] or float('nan'):.1f} GiB, compile "
@@ -115,6 +125,9 @@ def summarize(out_dir):
     same_batch = bool(tc and peer and tc["global_batch_size"] == peer["global_batch_size"])
     ratios = {"trainer_compiled_vs_peer_compiled": _ratio(tc and tc["tokens_per_s"], peer and same_batch
                                                           and peer["tokens_per_s"]),
+              "model_alone_vs_peer_compiled": _ratio(alone and alone["tokens_per_s"], peer and peer["tokens_per_s"]),
+              "trainer_compiled_vs_before": _ratio(tc and tc["tokens_per_s"], res["trainer_compiled_before"]
+                                                   and res["trainer_compiled_before"]["tokens_per_s"]),
               "trainer_compiled_vs_eager": _ratio(tc and tc["tokens_per_s"], te and te["tokens_per_s"]),
               "trainer_fp8_vs_compiled": _ratio(t8 and t8["tokens_per_s"], tc and tc["tokens_per_s"]),
               "layer_fp8_vs_bf16": _ratio(res["layer_bf16"] and res["layer_bf16"]["sec_per_layer"],

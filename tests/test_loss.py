@@ -68,7 +68,7 @@ def _targets(seed, vocab_size, rows=11, cols=3):
     return target
 
 
-def _check_logits_loss(group, vocab_size, label_smoothing, dtype):
+def _check_logits_loss(group, vocab_size, label_smoothing, dtype, compiled=False):
     """vocab_parallel_cross_entropy on this rank's shard against both references: losses and logits' gradients."""
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     logits, _, _, upstream = _case(1)
@@ -84,7 +84,8 @@ def _check_logits_loss(group, vocab_size, label_smoothing, dtype):
     for inplace in (False, True):
         shard = _shard(logits, rank, tp).to(dtype).clone().requires_grad_()
         loss = vocab_parallel_cross_entropy(shard, target, group=group, vocab_size=vocab_size,
-                                            label_smoothing=label_smoothing, inplace_backward=inplace)
+                                            label_smoothing=label_smoothing, inplace_backward=inplace,
+                                            compiled=compiled)
         assert loss.dtype == torch.float32 and loss[0, 0] == 0 and loss[7, 2] == 0
         assert_close(loss, serial.detach(), **TOL)
         assert_close(loss, previous.detach(), **TOL)
@@ -96,7 +97,7 @@ def _check_logits_loss(group, vocab_size, label_smoothing, dtype):
         assert shard.grad[0, 0].abs().max() == 0  # ignored token: no gradient
 
 
-def _check_linear_loss(group, vocab_size, label_smoothing):
+def _check_linear_loss(group, vocab_size, label_smoothing, compiled=False):
     """linear_cross_entropy (hidden replicated, this rank's weight rows) against F.linear + F.cross_entropy on the
     full weight: losses, the hidden's gradient (summed over tp inside) and this rank's weight rows' gradient."""
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -107,7 +108,8 @@ def _check_linear_loss(group, vocab_size, label_smoothing):
                              reduction="none", label_smoothing=label_smoothing).view(target.shape)
     serial.backward(upstream)
     h, w = hidden.clone().requires_grad_(), _shard(weight, rank, tp).clone().requires_grad_()
-    loss = linear_cross_entropy(h, w, target, group=group, vocab_size=vocab_size, label_smoothing=label_smoothing)
+    loss = linear_cross_entropy(h, w, target, group=group, vocab_size=vocab_size, label_smoothing=label_smoothing,
+                                compiled=compiled)
     assert_close(loss, serial.detach(), **TOL)
     loss.backward(upstream)
     assert_close(h.grad, h_ref.grad, **TOL)
@@ -127,6 +129,26 @@ def _all_checks(block_elements):
             _check_linear_loss(group, vocab_size, label_smoothing)
         _check_logits_loss(group, vocab_size, 0.0, torch.bfloat16)
     return "ok"
+
+
+def _compiled_checks():
+    """The compiled kernels (training.compile) on the same cases: a partial last slice (and at tp 2 a rank of
+    padding only, which keeps the loop's -inf), label smoothing, bf16 logits; and they did compile."""
+    from torch._dynamo.utils import counters
+
+    group = dist.group.WORLD
+    for vocab_size in (29, 15):
+        for label_smoothing in (0.0, 0.1):
+            _check_logits_loss(group, vocab_size, label_smoothing, torch.float32, compiled=True)
+            _check_linear_loss(group, vocab_size, label_smoothing, compiled=True)
+    _check_logits_loss(group, 29, 0.0, torch.bfloat16, compiled=True)
+    assert counters["stats"]["unique_graphs"] >= 2, dict(counters["stats"])  # forward and backward kernels
+    return "ok"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_compiled_loss_kernels_match_serial_and_previous_algorithm(tp):
+    assert run_distributed(_compiled_checks, tp, timeout=400) == ["ok"] * tp
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -261,7 +261,12 @@ def _first_step_gradients(precision, accumulation):
     inner.register_step_pre_hook(grab)
     engine.train_step(_batches(cfg, pstate))
     assert len(parts) == 2
-    return torch.cat(parts), engine.grad_norm, type(engine.ds.optimizer).__name__
+    from gptpar.training.engine.deepspeed_api import FusedGradAccumulation
+
+    name = type(engine.ds.optimizer).__name__
+    if name == "BF16_Optimizer":  # its gradients were summed by gptpar's fused accumulation
+        assert isinstance(engine.ds.optimizer._update_hp_grad, FusedGradAccumulation)
+    return torch.cat(parts), engine.grad_norm, name
 
 
 @pytest.fixture(scope="module")
@@ -297,3 +302,36 @@ def test_bf16_accumulation_is_measurably_worse(numerics):
           f"(fp32 accumulation) vs {bad_error:.5f} (bf16 accumulation); grad norm {numerics['bf16'][1]:.6f} / "
           f"{bad_norm:.6f} vs fp32 {ref_norm:.6f}")
     assert bad_error > 2 * good_error
+
+
+def test_fused_fp32_grad_accumulation_equals_deepspeeds():
+    """gptpar's replacement of BF16_Optimizer._update_hp_grad (one mixed-dtype add, no fp32 temporary) leaves the
+    fp32 buffers, the flags and `_hp_grad` exactly as DeepSpeed's own method does, over several micro-batches."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    from gptpar.training.engine.deepspeed_api import FusedGradAccumulation
+
+    g = torch.Generator().manual_seed(0)
+    lps = [torch.zeros(5, 7, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.bfloat16)]
+
+    def optimizer():
+        return SimpleNamespace(autoep_folding_tp_group=None, fp32_groups_has_gradients=[[False, False]],
+                               fp32_groups_gradients=[[torch.zeros(35), torch.zeros(3)]])
+
+    ours, theirs = optimizer(), optimizer()
+    fused = FusedGradAccumulation(ours, torch.device("cpu"))
+    for _ in range(4):  # micro-batches: bf16 gradients of mixed magnitudes, summed in fp32
+        grads = [(torch.randn(lp.shape, generator=g) * 10.0 ** torch.randint(-3, 3, (), generator=g).item())
+                 .to(torch.bfloat16) for lp in lps]
+        for j, (lp, grad) in enumerate(zip(lps, grads)):
+            lp.grad = grad.clone()
+            fused(lp, 0, j, False)
+            mine = lp._hp_grad
+            lp.grad = grad.clone()
+            BF16_Optimizer._update_hp_grad(theirs, lp, 0, j, False)
+            assert mine is ours.fp32_groups_gradients[0][j] and lp._hp_grad is theirs.fp32_groups_gradients[0][j]
+    for a, b in zip(ours.fp32_groups_gradients[0], theirs.fp32_groups_gradients[0]):
+        assert a.dtype == torch.float32 and torch.equal(a, b) and a.abs().sum() > 0
+    assert ours.fp32_groups_has_gradients == theirs.fp32_groups_has_gradients == [[True, True]]

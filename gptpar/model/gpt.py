@@ -271,10 +271,15 @@ def _compiled_body():
 
 def compile_transformer_layers(model: nn.Module) -> int:
     """training.compile: every TransformerLayer in `model` (a GPTModel or a pipeline stage) runs its body through
-    the one compiled function (`TransformerLayer._forward_compiled`); returns how many layers."""
+    the one compiled function (`TransformerLayer._forward_compiled`), and the loss (GPTModel's fused output layer
+    and loss, or the last stage's GPTLoss) its passes over the logits as compiled kernels (`compiled=True` of
+    gptpar.tensor_parallel.cross_entropy); returns how many layers."""
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
     for layer in layers:
         layer.compiled = True
+    for m in model.modules():
+        if isinstance(getattr(m, "loss_fn", None), GPTLoss):  # GPTModel, DeepSpeed's PipelineModule
+            m.loss_fn.compiled = True
     return len(layers)
 
 
@@ -316,17 +321,18 @@ def lm_logits(embedding: GPTEmbedding, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def lm_loss(embedding: GPTEmbedding, hidden: torch.Tensor, labels: torch.Tensor, vocab_size: int,
-            workspace: Optional[LogitsWorkspace] = None) -> torch.Tensor:
+            workspace: Optional[LogitsWorkspace] = None, compiled: bool = False) -> torch.Tensor:
     """The output layer and the loss in one function: (s, b, h) hidden and (s, b) labels -> (s, b) fp32 losses.
 
     Equals `vocab_parallel_cross_entropy(lm_logits(embedding, hidden), labels)` keeping only the logits themselves
-    (no fp32 copy; their buffer becomes their gradient in backward), at any tp and dtype."""
+    (no fp32 copy; their buffer becomes their gradient in backward), at any tp and dtype. `compiled`: the loss's
+    passes over the logits as compiled kernels (training.compile)."""
     weight = embedding.word_embeddings.weight
     if embedding.sequence_parallel:
         hidden = gather_from_sequence_parallel_region(hidden, embedding.tp_group)  # bwd: reduce-scatter
     return linear_cross_entropy(hidden, weight, labels, group=embedding.tp_group, vocab_size=vocab_size,
                                 reduce_input_grad=not embedding.sequence_parallel,
-                                workspace=workspace if hidden.device.type == "cpu" else None)
+                                workspace=workspace if hidden.device.type == "cpu" else None, compiled=compiled)
 
 
 class GPTLoss:
@@ -334,16 +340,19 @@ class GPTLoss:
 
     Called as loss_fn(logits (s, b, V/tp), labels) with labels (b, s) or a tuple (labels, loss_mask): the pipeline's
     last stage (GPTModel fuses the output layer with the loss instead: `lm_loss`). It owns the logits it is given,
-    so their gradient is written into their buffer. A plain callable object so DeepSpeed's pipeline can hold it."""
+    so their gradient is written into their buffer. A plain callable object so DeepSpeed's pipeline can hold it.
+    `compiled` (set by `compile_transformer_layers`, also read by GPTModel for its fused loss): the loss's passes
+    over the logits run as compiled kernels."""
 
     def __init__(self, vocab_size: int, tp_group: Group = None):
         self.vocab_size, self.tp_group = vocab_size, tp_group
+        self.compiled = False
         self.__name__ = "GPTLoss"
 
     def __call__(self, logits: torch.Tensor, labels) -> torch.Tensor:
         labels, loss_mask = labels if isinstance(labels, (tuple, list)) else (labels, None)
         losses = vocab_parallel_cross_entropy(logits, labels.t(), group=self.tp_group, vocab_size=self.vocab_size,
-                                              inplace_backward=True)  # (s, b)
+                                              inplace_backward=True, compiled=self.compiled)  # (s, b)
         return self.reduce(losses, loss_mask)
 
     @staticmethod
@@ -391,7 +400,8 @@ class GPTModel(nn.Module):
         hidden = self.final_layernorm(x)
         if labels is None:
             return lm_logits(self.embedding, hidden).transpose(0, 1)  # (b, s, V/tp)
-        losses = lm_loss(self.embedding, hidden, labels.t(), self.config.vocab_size, self._logits_workspace)
+        losses = lm_loss(self.embedding, hidden, labels.t(), self.config.vocab_size, self._logits_workspace,
+                         compiled=self.loss_fn.compiled)
         return self.loss_fn.reduce(losses, loss_mask)
 
 

@@ -22,10 +22,12 @@ Memory and traffic at the 1.3B shape, measured and worked out: docs/benchmarks.m
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from gptpar.tensor_parallel.comm import Group, group_rank, group_size
 
@@ -71,20 +73,59 @@ def _fp32_block(logits: torch.Tensor, r0: int, rows: int, real: int) -> torch.Te
     return block if real == block.shape[1] else block[:, :real].contiguous()
 
 
+# ---------------------------------------------------------------------------------------------
+# Compiled row kernels (`compiled=True`: training.compile). The block loops below launch ~8 small kernels per block
+# (a fp32 copy, then logsumexp's max / subtract / exp / sum / log; in backward subtract, exp, multiply, scatter, copy
+# back): ~1,500 launches and several passes over the logits per 1.3B micro-batch. Compiled, each direction is one
+# fused pass: forward reads the logits once (in their dtype, fp32 arithmetic in registers, no fp32 copy at all) and
+# writes per-row sums; backward reads them and writes their gradient into the same buffer. Same formulas, so the
+# same results to fp32 rounding (tests/test_loss.py). Shapes are static per run (one compile; eval's shape another).
+# ---------------------------------------------------------------------------------------------
+
+def _rows_forward(logits: torch.Tensor, local: torch.Tensor, here: torch.Tensor, real: int, column_sums: bool):
+    """Per row of logits[:, :real]: fp32 log-sum-exp, the target's logit (0 when not here), the sum of the row."""
+    x = logits[:, :real].float()
+    lse = torch.logsumexp(x, dim=-1)
+    target_logit = x.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~here, 0.0)
+    return lse, target_logit, (x.sum(dim=-1) if column_sums else None)
+
+
+def _rows_backward_(logits: torch.Tensor, lse: torch.Tensor, local: torch.Tensor, here: torch.Tensor,
+                    g: torch.Tensor, real: int, label_smoothing: float, n_classes: int) -> None:
+    """logits (N, V) <- g * (softmax - (1 - e) onehot(target) - e / C) on the real columns, 0 on the padding."""
+    p = torch.exp(logits[:, :real].float() - lse.unsqueeze(-1))
+    if label_smoothing > 0:
+        p = p - label_smoothing / n_classes
+    columns = torch.arange(real, device=logits.device)
+    hit = (columns.unsqueeze(0) == local.unsqueeze(-1)) & here.unsqueeze(-1)
+    grad = (p - torch.where(hit, 1.0 - label_smoothing, 0.0)) * g.unsqueeze(-1)
+    logits.copy_(F.pad(grad, (0, logits.shape[1] - real)))  # one fused write into the logits' own buffer
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(kernel):
+    return torch.compile(kernel)
+
+
 def _loss_forward(logits: torch.Tensor, real: int, targets: _Targets, group: Group, label_smoothing: float,
-                  n_classes: int, owned: bool = False):
+                  n_classes: int, owned: bool = False, compiled: bool = False):
     """Per-token fp32 losses and log-sum-exp of `logits` (N, V/tp), any dtype; columns [real:] are padding; and
     whether `logits` now holds log-probabilities: with `owned` fp32 logits at tp = 1 each block becomes its
-    log-probabilities in place while in cache, sparing backward a pass (the fused CPU loss's original algorithm)."""
+    log-probabilities in place while in cache, sparing backward a pass (the fused CPU loss's original algorithm).
+    `compiled`: one compiled pass (`_rows_forward`) instead of the block loop."""
     n = logits.shape[0]
     local_lse = torch.empty(n, dtype=torch.float32, device=logits.device)
     column_sum = torch.zeros(n, dtype=torch.float32, device=logits.device) if label_smoothing > 0 else None
     target_logit = torch.zeros(n, dtype=torch.float32, device=logits.device)
-    if real > 0:  # (a rank whose slice is all padding holds no target)
+    compiled = compiled and real > 0  # (a rank whose slice is all padding holds no target: the loop's -inf)
+    if compiled:
+        local_lse, target_logit, column_sum = _compiled(_rows_forward)(logits, targets.local, targets.here, real,
+                                                                       label_smoothing > 0)
+    elif real > 0:
         target_logit = logits.gather(-1, targets.local.unsqueeze(-1)).squeeze(-1).float().masked_fill(~targets.here, 0)
-    log_probs = owned and logits.dtype == torch.float32 and group_size(group) == 1
+    log_probs = owned and logits.dtype == torch.float32 and group_size(group) == 1 and not compiled
     rows = _block_rows(real, logits.device)
-    for r0 in range(0, n, rows):
+    for r0 in range(0, 0 if compiled else n, rows):
         block = _fp32_block(logits, r0, rows, real)
         lse = torch.logsumexp(block, dim=-1, out=local_lse[r0:r0 + rows])  # -inf on a rank holding only padding
         if column_sum is not None:
@@ -109,10 +150,14 @@ def _loss_forward(logits: torch.Tensor, real: int, targets: _Targets, group: Gro
 
 
 def _loss_backward_(logits: torch.Tensor, real: int, lse: torch.Tensor, targets: _Targets, grad_loss: torch.Tensor,
-                    label_smoothing: float, n_classes: int, log_probs: bool = False) -> torch.Tensor:
+                    label_smoothing: float, n_classes: int, log_probs: bool = False,
+                    compiled: bool = False) -> torch.Tensor:
     """Overwrite `logits` (N, V/tp) - or the log-probabilities `_loss_forward` left in them - with
-    d(sum grad_loss * loss)/d logits, block by block in fp32; returns it."""
+    d(sum grad_loss * loss)/d logits, block by block in fp32 (`compiled`: in one compiled pass); returns it."""
     g = grad_loss.float().masked_fill(targets.ignored, 0.0)  # (N,)
+    if compiled and real > 0:
+        _compiled(_rows_backward_)(logits, lse, targets.local, targets.here, g, real, label_smoothing, n_classes)
+        return logits
     onehot = (targets.here.float() * (1.0 - label_smoothing)).mul_(g)  # what the target column loses
     rows = _block_rows(real, logits.device)
     for r0 in range(0, logits.shape[0] if real > 0 else 0, rows):
@@ -132,7 +177,7 @@ def _loss_backward_(logits: torch.Tensor, real: int, lse: torch.Tensor, targets:
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, ignore_index, label_smoothing, vocab_size, inplace_backward):
+    def forward(ctx, logits, target, group, ignore_index, label_smoothing, vocab_size, inplace_backward, compiled):
         local_vocab = logits.shape[-1]
         start = group_rank(group) * local_vocab
         flat = logits.reshape(-1, local_vocab)
@@ -140,7 +185,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx.real = real_columns(start, local_vocab, vocab_size)
         ctx.n_classes = vocab_size if vocab_size is not None else local_vocab * group_size(group)
         ctx.label_smoothing, ctx.inplace_backward, ctx.logits_shape = label_smoothing, inplace_backward, logits.shape
-        loss, lse, _ = _loss_forward(flat, ctx.real, targets, group, label_smoothing, ctx.n_classes)
+        ctx.compiled = compiled
+        loss, lse, _ = _loss_forward(flat, ctx.real, targets, group, label_smoothing, ctx.n_classes,
+                                     compiled=compiled)
         ctx.save_for_backward(flat, lse, *targets)
         return loss.view(target.shape)
 
@@ -150,8 +197,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         flat, lse, *targets = ctx.saved_tensors
         grad = flat if ctx.inplace_backward else flat.clone()
         _loss_backward_(grad, ctx.real, lse, _Targets(*targets), grad_loss.reshape(-1), ctx.label_smoothing,
-                        ctx.n_classes)
-        return grad.view(ctx.logits_shape), None, None, None, None, None, None
+                        ctx.n_classes, compiled=ctx.compiled)
+        return grad.view(ctx.logits_shape), None, None, None, None, None, None, None
 
 
 class LogitsWorkspace:
@@ -190,7 +237,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, target, group, vocab_size, ignore_index, label_smoothing, reduce_input_grad,
-                workspace):
+                workspace, compiled):
         local_vocab, device = weight.shape[0], hidden.device
         start = group_rank(group) * local_vocab
         real = real_columns(start, local_vocab, vocab_size)
@@ -204,11 +251,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             targets = _locate(target, start, local_vocab, ignore_index)
             n_classes = vocab_size if vocab_size is not None else local_vocab * group_size(group)
             loss, lse, ctx.log_probs = _loss_forward(logits, real, targets, group, label_smoothing, n_classes,
-                                                     owned=True)
+                                                     owned=True, compiled=compiled)
         ctx.save_for_backward(h, w, logits, lse, *targets)
         ctx.real, ctx.n_classes, ctx.label_smoothing = real, n_classes, label_smoothing
         ctx.group, ctx.reduce_input_grad, ctx.workspace = group, reduce_input_grad, workspace
-        ctx.dtypes = hidden.dtype, weight.dtype
+        ctx.dtypes, ctx.compiled = (hidden.dtype, weight.dtype), compiled
         return loss
 
     @staticmethod
@@ -216,7 +263,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         h, w, logits, lse, *targets = ctx.saved_tensors
         grad = _loss_backward_(logits, ctx.real, lse, _Targets(*targets), grad_loss, ctx.label_smoothing, ctx.n_classes,
-                               ctx.log_probs)
+                               ctx.log_probs, ctx.compiled)
         rows = grad.shape[1]  # the GEMM's weight rows: real ones on a CPU, all on a GPU
         grad_hidden = grad_weight = handle = None
         if ctx.needs_input_grad[0]:
@@ -234,12 +281,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_hidden = grad_hidden.to(ctx.dtypes[0])
         if ctx.workspace is not None:
             ctx.workspace.give_back(grad)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, group: Group = None,
                          vocab_size: Optional[int] = None, ignore_index: int = -100, label_smoothing: float = 0.0,
-                         reduce_input_grad: bool = True, workspace: Optional[LogitsWorkspace] = None) -> torch.Tensor:
+                         reduce_input_grad: bool = True, workspace: Optional[LogitsWorkspace] = None,
+                         compiled: bool = False) -> torch.Tensor:
     """Per-token fp32 cross-entropy of the logits `hidden @ weight.T`, the weight split along the vocabulary.
 
     hidden (..., h) replicated over `group`'s ranks; weight (V/tp, h), this rank's rows [rank*V/tp, (rank+1)*V/tp)
@@ -248,18 +296,20 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     ...)` after Megatron's f operator, without keeping more than the logits themselves (see `_LinearCrossEntropy`).
     With `group=None`: `F.cross_entropy(F.linear(hidden, weight[:vocab_size]), target, reduction='none')`.
     `reduce_input_grad=False` when the caller reduces the hidden gradient itself (sequence parallelism's gather).
-    `workspace` (CPU) reuses the logits buffer across steps.
+    `workspace` (CPU) reuses the logits buffer across steps. `compiled` runs the loss's passes over the logits as
+    two torch.compile'd kernels (training.compile) instead of the block loop.
     """
     _check_label_smoothing(label_smoothing)
     flat = hidden.reshape(-1, hidden.shape[-1])
     loss = _LinearCrossEntropy.apply(flat, weight, target.reshape(-1), group, vocab_size, ignore_index,
-                                     label_smoothing, reduce_input_grad, workspace)
+                                     label_smoothing, reduce_input_grad, workspace, compiled)
     return loss.view(target.shape)
 
 
 def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, *, group: Group = None,
                                  ignore_index: int = -100, label_smoothing: float = 0.0,
-                                 vocab_size: Optional[int] = None, inplace_backward: bool = False) -> torch.Tensor:
+                                 vocab_size: Optional[int] = None, inplace_backward: bool = False,
+                                 compiled: bool = False) -> torch.Tensor:
     """Per-token cross-entropy (shape of `target`, fp32) of logits split along the vocabulary.
 
     `logits_shard` (..., V/tp), any float dtype, holds vocab ids [rank*V/tp, (rank+1)*V/tp); `target` (...) holds
@@ -268,10 +318,11 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     equals `F.cross_entropy(logits.float(), ..., reduction='none')`. No fp32 copy of the logits is made (they are
     read in fp32 blocks); the gradient has the logits' dtype. `inplace_backward=True` writes that gradient into the
     logits' own buffer (for a caller that owns them and reads them no more, like GPTLoss): no second (N, V/tp) tensor.
+    `compiled=True` makes each pass over the logits one torch.compile'd kernel (same results to fp32 rounding).
     """
     _check_label_smoothing(label_smoothing)
     return _VocabParallelCrossEntropy.apply(logits_shard, target, group, ignore_index, label_smoothing, vocab_size,
-                                            inplace_backward)
+                                            inplace_backward, compiled)
 
 
 def _check_label_smoothing(label_smoothing: float) -> None:

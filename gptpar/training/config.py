@@ -25,6 +25,7 @@ from gptpar.model.config import RECOMPUTE_MODES, GPTConfig, recompute_mode
 from gptpar.model.partition import partition_layers, resolve_partition_method
 from gptpar.parallel import resolve_sizes
 from gptpar.training.schedules import BatchSizeRampup, LearningRateSchedule, SkipRanges
+from gptpar.training.profiling import parse_range
 
 
 class ConfigError(ValueError):
@@ -526,9 +527,24 @@ class LoggingConfig:
                              "TensorBoard (Megatron's `forward-compute-time`, ..., in seconds). "
                              "pp = 1 only. Synchronises the device around each phase, which costs a little "
                              "overlap.")
+    profile: Optional[str] = _f(None, "Megatron-LM's --profile-step-start/-end: `\"START-END\"` (1-based, both "
+                                      "included, e.g. `\"5-6\"`) runs torch.profiler over those iterations; at "
+                                      "END the log rank prints the top ops by device (CPU: host) self time and "
+                                      "the device's busy share of the wall time. Pick iterations after the first "
+                                      "(training.compile compiles in it). null = off.")
+    profile_dir: Optional[str] = _f(None, "With logging.profile: each rank writes its Chrome trace "
+                                          "(`trace_rank<R>.json.gz`, chrome://tracing or Perfetto) into this "
+                                          "directory; null = the printed table only.")
 
     def __post_init__(self):
         _check_fields("logging", self)
+        try:
+            parse_range(self.profile)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.profile_dir is not None and self.profile is None:
+            raise ConfigError("logging.profile_dir is set but logging.profile is null: set logging.profile "
+                              "(e.g. \"5-6\") or remove profile_dir")
         _positive("logging", self, "log_interval")
         for name in ("tensorboard_dir", "metrics_file"):
             if getattr(self, name) == "":

@@ -45,6 +45,7 @@ from gptpar.estimate.flops import tflops_per_gpu
 from gptpar.training.engine import ZeroCounter
 from gptpar.training.logging import (IntervalStats, MetricsWriter, TensorBoardWriter, eval_record, format_eval_block,
                                      format_log_line, format_memory_line, format_timers_line, memory_usage)
+from gptpar.training.profiling import IterationProfiler
 from gptpar.training.schedules import BatchSizeRampup, LearningRateSchedule, SkipRanges, train_iters
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -163,6 +164,10 @@ class Trainer:
         if cfg.logging.timers:
             engine.time_phases()
         self.compile_clock = CompileClock(self._say, pstate) if t.compile else contextlib.nullcontext()
+        lg = cfg.logging
+        self.profiler = (IterationProfiler(lg.profile, lg.profile_dir, pstate.rank, engine.device,
+                                           self._say)
+                         if lg.profile else None)
 
     # -- the loop ------------------------------------------------------------------------------
     def train(self) -> str:
@@ -188,7 +193,11 @@ class Trainer:
             if skip is not None:
                 self.skip_step(skip)
             else:
+                if self.profiler is not None:
+                    self.profiler.before(c.iteration + 1)
                 self.train_step()
+                if self.profiler is not None:
+                    self.profiler.after(c.iteration)
                 if c.iteration % self.cfg.logging.log_interval == 0 or self._nan_limit_reached():
                     self.log_interval()
             if self._nan_limit_reached():

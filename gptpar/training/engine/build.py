@@ -122,6 +122,7 @@ def build_engine(model: torch.nn.Module, pstate, ds_config: dict, *, optimizer: 
                                weight_decay=weight_decay, device=pstate.device)
     engine = deepspeed_api.initialize(model, optimizer, ds_config, None if pipelined else ParallelStateMPU(pstate))
     release_shm_buffer(pstate)
+    deepspeed_api.fuse_fp32_grad_accumulation(engine)  # bf16: one kernel per gradient into its fp32 buffer
     if pipelined and has_attention_mask:
         engine.set_has_attention_mask(True)  # the mask travels as the last tensor between stages
     if not (engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization()):

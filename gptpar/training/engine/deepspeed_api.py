@@ -53,6 +53,11 @@ uses them, and the test that breaks when one changes:
       pipeline engine passes it to `PipelineModule.save_state_dict`),     a full disk during a save)
       replaced by gptpar's CheckpointWriter after `initialize`
       (checkpointing.py: `install_writer`; checkpoint_writer.py)
+    BF16_Optimizer's `_update_hp_grad(lp, group_idx, param_idx,        test_precision.py::test_fused_fp32_grad_accumulation_equals_deepspeeds,
+      clear_lp_grads)`, called by its `immediate_grad_update` hooks      ::test_bf16_first_step_gradient_is_close_to_fp32
+      during backward, and its `fp32_groups_gradients` /
+      `fp32_groups_has_gradients` (`fuse_fp32_grad_accumulation`,
+      installed by build.py)
 """
 from __future__ import annotations
 
@@ -68,6 +73,74 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config:
 
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
     return engine
+
+
+def fuse_fp32_grad_accumulation(engine) -> bool:
+    """BF16_Optimizer (with `immediate_grad_update`, ds_config.py) adds each bf16 gradient into its fp32 buffer as
+    soon as autograd produces it, as `hp.add_(lp.grad.to(fp32))`: a full fp32 temporary per parameter per
+    micro-batch, ~23 bytes of memory traffic per parameter where the sum needs 10 (read 2 + 4, write 4), on the
+    stream that runs backward. Replace that step with `FusedGradAccumulation`: the one-kernel mixed-dtype add
+    (the same fp32 sums bit for bit: the bf16 -> fp32 conversion is exact either way), on a CUDA device on a side
+    stream so that the adds (memory-bound) overlap the rest of backward (GEMMs) instead of queueing between them.
+    Returns whether it was installed: only on a BF16_Optimizer, and not where DeepSpeed corrects folded AutoEP
+    gradients first (that branch stays DeepSpeed's)."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    opt = engine.optimizer
+    if not isinstance(opt, BF16_Optimizer) or getattr(opt, "autoep_folding_tp_group", None) is not None:
+        return False
+    device = torch.device(engine.device)
+    opt._update_hp_grad = FusedGradAccumulation(opt, device)  # the instance's, called by its grad hooks
+    return True
+
+
+class FusedGradAccumulation:
+    """BF16_Optimizer._update_hp_grad of DeepSpeed 0.19.8 without the fp32 temporary, `(lp, group_idx, param_idx,
+    clear_lp_grads)`, called from the parameters' post-accumulate-grad hooks during backward.
+
+    On a CUDA device the add runs on a side stream: it waits for the stream that produced the gradient, the
+    gradient is marked used by the side stream (the allocator keeps its memory until the add is done, though
+    DeepSpeed drops its reference right after this call), and the first add of each backward pass queues a
+    callback at the end of that pass that makes the backward's stream wait for the side stream. So every fp32 sum
+    is complete when backward returns - before DeepSpeed's reductions, the pipeline's tied-gradient all-reduce,
+    clipping or the step read it - and the next micro-batch's adds follow this one's on the side stream."""
+
+    def __init__(self, opt, device: torch.device):
+        self.opt = opt
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.main = None  # the stream of the backward pass being joined
+
+    @torch.no_grad()
+    def __call__(self, lp, group_idx, param_idx, clear_lp_grads):
+        if lp.grad is None:
+            return
+        opt = self.opt
+        hp_grad = opt.fp32_groups_gradients[group_idx][param_idx]
+        assert hp_grad is not None, f"high precision param has no gradient, lp param_id = {id(lp)}"
+        if self.stream is None:
+            hp_grad.add_(lp.grad.view(hp_grad.shape))
+        else:
+            main = torch.cuda.current_stream(lp.grad.device)
+            self.stream.wait_stream(main)
+            with torch.cuda.stream(self.stream):
+                hp_grad.add_(lp.grad.view(hp_grad.shape))
+            lp.grad.record_stream(self.stream)
+            if self.main is None:
+                self.main = main
+                try:
+                    torch.autograd.Variable._execution_engine.queue_callback(self.join)
+                except RuntimeError:  # called outside a backward pass: nothing to wait for at its end
+                    self.join()
+        lp._hp_grad = hp_grad
+        opt.fp32_groups_has_gradients[group_idx][param_idx] = True
+        if clear_lp_grads:
+            lp.grad.zero_()
+
+    def join(self) -> None:
+        """The backward pass's stream waits for every add queued on the side stream."""
+        if self.main is not None:
+            self.main.wait_stream(self.stream)
+            self.main = None
 
 
 def is_pipeline_module(model: torch.nn.Module) -> bool:

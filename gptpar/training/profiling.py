@@ -1,0 +1,85 @@
+"""logging.profile: torch.profiler over a range of iterations (Megatron-LM's --profile-step-start/-end).
+
+Between the start of iteration START and the end of iteration END every rank records its CPU ops and, on a GPU,
+its kernels; at END the log rank prints where the device's time went (the top kernels by self time, and how much
+of the profiled wall time the device was busy at all: the rest is idle, waiting for the host), and with
+logging.profile_dir each rank writes its Chrome trace (`trace_rank<R>.json.gz`, for chrome://tracing or Perfetto)
+there. Pick iterations after the first (training.compile compiles during iteration 1).
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+from typing import Callable, Optional, Tuple
+
+import torch
+
+
+def parse_range(spec: Optional[str]) -> Optional[Tuple[int, int]]:
+    """"START-END" (1-based iterations, both included) -> (START, END); None -> None; ValueError naming the fix."""
+    if spec is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", str(spec))
+    if m is None or not 1 <= int(m.group(1)) <= int(m.group(2)):
+        raise ValueError(f"logging.profile {spec!r} must be \"START-END\", two iteration numbers with "
+                         "1 <= START <= END, e.g. \"5-6\" (both included; iteration 1 compiles under "
+                         "training.compile, so start after it)")
+    return int(m.group(1)), int(m.group(2))
+
+
+class IterationProfiler:
+    """Wraps the trainer's iterations: `before(n)` ahead of iteration n, `after(n)` once it is done."""
+
+    def __init__(self, spec: str, trace_dir: Optional[str], rank: int, device: torch.device,
+                 say: Callable[[str], None], rows: int = 25):
+        self.start, self.end = parse_range(spec)
+        self.trace_dir, self.rank, self.device, self.say, self.rows = trace_dir, rank, device, say, rows
+        self.prof = None
+        self.began = 0.0
+
+    def before(self, iteration: int) -> None:
+        if iteration != self.start or self.prof is not None:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        _synchronize(self.device)
+        self.prof = profile(activities=activities)
+        self.prof.__enter__()
+        self.began = time.perf_counter()
+
+    def after(self, iteration: int) -> None:
+        if self.prof is None or iteration < self.end:
+            return
+        _synchronize(self.device)
+        wall = time.perf_counter() - self.began
+        self.prof.__exit__(None, None, None)
+        events, prof, self.prof = self.prof.key_averages(), self.prof, None
+        if self.trace_dir:
+            os.makedirs(self.trace_dir, exist_ok=True)
+            prof.export_chrome_trace(os.path.join(self.trace_dir, f"trace_rank{self.rank}.json.gz"))
+        self.say(self.report(events, wall))
+
+    def report(self, events, wall: float) -> str:
+        """The table of the top ops by device (CPU: host) self time, and the device's busy share of `wall`."""
+        on_device = self.device.type == "cuda"
+        key = "self_device_time_total" if on_device else "self_cpu_time_total"
+        busy_us = sum(getattr(e, key) for e in events if not on_device or e.device_type.name == "CUDA")
+        n = self.end - self.start + 1
+        head = (f"logging.profile: iterations {self.start}-{self.end} on rank {self.rank}: {wall:.3f} s wall "
+                f"({wall / n:.3f} s per iteration)")
+        if on_device:
+            head += (f"; kernels busy {busy_us / 1e6:.3f} s = {100 * busy_us / 1e6 / wall:.1f}% of it (the rest: "
+                     "the device waiting for the host)")
+        if self.trace_dir:
+            head += f"; trace in {self.trace_dir}/trace_rank{self.rank}.json.gz"
+        return head + "\n" + events.table(sort_by=key, row_limit=self.rows, max_name_column_width=60)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+__all__ = ["parse_range", "IterationProfiler"]
