@@ -43,6 +43,20 @@ that: GEMMs too small for float8's casts to pay off). In eager mode the padded w
 (it is rebuilt there from the parameter), only the padded activation is, as the unpadded one would be; under
 torch.compile the compiler's partitioner makes that choice (and fuses the pads into the casts).
 
+Weight casts are cached per optimizer step (recipe tensorwise): weights change only at the optimizer step, yet
+torchao casts the weight (its amax, then the e4m3 copy) in forward and again in backward for the grad-input GEMM,
+every micro-batch - about 10 bytes of memory traffic per parameter per micro-batch, and a real run has hundreds of
+micro-batches per step. `refresh_float8_weights(module)` casts each weight once into the linear's
+`Float8WeightCache` (1 byte per element of the weight slice as padded, plus its scale, held all step:
+`float8_weight_cache_bytes`) and the GEMMs take the cast from there (torchao's function accepts a weight already in
+float8; `_CachedWeight` hands it in and passes the weight gradient through to the bf16 parameter), bit for bit the
+uncached result. Validity is explicit, as Transformer Engine's `is_first_microbatch` and torchao's
+`precompute_float8_dynamic_scale_for_fsdp` are: DeepSpeed writes the new weights into a flat buffer the parameters
+view, which changes neither their version counters nor their addresses, so no forward can see the update; TrainEngine
+refreshes at the start of train_step / eval_step and invalidates when they end (see `refresh_float8_weights`). rowwise
+recasts every micro-batch: its forward and grad-input GEMMs need the weight scaled along different axes, and torchao's
+function takes one weight operand for both.
+
 Eager float8 is slow: each cast is several kernels (an H100 ran the 200B tp-8 layer in 37 ms in fp8 against 14 ms in
 bf16); compile the layers (`training.compile`: 10.7 ms against compiled bf16's 13.2 ms; docs/precision.md).
 
@@ -150,6 +164,13 @@ def float8_cast_bytes(gemms: List[Float8Gemm], tokens: int) -> int:
             held += 2 * o * i + (2 * m * o if o != g.out_features else 0) + (2 * m * i if i != g.in_features else 0)
         peak = max(peak, held)
     return peak
+
+
+def float8_weight_cache_bytes(gemms: List[Float8Gemm]) -> int:
+    """Bytes one transformer layer's cached weight casts hold on this rank (tensorwise; `refresh_float8_weights`):
+    1 per element of each float8 GEMM's weight slice as padded, and a 4-byte scale; kept from a step's start to its
+    end (TrainEngine), i.e. all of training."""
+    return sum(g.padded_out * g.padded_in + 4 for g in gemms if g.mode != "bf16")
 
 
 def describe_float8_gemms(gemms: List[Float8Gemm], tp_size: int) -> str:
@@ -409,5 +430,5 @@ def invalidate_float8_weights(module: torch.nn.Module, free: bool = False) -> No
 
 
 __all__ = ["FLOAT8_MULTIPLE", "MAX_PADDING", "GEMM_NAMES", "Float8Gemm", "plan_float8_gemm", "layer_float8_gemms",
-           "float8_cast_bytes", "describe_float8_gemms", "float8_flags", "import_torchao", "Float8Matmul",
+           "float8_cast_bytes", "float8_weight_cache_bytes", "describe_float8_gemms", "float8_flags", "import_torchao", "Float8Matmul",
            "Float8WeightCache", "float8_summary", "refresh_float8_weights", "invalidate_float8_weights"]
