@@ -23,6 +23,11 @@ output gradient; no optimizer step. Modes: `none`; `selective` (the layer recomp
 200B tp 8 query_key_value and dense are padded: the JSON's `float8_gemms` says so). Without CUDA it runs torchao's
 emulation, whose times say nothing about float8 speed (the CPU smoke only checks that it runs).
 
+Under fp8 with the tensorwise recipe `sec_per_layer` is the layer as a training step's micro-batches see it: the
+weights' float8 casts made once (gptpar.tensor_parallel.float8.refresh_float8_weights, as TrainEngine does per
+optimizer step) and read from the cache; `sec_per_layer_uncached`, timed first in the same run, casts them every
+micro-batch (forward and backward), as rowwise does.
+
 `--compile` compiles the layer as training.compile does (gptpar.model.gpt.compile_transformer_layers): float8
 GEMMs pay only compiled (their casts and scales are fused then; eager fp8 was 2.6x slower than bf16 on an H100).
 
@@ -169,9 +174,20 @@ def run(config: GPTConfig, *, tp: int, mbs: int, device, dtype, modes, warmup: i
     h, s = config.hidden_size, config.seq_length
     x = torch.randn(s, mbs, h, device=device, dtype=dtype, generator=gen).requires_grad_()
     grad = torch.randn(s, mbs, h, device=device, dtype=dtype, generator=gen)
+    cached = float8 is not None and float8.caches_weights
     results = {}
     for mode in modes:
+        uncached = None
+        if cached:  # the weights cast per micro-batch (no cache), then as training's micro-batches see them
+            from gptpar.tensor_parallel.float8 import invalidate_float8_weights, refresh_float8_weights
+
+            invalidate_float8_weights(layer, free=True)
+            uncached = time_mode(layer, mode, x, grad, tracker, device, warmup, iters)
+            refresh_float8_weights(layer)  # once, as TrainEngine does at the start of a step
         r = time_mode(layer, mode, x, grad, tracker, device, warmup, iters)
+        if uncached is not None:
+            r.update(sec_per_layer_uncached=uncached["sec_per_layer"],
+                     sec_per_layer_uncached_all=uncached["sec_per_layer_all"])
         r["flops_per_layer_per_gpu"] = layer_flops_per_gpu(config, tp, mbs, mode)
         r["tflops"] = r["flops_per_layer_per_gpu"] / r["sec_per_layer"] / 1e12
         r["model_tflops"] = layer_flops_per_gpu(config, tp, mbs, "none") / r["sec_per_layer"] / 1e12
@@ -187,6 +203,9 @@ def run(config: GPTConfig, *, tp: int, mbs: int, device, dtype, modes, warmup: i
         "float8": float8.describe() if float8 is not None else None,
         "float8_gemms": ([getattr(layer, name).float8_gemm.describe(name) for name in GEMM_NAMES]
                          if float8 is not None else None),
+        "float8_weight_cache_bytes": (sum(getattr(layer, name).float8_weight_cache.nbytes for name in GEMM_NAMES
+                                          if getattr(layer, name).float8_weight_cache is not None)
+                                      if float8 is not None else None),
         "shape": {"hidden_size": h, "num_attention_heads": config.num_attention_heads,
                   "ffn_hidden_size": config.ffn_hidden_size, "seq_length": s, "micro_batch_size": mbs,
                   "tp_size": tp, "heads_per_rank": config.num_attention_heads // tp,
@@ -262,6 +281,9 @@ def main(argv=None):
                else "")
         print(f"  {mode:<9} {r['sec_per_layer'] * 1e3:9.3f} ms per layer fwd+bwd, {r['tflops']:8.2f} TFLOPs/GPU "
               f"({r['model_tflops']:.2f} without recompute){mem}")
+        if "sec_per_layer_uncached" in r:
+            print(f"  {'':<9} {r['sec_per_layer_uncached'] * 1e3:9.3f} ms with the weights cast every micro-batch "
+                  f"(above: cast once per step, {res['float8_weight_cache_bytes'] / 2 ** 20:.1f} MiB cached)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

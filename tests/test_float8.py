@@ -173,7 +173,7 @@ def test_deepspeed_sees_bf16():
     assert deepspeed_config(fp8, 1) == deepspeed_config(bf16, 1)
 
 
-def test_memory_estimate_is_bf16s_plus_transient_casts():
+def test_memory_estimate_is_bf16s_plus_casts():
     from gptpar.estimate.memory import memory_per_gpu, model_state_bytes
     from gptpar.tensor_parallel.float8 import float8_cast_bytes
 
@@ -182,8 +182,10 @@ def test_memory_estimate_is_bf16s_plus_transient_casts():
                  micro_batch_size=2, global_batch_size=16, tp_size=8, pp_size=2, dp_size=1)
     bf16, fp8 = memory_per_gpu(precision="bf16", **shape)["max"], memory_per_gpu(precision="fp8", **shape)["max"]
     casts = float8_cast_bytes(layer_float8_gemms(14400, 57600, 8), 2 * 2048)
-    assert fp8["float8_casts"] == casts and bf16["float8_casts"] == 0
-    assert fp8["total"] == pytest.approx(bf16["total"] + casts)
+    # plus the weight casts cached per step: 1 byte per padded weight element and a 4-byte scale, 2 layers a stage
+    cache = 2 * (5408 * 14400 + 14400 * 1808 + 7200 * 14400 + 14400 * 7200 + 4 * 4)
+    assert fp8["float8_casts"] == casts + cache and bf16["float8_casts"] == 0
+    assert fp8["total"] == pytest.approx(bf16["total"] + casts + cache)
     # 4096 tokens; per GEMM the output gradient cast twice, the weight and the input once (1 byte each), and for a
     # padded one the rebuilt bf16 weight and the padded bf16 gradient of its padded side (2 bytes each)
     m = 4096
@@ -453,3 +455,152 @@ def test_a_compiled_layer_traces_fp8_in_one_graph(tp2):
     assert out[64][0] == {"fp8"} and out[248][0] == {"padded"}
     for h, (_, graphs, reasons) in out.items():
         assert (graphs, reasons) == (1, []), h
+
+
+# -- the weight casts cached per optimizer step ---------------------------------------------------------------------
+
+def _gemm_run(mm, gemm, weight, x, dy, cache=None):
+    """Float8Matmul.linear's output and the gradients of x and weight."""
+    x.grad = weight.grad = None
+    y = mm.linear(x, weight, gemm, cache)
+    y.backward(dy)
+    return y.detach(), x.grad.clone(), weight.grad.clone()
+
+
+def _gemm_operands(gemm, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(gemm.out_features, gemm.in_features, dtype=torch.bfloat16, generator=g).requires_grad_()
+    x = torch.randn(6, 2, gemm.in_features, dtype=torch.bfloat16, generator=g).requires_grad_()
+    return weight, x, torch.randn(6, 2, gemm.out_features, dtype=torch.bfloat16, generator=g)
+
+
+CACHED_GEMMS = [Float8Gemm("t", 48, 32, "fp8", 48, 32), Float8Gemm("t", 40, 24, "padded", 48, 32)]
+
+
+@pytest.mark.parametrize("gemm", CACHED_GEMMS, ids=lambda g: g.mode)
+def test_a_cached_weight_cast_equals_the_uncached_gemm_and_never_goes_stale(gemm):
+    """Eager: with the weight's cast taken from its cache the GEMM's output and both gradients are the uncached
+    GEMM's bit for bit (the weight gradient reaches the bf16 parameter, cut back when padded); after an in-place
+    update through the parameter (an optimizer's `add_` under no_grad) the forward recasts by itself, and after a
+    write it cannot see (`weight.data`) `refresh_float8_weights`' recast does - each time equal to a fresh uncached
+    computation. Without the refresh that write leaves the cast as it was: the cache is what the GEMM used."""
+    from gptpar.tensor_parallel.float8 import Float8WeightCache
+
+    mm = Float8Matmul("tensorwise", emulate=True)
+    assert mm.caches_weights and not Float8Matmul("rowwise", emulate=True).caches_weights
+    weight, x, dy = _gemm_operands(gemm)
+    cache = Float8WeightCache()
+    mm.cast_weight(weight, gemm, cache)
+    assert cache.valid and cache.data.dtype == torch.float8_e4m3fn and cache.data.shape == (48, 32)
+    want = _gemm_run(mm, gemm, weight, x, dy)
+    assert all(torch.equal(a, b) for a, b in zip(_gemm_run(mm, gemm, weight, x, dy, cache), want))
+    assert not torch.equal(want[0], F.linear(x, weight))  # float8 rounding happened
+
+    with torch.no_grad():
+        weight.add_(0.5 * weight)  # seen by the version counter
+    want = _gemm_run(mm, gemm, weight, x, dy)
+    assert all(torch.equal(a, b) for a, b in zip(_gemm_run(mm, gemm, weight, x, dy, cache), want))
+
+    old = weight.detach().clone()
+    weight.data.copy_(torch.randn_like(weight))  # unseen, as DeepSpeed's flat-buffer writes
+    stale = _gemm_run(mm, gemm, weight, x, dy, cache)[0]
+    assert torch.equal(stale, mm.linear(x, old, gemm).detach())
+    mm.cast_weight(weight, gemm, cache)  # what refresh_float8_weights does per layer
+    want = _gemm_run(mm, gemm, weight, x, dy)
+    assert all(torch.equal(a, b) for a, b in zip(_gemm_run(mm, gemm, weight, x, dy, cache), want))
+
+
+class _TwoGemms(nn.Module):
+    """A column-parallel linear in plain fp8 (128x128) and a row-parallel one padded (out 120 -> 128)."""
+
+    def __init__(self, float8):
+        from gptpar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+        super().__init__()
+        self.a = ColumnParallelLinear(128, 128, float8=float8, dtype=torch.bfloat16)
+        self.b = RowParallelLinear(128, 120, float8=float8, dtype=torch.bfloat16)
+
+    def forward(self, x):
+        return self.b(F.gelu(self.a(x)))
+
+
+def test_compiled_cached_casts_equal_the_uncached_graph_with_no_recompile_per_refresh():
+    """Compiled in place as training.compile compiles a layer: over three steps (refresh, the step's forward and
+    backward; invalidate, the same without cache; a weight update through `.data`, which no forward sees) the
+    cached graph's output and gradients equal the uncached graph's bit for bit, and refreshes add no graph: two in
+    all (cached and uncached), no graph break."""
+    from torch._dynamo.utils import counters
+
+    from gptpar.tensor_parallel.float8 import invalidate_float8_weights, refresh_float8_weights
+
+    torch.manual_seed(0)
+    model = _TwoGemms(Float8Matmul("tensorwise", emulate=True))
+    assert (model.a.float8_gemm.mode, model.b.float8_gemm.mode) == ("fp8", "padded")
+    x = torch.randn(8, 2, 128, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(8, 2, 120, dtype=torch.bfloat16)
+
+    def run():
+        x.grad = None
+        model.zero_grad(set_to_none=True)
+        model(x).backward(dy)
+        return [x.grad] + [p.grad for p in model.parameters()]
+
+    torch._dynamo.reset()
+    counters.clear()
+    model.compile()
+    for step in range(3):
+        assert refresh_float8_weights(model) == 2
+        got = run()
+        invalidate_float8_weights(model)
+        want = run()
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), step
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data.add_(0.01 * torch.randn_like(p))
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
+
+
+def _trained_with_cache():
+    """One rank, the trainer's model and DeepSpeed bf16 engine at fp8 (tensorwise): three train steps and an eval
+    step, each forward's cached casts checked against a fresh cast of the weight it multiplies."""
+    from gptpar.parallel import init_parallel
+    from gptpar.tensor_parallel.float8 import Float8WeightCache
+    from tests.test_precision import _batches, _config, _engine
+
+    pstate = init_parallel(1, 1, 1)
+    cfg = _config("bf16", 1, micro_batches=2)
+    cfg.training.precision = "fp8"
+    engine = _engine(cfg, pstate)
+    seen = {"cached": 0, "uncached": 0, "stale": 0}
+    linear = Float8Matmul.linear
+
+    def checking(self, x, weight, gemm, cache=None):
+        if cache is not None and cache.valid:
+            fresh = Float8WeightCache()
+            self.cast_weight(weight, gemm, fresh)
+            seen["cached"] += 1
+            seen["stale"] += not (torch.equal(fresh.data.view(torch.uint8), cache.data.view(torch.uint8))
+                                  and torch.equal(fresh.scale, cache.scale))
+        else:
+            seen["uncached"] += 1
+        return linear(self, x, weight, gemm, cache)
+
+    Float8Matmul.linear = checking
+    try:
+        for step in range(3):
+            engine.train_step(_batches(cfg, pstate, consumed=step * cfg.training.global_batch_size))
+        engine.eval_step(_batches(cfg, pstate))
+    finally:
+        Float8Matmul.linear = linear
+    valid = [m.float8_weight_cache.valid for m in engine.ds.module.modules()
+             if getattr(m, "float8_weight_cache", None) is not None]
+    return seen, valid
+
+
+def test_train_steps_use_the_cache_and_never_a_stale_cast():
+    """Through gptpar's TrainEngine and DeepSpeed's BF16_Optimizer (whose update writes a flat buffer the
+    parameters view, unseen by their version counters): every float8 GEMM of every micro-batch used the cache, each
+    cached cast equal to a fresh cast of the current weight, and the caches are invalid once the step is over."""
+    seen, valid = run_distributed(_trained_with_cache, 1, timeout=300)[0]
+    assert seen["cached"] > 0 and seen["uncached"] == 0 and seen["stale"] == 0, seen
+    assert valid and not any(valid)

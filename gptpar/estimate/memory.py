@@ -15,7 +15,10 @@ with the client AdamW gptpar passes (`training.optimizer=adamw`). Measured on CP
 fp8 holds bf16's model states exactly (to DeepSpeed it is bf16: gptpar.training.config.deepspeed_precision) and the
 same activations (torchao's float8 GEMM keeps its bf16 input and weight for backward, as F.linear does, and a padded
 GEMM keeps only its padded input); its float8 casts are transient, one GEMM's at a time:
-`float8_casts` per stage = gptpar.tensor_parallel.float8.float8_cast_bytes of the layer's largest GEMM.
+`float8_casts` per stage = gptpar.tensor_parallel.float8.float8_cast_bytes of the layer's largest GEMM, plus the
+weight casts cached per optimizer step (recipe tensorwise, the default: float8_weight_cache_bytes per layer on the
+stage, 1 byte per weight element; this estimate assumes it for rowwise too, an over-estimate of 1 byte per
+weight element there).
 
 bf16 is DeepSpeed's BF16_Optimizer (`data_types.grad_accum_dtype = fp32`, `bf16.immediate_grad_update`): each
 bf16 gradient is added into a full fp32 buffer as autograd produces it and freed, so the 4 gradient bytes are
@@ -49,7 +52,7 @@ from typing import Dict, Optional
 
 from gptpar.estimate.flops import params_per_stage, stage_layer_ranges
 from gptpar.model.config import pad_vocab_size, recompute_mode
-from gptpar.tensor_parallel.float8 import float8_cast_bytes, layer_float8_gemms
+from gptpar.tensor_parallel.float8 import float8_cast_bytes, float8_weight_cache_bytes, layer_float8_gemms
 from gptpar.training.config import PRECISIONS, deepspeed_precision
 
 GIB = 1024 ** 3
@@ -152,13 +155,15 @@ def memory_per_gpu(*, num_layers: int, hidden_size: int, num_attention_heads: in
                                 position_embedding_type=position_embedding_type, embed_layernorm=embed_layernorm)
     ranges = stage_layer_ranges(num_layers, pp_size, partition_method, embedding_weight)
     v_pad = pad_vocab_size(vocab_size, tp_size, make_vocab_size_divisible_by)
-    casts = 0
+    casts = cache = 0
     if precision == "fp8":
         gemms = layer_float8_gemms(hidden_size, ffn_hidden_size or 4 * hidden_size, tp_size)
         casts = float8_cast_bytes(gemms, micro_batch_size * seq_length)
+        cache = float8_weight_cache_bytes(gemms)
     stages = []
     for i, (params, (start, end)) in enumerate(zip(per_rank, ranges)):
         st = model_state_bytes(params, precision, zero_stage, dp_size, optimizer)
+        f8 = casts + cache * (end - start)
         act = activation_bytes(seq_length=seq_length, micro_batch_size=micro_batch_size, hidden_size=hidden_size,
                                num_attention_heads=num_attention_heads, layers_on_stage=end - start,
                                tp_size=tp_size, pp_size=pp_size, num_micro_batches=m,
@@ -166,8 +171,8 @@ def memory_per_gpu(*, num_layers: int, hidden_size: int, num_attention_heads: in
                                alibi=position_embedding_type == "alibi",
                                vocab_size=v_pad if i == pp_size - 1 else None)
         stages.append({"stage": i, "params": params, "weights": st["weights"], "gradients": st["gradients"],
-                       "optimizer": st["optimizer"], "activations": act, "float8_casts": casts,
-                       "cuda_context": cuda_context_bytes, "total": st["total"] + act + casts + cuda_context_bytes})
+                       "optimizer": st["optimizer"], "activations": act, "float8_casts": f8,
+                       "cuda_context": cuda_context_bytes, "total": st["total"] + act + f8 + cuda_context_bytes})
     return {"stages": stages, "max": max(stages, key=lambda d: d["total"])}
 
 

@@ -43,6 +43,20 @@ that: GEMMs too small for float8's casts to pay off). In eager mode the padded w
 (it is rebuilt there from the parameter), only the padded activation is, as the unpadded one would be; under
 torch.compile the compiler's partitioner makes that choice (and fuses the pads into the casts).
 
+Weight casts are cached per optimizer step (recipe tensorwise): weights change only at the optimizer step, yet
+torchao casts the weight (its amax, then the e4m3 copy) in forward and again in backward for the grad-input GEMM,
+every micro-batch - about 10 bytes of memory traffic per parameter per micro-batch, and a real run has hundreds of
+micro-batches per step. `refresh_float8_weights(module)` casts each weight once into the linear's
+`Float8WeightCache` (1 byte per element of the weight slice as padded, plus its scale, held all step:
+`float8_weight_cache_bytes`) and the GEMMs take the cast from there (torchao's function accepts a weight already in
+float8; `_CachedWeight` hands it in and passes the weight gradient through to the bf16 parameter), bit for bit the
+uncached result. Validity is explicit, as Transformer Engine's `is_first_microbatch` and torchao's
+`precompute_float8_dynamic_scale_for_fsdp` are: DeepSpeed writes the new weights into a flat buffer the parameters
+view, which changes neither their version counters nor their addresses, so no forward can see the update; TrainEngine
+refreshes at the start of train_step / eval_step and invalidates when they end (see `refresh_float8_weights`). rowwise
+recasts every micro-batch: its forward and grad-input GEMMs need the weight scaled along different axes, and torchao's
+function takes one weight operand for both.
+
 Eager float8 is slow: each cast is several kernels (an H100 ran the 200B tp-8 layer in 37 ms in fp8 against 14 ms in
 bf16); compile the layers (`training.compile`: 10.7 ms against compiled bf16's 13.2 ms; docs/precision.md).
 
@@ -152,6 +166,13 @@ def float8_cast_bytes(gemms: List[Float8Gemm], tokens: int) -> int:
     return peak
 
 
+def float8_weight_cache_bytes(gemms: List[Float8Gemm]) -> int:
+    """Bytes one transformer layer's cached weight casts hold on this rank (tensorwise; `refresh_float8_weights`):
+    1 per element of each float8 GEMM's weight slice as padded, and a 4-byte scale; kept from a step's start to its
+    end (TrainEngine), i.e. all of training."""
+    return sum(g.padded_out * g.padded_in + 4 for g in gemms if g.mode != "bf16")
+
+
 def describe_float8_gemms(gemms: List[Float8Gemm], tp_size: int) -> str:
     """One line: what each GEMM of a transformer layer does under fp8 at this tp."""
     return (f"fp8 GEMMs per transformer layer at tp {tp_size} (weight slice out x in): "
@@ -192,7 +213,8 @@ def import_torchao():
         import torchao
         from torchao.float8.config import Float8LinearConfig
         from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
-        from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
+        from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+        from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig, ScaledMMConfig
     finally:
         for lg, (propagate, handlers) in zip(loggers, saved):
             lg.propagate, lg.handlers = propagate, handlers
@@ -203,21 +225,59 @@ def import_torchao():
     note = (f"{len(failed)} of torchao's C++ extension files did not load with this torch (unused by float8 "
             "training)") if failed else None
     ns = dict(version=torchao.__version__, Float8LinearConfig=Float8LinearConfig, LinearMMConfig=LinearMMConfig,
-              ScaledMMConfig=ScaledMMConfig, matmul=matmul_with_hp_or_float8_args)
+              ScaledMMConfig=ScaledMMConfig, matmul=matmul_with_hp_or_float8_args,
+              to_float8=hp_tensor_to_float8_dynamic, weight_role=GemmInputRole.WEIGHT)
     return ns, note
+
+
+class Float8WeightCache:
+    """One linear's weight slice cast to float8 ahead of its GEMMs (tensorwise: e4m3 data (out', in'), padded as
+    the GEMM is, and one fp32 scale), made and remade in place by `Float8Matmul.cast_weight`; used while `valid`.
+    `seen` is the weight's (_version, data_ptr) when it was cast: eager forwards recast when it changed."""
+
+    def __init__(self):
+        self.data: Optional[torch.Tensor] = None
+        self.scale: Optional[torch.Tensor] = None
+        self.valid = False
+        self.seen = (None, None)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.data is None else self.data.nbytes + self.scale.nbytes
+
+
+class _CachedWeight(torch.autograd.Function):
+    """A cached cast as the float8 weight operand (in', out') of torchao's GEMM function: a fresh
+    Float8TrainingTensor around the cached data and scale on every call (torchao's _ToFloat8ConstrFunc with the
+    cast done ahead), whose gradient - torchao's weight gradient - passes through to the bf16 parameter, cut back
+    to its shape when padded. allow_in_graph (by Float8Matmul.__init__, once torchao has imported dynamo)."""
+
+    @staticmethod
+    def forward(ctx, weight, data, scale, mm_config):
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+        ctx.shape = weight.shape
+        return Float8TrainingTensor(data.t(), scale, weight.dtype, mm_config, GemmInputRole.WEIGHT, None)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, inp = ctx.shape
+        return grad.t()[:out, :inp], None, None, None
 
 
 class Float8Matmul:
     """The run's float8 GEMM: torchao's recipe `recipe` (tensorwise | rowwise), emulated unless `emulate` is False.
     Built once per run (gptpar.training.build) and handed to every tensor-parallel linear of the transformer layers.
 
-    `linear(x, weight, gemm)`: x (..., in) times this rank's weight slice (out, in) transposed, in float8, as
-    `plan_float8_gemm` decided for it (`gemm.mode` "fp8" or "padded"; a "bf16" GEMM never reaches here); no bias."""
+    `linear(x, weight, gemm, cache=None)`: x (..., in) times this rank's weight slice (out, in) transposed, in
+    float8, as `plan_float8_gemm` decided for it (`gemm.mode` "fp8" or "padded"; a "bf16" GEMM never reaches here);
+    no bias. With a valid `cache` (a Float8WeightCache, `caches_weights` recipes only) the weight's cast is taken
+    from it instead of being computed (see `refresh_float8_weights`)."""
 
     def __init__(self, recipe: str = "tensorwise", emulate: bool = True):
         ns, self.import_note = import_torchao()
         self.recipe, self.emulate, self.version = recipe, emulate, ns["version"]
-        self._matmul = ns["matmul"]
+        self._matmul, self._to_float8, self._weight_role = ns["matmul"], ns["to_float8"], ns["weight_role"]
+        torch._dynamo.allow_in_graph(_CachedWeight)  # as torchao's own float8 autograd functions are
         self.config = dataclasses.replace(ns["Float8LinearConfig"].from_recipe_name(recipe), emulate=emulate)
         # One ScaledMMConfig per GEMM (output, grad_input, grad_weight), as Float8Linear.__init__ builds them; with
         # pad_inner_dim for a token count that does not divide by 16 (the grad-weight GEMM's inner dimension).
@@ -226,18 +286,53 @@ class Float8Matmul:
             *(scaled(emulate, g.use_fast_accum, False, pad)
               for g in (c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight)))
             for pad in (False, True)}
+        # One cast serves the forward and the grad-input GEMM only when both ask for the same one: tensorwise.
+        # rowwise scales the weight per output row for forward and per input column for grad-input, and torchao's
+        # GEMM function takes one weight operand for both, so a rowwise weight is cast per micro-batch, twice.
+        w = c.cast_config_weight
+        self.caches_weights = (w == c.cast_config_weight_for_grad_input and w.scaling_granularity.value == "tensorwise"
+                               and w.scaling_type.value == "dynamic")
 
     def describe(self) -> str:
         how = "emulated: no CUDA device, exact float8 rounding with fp32 matmuls, slow" if self.emulate \
             else "torch._scaled_mm"
         version = self.version if self.version == TORCHAO_VERSION else f"{self.version}, written for {TORCHAO_VERSION}"
-        return f"GEMMs float8 through torchao {version} ({self.recipe} scales per tp shard; {how})"
+        cache = "weight casts cached per optimizer step" if self.caches_weights \
+            else "weights cast per micro-batch: rowwise needs two casts"
+        return f"GEMMs float8 through torchao {version} ({self.recipe} scales per tp shard; {cache}; {how})"
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, gemm: Float8Gemm) -> torch.Tensor:
+    def cast_weight(self, weight: torch.Tensor, gemm: Float8Gemm, cache: Float8WeightCache) -> None:
+        """Cast `weight` (padded as `gemm` is) into `cache`, in place once it holds one, exactly as torchao's
+        forward casts the weight it is given, and mark the cache valid."""
+        with torch.no_grad():
+            w = weight.detach()
+            if gemm.mode == "padded":
+                w = F.pad(w, (0, gemm.padded_in - gemm.in_features, 0, gemm.padded_out - gemm.out_features))
+            c = self.config.cast_config_weight
+            cast = self._to_float8(w.t(), c.target_dtype, self.mm_configs[False], gemm_input_role=self._weight_role,
+                                   scaling_granularity=c.scaling_granularity, axiswise_dim=None,
+                                   round_scales_to_power_of_2=self.config.round_scales_to_power_of_2)
+            data, scale = cast._data.t(), cast._scale  # (out', in') and the scalar scale
+            if cache.data is None or cache.data.shape != data.shape or cache.data.device != data.device:
+                cache.data, cache.scale = data.contiguous(), scale.clone()
+            else:  # in place: the same tensors for every step (a compiled layer reads them as graph inputs)
+                cache.data.copy_(data)
+                cache.scale.copy_(scale)
+        cache.seen, cache.valid = (weight._version, weight.data_ptr()), True
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, gemm: Float8Gemm,
+               cache: Optional[Float8WeightCache] = None) -> torch.Tensor:
         mm_config = self.mm_configs[(x.numel() // x.shape[-1]) % FLOAT8_MULTIPLE != 0]
+        pad_in, pad_out = gemm.padded_in - gemm.in_features, gemm.padded_out - gemm.out_features
+        if cache is not None and cache.valid:
+            if not torch.compiler.is_compiling() and cache.seen != (weight._version, weight.data_ptr()):
+                self.cast_weight(weight, gemm, cache)  # eager: updated through the parameter since the refresh
+            x = F.pad(x, (0, pad_in)) if pad_in else x
+            y = self._matmul.apply(x, _CachedWeight.apply(weight, cache.data, cache.scale, mm_config), mm_config,
+                                   self.config)
+            return y[..., :gemm.out_features] if pad_out else y
         if gemm.mode == "fp8":
             return self._matmul.apply(x, weight.t(), mm_config, self.config)
-        pad_in, pad_out = gemm.padded_in - gemm.in_features, gemm.padded_out - gemm.out_features
         x = F.pad(x, (0, pad_in)) if pad_in else x  # (..., in') with zero columns: kept for backward
         padded = F.pad(weight, (0, pad_in, 0, pad_out)).contiguous()  # (out', in'): rebuilt in backward, not kept
         if torch.compiler.is_compiling():
@@ -296,6 +391,44 @@ def float8_summary(module: torch.nn.Module) -> Optional[str]:
     return f"{head}: {gemms}; output layer (tied embedding) bf16{note}"
 
 
+def _weight_caches(module: torch.nn.Module):
+    for m in module.modules():
+        cache = getattr(m, "float8_weight_cache", None)
+        if cache is not None:
+            yield m, cache
+
+
+def refresh_float8_weights(module: torch.nn.Module) -> int:
+    """Cast the weight of every float8 linear in `module` that caches its weight (recipe tensorwise) into its
+    Float8WeightCache and mark the cache valid: from now on their forwards take the weight's float8 cast from the
+    cache (1 byte per weight element, kept) instead of computing it, forward and backward, every micro-batch.
+    Returns how many weights it cast.
+
+    The contract: whoever changes the weights calls this after the change and before the next forward, or
+    `invalidate_float8_weights` (gptpar's TrainEngine refreshes at the start of `train_step` and `eval_step` and
+    invalidates when they end, so between its steps the layers compute their casts as without a cache). Writes a
+    forward cannot see: under torch.compile no forward checks anything (a check would be a guard, a recompile per
+    step), and in eager a forward recasts when the weight's version counter or address changed - an in-place
+    update through the parameter (`torch.optim`'s, `with no_grad: w.add_()`) - but writes through `w.data` or to a
+    flat buffer the parameter is a view of (DeepSpeed's optimizers) leave both unchanged. A model no one refreshes
+    never uses a cache. Refresh between steps only: an autograd graph still awaiting backward would see the new
+    cast (as it would see an in-place weight update)."""
+    count = 0
+    for m, cache in _weight_caches(module):
+        m.float8.cast_weight(m.weight, m.float8_gemm, cache)
+        count += 1
+    return count
+
+
+def invalidate_float8_weights(module: torch.nn.Module, free: bool = False) -> None:
+    """Stop the float8 linears in `module` using their cached weight casts until the next
+    `refresh_float8_weights`; with `free` also drop the casts' memory (a refresh then allocates it anew)."""
+    for _, cache in _weight_caches(module):
+        cache.valid = False
+        if free:
+            cache.data = cache.scale = None
+
+
 __all__ = ["FLOAT8_MULTIPLE", "MAX_PADDING", "GEMM_NAMES", "Float8Gemm", "plan_float8_gemm", "layer_float8_gemms",
-           "float8_cast_bytes", "describe_float8_gemms", "float8_flags", "import_torchao", "Float8Matmul",
-           "float8_summary"]
+           "float8_cast_bytes", "float8_weight_cache_bytes", "describe_float8_gemms", "float8_flags", "import_torchao", "Float8Matmul",
+           "Float8WeightCache", "float8_summary", "refresh_float8_weights", "invalidate_float8_weights"]

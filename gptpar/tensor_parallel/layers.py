@@ -39,7 +39,7 @@ from gptpar.tensor_parallel.comm import (
     gather_from_tensor_parallel_region, group_rank, group_size, mark_sequence_parallel,
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region)
-from gptpar.tensor_parallel.float8 import Float8Matmul, plan_float8_gemm
+from gptpar.tensor_parallel.float8 import Float8Matmul, Float8WeightCache, plan_float8_gemm
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
 _INIT_BLOCK_ELEMENTS = 1 << 22
@@ -122,17 +122,20 @@ def linear_with_grad_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Opt
 
 
 def _set_float8(layer: nn.Module, float8: Optional[Float8Matmul]) -> None:
-    """The layer's float8 decision (`float8_gemm`, None without fp8) and the GEMM it runs in float8 (`float8`, None
-    when kept in bf16), from its weight slice's shape."""
+    """The layer's float8 decision (`float8_gemm`, None without fp8), the GEMM it runs in float8 (`float8`, None
+    when kept in bf16), from its weight slice's shape, and where its weight's float8 cast is kept between
+    optimizer steps (`float8_weight_cache`, empty until `refresh_float8_weights`; None for a recipe that recasts)."""
     layer.float8_gemm = plan_float8_gemm(*layer.weight.shape) if float8 is not None else None
     layer.float8 = float8 if layer.float8_gemm is not None and layer.float8_gemm.mode != "bf16" else None
+    cached = layer.float8 is not None and getattr(layer.float8, "caches_weights", False)
+    layer.float8_weight_cache = Float8WeightCache() if cached else None
 
 
 def _gemm(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """x W^T (+ bias) with the layer's weight slice: in float8 when it has a float8 GEMM, else F.linear."""
     if layer.float8 is None:
         return F.linear(x, layer.weight, bias)
-    y = layer.float8.linear(x, layer.weight, layer.float8_gemm)
+    y = layer.float8.linear(x, layer.weight, layer.float8_gemm, layer.float8_weight_cache)
     return y if bias is None else y + bias
 
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import gptpar.training.engine.checkpointing as checkpointing
 import gptpar.training.engine.optimizer_state as optimizer_state
+from gptpar.tensor_parallel.float8 import invalidate_float8_weights, refresh_float8_weights
 
 
 class TrainEngine:
@@ -38,7 +39,22 @@ class TrainEngine:
     def train_step(self, micro_batches: List[dict]) -> float:
         """Forward, backward and optimizer step over this dp rank's micro-batches.
 
-        Returns the loss averaged over the micro-batches and the data-parallel ranks (on every rank)."""
+        Returns the loss averaged over the micro-batches and the data-parallel ranks (on every rank). Under
+        precision fp8 the weights' float8 casts are made once here, used by every micro-batch, and invalidated
+        when the step ends (DeepSpeed's update writes the weights where no forward can see it)."""
+        with self._float8_weights_cast():
+            return self._train_step(micro_batches)
+
+    @contextlib.contextmanager
+    def _float8_weights_cast(self):
+        """gptpar.tensor_parallel.float8.refresh_float8_weights for the step, then invalidate (a no-op without fp8)."""
+        refresh_float8_weights(self.ds.module)
+        try:
+            yield
+        finally:
+            invalidate_float8_weights(self.ds.module)
+
+    def _train_step(self, micro_batches: List[dict]) -> float:
         self.ds.train()
         with self._phase("batch"):
             micro_batches = [to_device(mb, self.device) for mb in micro_batches]
@@ -81,7 +97,11 @@ class TrainEngine:
 
     @torch.no_grad()
     def eval_step(self, micro_batches: List[dict]) -> float:
-        """Mean loss over the micro-batches and dp ranks, without updating anything."""
+        """Mean loss over the micro-batches and dp ranks, without updating anything (fp8: casts as train_step)."""
+        with self._float8_weights_cast():
+            return self._eval_step(micro_batches)
+
+    def _eval_step(self, micro_batches: List[dict]) -> float:
         self.ds.eval()
         micro_batches = [to_device(mb, self.device) for mb in micro_batches]
         if self.pipelined:
