@@ -148,6 +148,18 @@ def time_mode(layer, mode: str, x, grad, tracker, device, warmup: int, iters: in
     return out
 
 
+def outputs(layer, mode: str, x, grad, tracker) -> dict:
+    """One forward + backward: the output, the input's and the first weight's gradients (fp32 copies)."""
+    y = checkpoint(layer, x, tracker=tracker) if mode == "full" else layer(x)
+    y.backward(grad)
+    weight = next(p for p in layer.parameters() if p.dim() == 2)
+    out = {"output": y.detach().float(), "input_grad": x.grad.float(), "weight_grad": weight.grad.float()}
+    x.grad = None
+    for p in layer.parameters():
+        p.grad = None
+    return out
+
+
 def layer_flops_per_gpu(config: GPTConfig, tp: int, mbs: int, mode) -> float:
     """FLOPs of one layer's forward + backward (+ the mode's recompute) for one micro-batch, on one of tp GPUs."""
     return model_flops_per_iteration(num_layers=1, hidden_size=config.hidden_size, vocab_size=0,
@@ -183,11 +195,20 @@ def run(config: GPTConfig, *, tp: int, mbs: int, device, dtype, modes, warmup: i
 
             invalidate_float8_weights(layer, free=True)
             uncached = time_mode(layer, mode, x, grad, tracker, device, warmup, iters)
+            rng = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+                   tracker.get_states())
+            before = outputs(layer, mode, x, grad, tracker)
             refresh_float8_weights(layer)  # once, as TrainEngine does at the start of a step
         r = time_mode(layer, mode, x, grad, tracker, device, warmup, iters)
         if uncached is not None:
+            torch.set_rng_state(rng[0])  # the same dropout draws as `before`'s
+            if rng[1] is not None:
+                torch.cuda.set_rng_state(rng[1], device)
+            tracker.set_states(rng[2])
+            after = outputs(layer, mode, x, grad, tracker)
             r.update(sec_per_layer_uncached=uncached["sec_per_layer"],
-                     sec_per_layer_uncached_all=uncached["sec_per_layer_all"])
+                     sec_per_layer_uncached_all=uncached["sec_per_layer_all"],
+                     cached_vs_uncached_max_abs_diff={k: (after[k] - before[k]).abs().max().item() for k in before})
         r["flops_per_layer_per_gpu"] = layer_flops_per_gpu(config, tp, mbs, mode)
         r["tflops"] = r["flops_per_layer_per_gpu"] / r["sec_per_layer"] / 1e12
         r["model_tflops"] = layer_flops_per_gpu(config, tp, mbs, "none") / r["sec_per_layer"] / 1e12

@@ -125,7 +125,9 @@ speed() {
              --set checkpoint.save_interval=null --set checkpoint.keep_last=null --set logging.log_interval=1
              --set logging.tensorboard_dir=null)
   echo "== 1. the ratio: the trainer compiled vs the compiled peer loop"
-  step peer_compiled 190 $PY bench/bench_peer_loop.py $peer --compile --gptpar --json "$OUT/peer_compiled.json"
+  local alone=--gptpar  # gptpar's model alone in the peer's loop too (PEER_GPTPAR=0: the peer only, ~40 s less)
+  [ "${PEER_GPTPAR:-1}" = 1 ] || alone=
+  step peer_compiled 190 $PY bench/bench_peer_loop.py $peer --compile $alone --json "$OUT/peer_compiled.json"
   step trainer_compiled 170 "${run[@]}" --set training.compile=true \
       --set logging.metrics_file="$OUT/trainer_compiled.jsonl"
   # Where the time goes: torch.profiler over two iterations (the top kernels, the device's busy share).
@@ -143,6 +145,10 @@ speed() {
       --set logging.metrics_file="$OUT/trainer_fp8.jsonl"
   step layer_bf16 90 $PY bench/bench_layer.py $layer --compile --dtype bf16 --json "$OUT/layer_bf16.json"
   step layer_fp8 90 $PY bench/bench_layer.py $layer --compile --dtype fp8 --json "$OUT/layer_fp8.json"
+  # The CUDA forms of what the speed steps rely on: the int32 dropout hash under Triton equals the int64 formula,
+  # and torchao's float8 GEMMs equal their emulation.
+  [ "${GPU_CPU_SMOKE:-0}" = 1 ] || step cuda_checks 90 $PY -m pytest -q -p no:cacheprovider -k "cuda" \
+      tests/test_compile.py::test_counter_dropout_int32_hash_is_the_int64_hash tests/test_float8.py
   echo "== 3. the trainer eager"
   step trainer_eager 120 "${run[@]}" --set training.compile=false --set logging.metrics_file="$OUT/trainer_eager.jsonl"
   step summary 60 $PY bench/gpu_summary.py --out "$OUT"

@@ -84,6 +84,8 @@ def layer_figures(path):
         return None
     mode = cal["modes"].get("none") or next(iter(cal["modes"].values()))
     return {"sec_per_layer": mode["sec_per_layer"], "tflops": mode["tflops"], "gpu": cal.get("gpu"),
+            "sec_per_layer_uncached": mode.get("sec_per_layer_uncached"),
+            "cached_vs_uncached_max_abs_diff": mode.get("cached_vs_uncached_max_abs_diff"),
             "peak_memory_gib": mode.get("peak_memory_gib"), "shape": cal.get("shape"), "gemms": cal.get("float8_gemms")}
 
 
@@ -121,6 +123,9 @@ def summarize(out_dir):
         lay = res[f"layer_{kind}"]
         lines.append(f"layer_{kind}: " + (f"{lay['sec_per_layer'] * 1e3:.2f} ms fwd+bwd, {lay['tflops']:.0f} TFLOPs"
                                           if lay else "missing"))
+        if lay and lay.get("sec_per_layer_uncached"):
+            lines.append(f"layer_{kind} with the weights cast every micro-batch: {lay['sec_per_layer_uncached'] * 1e3:.2f}"
+                         f" ms (cached vs uncached max abs differences {lay['cached_vs_uncached_max_abs_diff']})")
     tc, te, t8 = res["trainer_compiled"], res["trainer_eager"], res["trainer_fp8"]
     same_batch = bool(tc and peer and tc["global_batch_size"] == peer["global_batch_size"])
     ratios = {"trainer_compiled_vs_peer_compiled": _ratio(tc and tc["tokens_per_s"], peer and same_batch
@@ -131,13 +136,21 @@ def summarize(out_dir):
               "trainer_compiled_vs_eager": _ratio(tc and tc["tokens_per_s"], te and te["tokens_per_s"]),
               "trainer_fp8_vs_compiled": _ratio(t8 and t8["tokens_per_s"], tc and tc["tokens_per_s"]),
               "layer_fp8_vs_bf16": _ratio(res["layer_bf16"] and res["layer_bf16"]["sec_per_layer"],
-                                          res["layer_fp8"] and res["layer_fp8"]["sec_per_layer"])}
+                                          res["layer_fp8"] and res["layer_fp8"]["sec_per_layer"]),
+              "layer_fp8_uncached_vs_bf16": _ratio(res["layer_bf16"] and res["layer_bf16"]["sec_per_layer"],
+                                                   res["layer_fp8"] and res["layer_fp8"]["sec_per_layer_uncached"])}
     res["ratios"] = ratios
     for key, value in ratios.items():
         target = TARGETS.get(key)
         verdict = "" if target is None or value is None else f" (target >= {target}: {'met' if value >= target else 'NOT met'})"
         lines.append(f"ratio {key}: " + (f"{value:.3f}{verdict}" if value is not None else "missing"))
     checks = {}
+    tb = res["trainer_compiled_before"]
+    if tc and tb and len(tc["lm_loss"]) == len(tb["lm_loss"]):  # a speed change must not change the losses
+        checks["losses_equal_before"] = tc["lm_loss"] == tb["lm_loss"]
+        lines.append(f"losses of trainer_compiled and trainer_compiled_before: "
+                     f"{'identical' if checks['losses_equal_before'] else 'DIFFERENT'} "
+                     f"(largest difference {max(abs(a - b) for a, b in zip(tc['lm_loss'], tb['lm_loss'])):.3g})")
     for key, (a, b) in {"fp8_vs_bf16": (t8, tc), "compiled_vs_eager": (tc, te)}.items():
         if a and b and len(a["lm_loss"]) == len(b["lm_loss"]):
             diff = abs(a["lm_loss"][-1] - b["lm_loss"][-1]) / abs(b["lm_loss"][-1])

@@ -111,6 +111,28 @@ def test_counter_dropout_mask():
     assert counter_dropout(x, 0.0, seed) is x
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_counter_dropout_int32_hash_is_the_int64_hash(device):
+    """The int32 hash (indices below 2^31) keeps exactly the elements the int64 formula keeps - eager and compiled
+    (inductor: C++ on a CPU, Triton on a GPU), for several seeds and offsets up to the int32 limit - so the fast
+    form changes no mask."""
+    from gptpar.tensor_parallel.random import _counter_hash_int64, counter_dropout
+
+    x = torch.ones(64, 3, 40, device=device)
+    compiled = torch.compile(counter_dropout)
+    for seed in (0, 1, 12345, 2 ** 31 - 1):
+        seed = torch.tensor(seed, device=device)
+        for offset in (0, 7 * x.numel(), 2 ** 31 - x.numel()):
+            reference = (_counter_hash_int64(x.shape, seed, offset, x.device) >> 8) >= round(0.1 * (1 << 24))
+            assert torch.equal(counter_dropout(x, 0.1, seed, offset) != 0, reference), (int(seed), offset)
+            assert torch.equal(compiled(x, 0.1, seed, offset) != 0, reference), (int(seed), offset)
+    big = 2 ** 31 - x.numel() // 2  # straddles 2^31: the int64 path, the same formula
+    seed = torch.tensor(99, device=device)
+    reference = (_counter_hash_int64(x.shape, seed, big, x.device) >> 8) >= round(0.1 * (1 << 24))
+    assert torch.equal(counter_dropout(x, 0.1, seed, big) != 0, reference)
+
+
 def _streams_at_tp2():
     """What the compiled layer draws from: the seeds (default stream) and the tracker's stream, on each tp rank."""
     import torch.distributed as dist

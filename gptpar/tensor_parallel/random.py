@@ -21,6 +21,7 @@ inside the graph (gptpar/model/gpt.py, TransformerLayer).
 from __future__ import annotations
 
 import contextlib
+import math
 import functools
 from typing import Dict, Optional
 
@@ -99,20 +100,46 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int32 bit patterns (>> is arithmetic on signed integers)."""
+    return (x >> bits) & ((1 << (32 - bits)) - 1)
+
+
+def _mix32_int32(x: torch.Tensor) -> torch.Tensor:
+    """`_mix32` on int32 tensors holding the same 32 bits: the products wrap modulo 2^32 (two's complement), the
+    shifts are logical, so every bit equals `_mix32`'s; 32-bit integer multiplies, where a GPU emulates int64
+    ones with several instructions each (the int64 form made the fused dropout kernels compute-bound)."""
+    x = (_shift_right(x, 16) ^ x) * _MIX
+    x = (_shift_right(x, 16) ^ x) * _MIX
+    return _shift_right(x, 16) ^ x
+
+
 def counter_dropout(x: torch.Tensor, p: float, seed: torch.Tensor, offset: int = 0) -> torch.Tensor:
     """Dropout whose mask is a function of (`seed`, element index + `offset`) alone: no generator state, so
     torch.compile traces it into the layer's graph (inductor fuses it into one elementwise kernel) and a recompute
     with the same seed draws the same mask. Element i (row-major, plus `offset`) is kept when the top 24 bits of
     hash(i, seed) are >= p * 2^24; kept elements are scaled by 1 / (1 - p), as F.dropout does. A tensor that is
     block k of a larger one split along dim 0 (sequence parallelism) passes offset = k * numel and gets exactly
-    its block of the larger tensor's mask. `seed`: an int64 scalar tensor in [0, 2^31) (`dropout_seeds`)."""
+    its block of the larger tensor's mask. `seed`: an int64 scalar tensor in [0, 2^31) (`dropout_seeds`).
+    Indices below 2^31 (every tensor of a shipped config) hash in int32 arithmetic, the rest in int64: the same
+    mask bit for bit (tests/test_compile.py::test_counter_dropout_int32_hash_is_the_int64_hash)."""
     if p == 0.0:
         return x
-    index = torch.arange(x.numel(), device=x.device, dtype=torch.int64).view(x.shape) + offset
-    h = _mix32(index & _MASK32)
-    h = _mix32(h ^ seed ^ ((index >> 32) * _MIX & _MASK32))
-    keep = (h >> 8) >= round(p * (1 << 24))
+    threshold = round(p * (1 << 24))
+    if offset + x.numel() <= 2 ** 31:  # the index's high 32 bits are 0
+        index = torch.arange(offset, offset + x.numel(), device=x.device, dtype=torch.int32).view(x.shape)
+        h = _mix32_int32(_mix32_int32(index) ^ seed.to(torch.int32))
+        keep = _shift_right(h, 8) >= threshold
+    else:
+        keep = (_counter_hash_int64(x.shape, seed, offset, x.device) >> 8) >= threshold
     return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
+
+
+def _counter_hash_int64(shape, seed: torch.Tensor, offset: int, device) -> torch.Tensor:
+    """hash(index + offset, seed) in [0, 2^32) for every element of `shape`, in int64 arithmetic."""
+    index = torch.arange(math.prod(shape), device=device, dtype=torch.int64).view(shape) + offset
+    h = _mix32(index & _MASK32)
+    return _mix32(h ^ seed ^ ((index >> 32) * _MIX & _MASK32))
 
 
 def model_parallel_seed(seed: int, tp_rank: int = 0, pp_rank: int = 0,
