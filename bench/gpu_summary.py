@@ -25,7 +25,7 @@ TARGETS = {"trainer_compiled_vs_peer_compiled": 1.05,   # tokens/s, same shape, 
            "trainer_fp8_vs_compiled": 1.0}               # fp8 faster than bf16 at 1.3B
 # Last logged loss of fp8 against bf16's (issue 21's bound), and of the compiled run against the eager one
 # (dropout 0.1 draws other masks under compile, and bf16 GEMMs differ run to run: the same bound as gpu_trainer.py).
-LOSS_BOUNDS = {"fp8_vs_bf16": 0.02, "compiled_vs_eager": 0.02}
+LOSS_BOUNDS = {"fp8_vs_bf16": 0.02, "compiled_vs_eager": 0.02, "as_before": 1e-3}
 TRAINERS = ("trainer_compiled", "trainer_fp8", "trainer_eager", "trainer_compiled_before")
 
 
@@ -146,11 +146,15 @@ def summarize(out_dir):
         lines.append(f"ratio {key}: " + (f"{value:.3f}{verdict}" if value is not None else "missing"))
     checks = {}
     tb = res["trainer_compiled_before"]
-    if tc and tb and len(tc["lm_loss"]) == len(tb["lm_loss"]):  # a speed change must not change the losses
-        checks["losses_equal_before"] = tc["lm_loss"] == tb["lm_loss"]
-        lines.append(f"losses of trainer_compiled and trainer_compiled_before: "
-                     f"{'identical' if checks['losses_equal_before'] else 'DIFFERENT'} "
-                     f"(largest difference {max(abs(a - b) for a, b in zip(tc['lm_loss'], tb['lm_loss'])):.3g})")
+    if tc and tb and len(tc["lm_loss"]) == len(tb["lm_loss"]):
+        # A speed change trains the same model on the same data with the same dropout masks: only bf16 rounding
+        # may differ (inductor fuses differently, so intermediates round at other kernel boundaries).
+        diff = max(abs(a - b) / abs(b) for a, b in zip(tc["lm_loss"], tb["lm_loss"]))
+        checks["losses_as_before"] = {"largest_relative_difference": diff, "bound": LOSS_BOUNDS["as_before"],
+                                      "within": diff <= LOSS_BOUNDS["as_before"]}
+        lines.append(f"losses of trainer_compiled vs trainer_compiled_before, every iteration: largest relative "
+                     f"difference {diff:.2g} (bound {LOSS_BOUNDS['as_before']}: "
+                     f"{'within' if diff <= LOSS_BOUNDS['as_before'] else 'NOT within'})")
     for key, (a, b) in {"fp8_vs_bf16": (t8, tc), "compiled_vs_eager": (tc, te)}.items():
         if a and b and len(a["lm_loss"]) == len(b["lm_loss"]):
             diff = abs(a["lm_loss"][-1] - b["lm_loss"][-1]) / abs(b["lm_loss"][-1])
