@@ -29,6 +29,11 @@ def inductor_env(tmp_path_factory):
 # The model alone: one graph for every layer, no graph break, dropout on, recompute replaying it
 # ---------------------------------------------------------------------------------------------------------------
 
+# What a compiled model with a loss adds to the layers' graph(s): the loss's forward and backward kernels
+# (gptpar.tensor_parallel.cross_entropy, compiled with the layers by compile_transformer_layers).
+LOSS_GRAPHS = 2
+
+
 def _train_model(mode, layers, dropout, compiled, position="learned"):
     """3 SGD steps of a GPTModel on one repeated batch: the losses and the last step's gradients."""
     from gptpar.model.config import GPTConfig
@@ -66,10 +71,10 @@ def _graphs_with_dropout(modes, position="learned", layers=10):
 
 def test_one_graph_for_all_layers_no_breaks_with_dropout(inductor_env):
     """Dropout 0.1 (attention and hidden), 10 layers - more than Dynamo's recompile limit (8), so a graph per layer
-    would have fallen back to eager: one graph in all, no graph break; the model trains; full recompute replays every
+    would have fallen back to eager: one graph for the layers (and the loss's two), no graph break; the model trains; full recompute replays every
     mask (the same losses and gradients as without recompute); the parameter names are the eager model's."""
     out = run_distributed(_graphs_with_dropout, 1, (("none", "full"),), env=inductor_env, timeout=600)[0]
-    assert out["stats"]["graphs"] == 1 and out["stats"]["graph_breaks"] == 0, out["stats"]
+    assert out["stats"]["graphs"] == 1 + LOSS_GRAPHS and out["stats"]["graph_breaks"] == 0, out["stats"]
     losses, grads, names = out["none"]
     assert losses[-1] < losses[0]  # it trains (one batch, SGD)
     assert names == out["eager_names"]
@@ -85,7 +90,7 @@ def test_selective_recompute_alibi_embedding_layernorm_compiled_with_dropout(ind
     mode, no break."""
     out = run_distributed(_graphs_with_dropout, 1, (("none", "selective"), "alibi", 3), env=inductor_env,
                           timeout=900)[0]
-    assert out["stats"]["graph_breaks"] == 0 and out["stats"]["graphs"] == 2, out["stats"]
+    assert out["stats"]["graph_breaks"] == 0 and out["stats"]["graphs"] == 2 + LOSS_GRAPHS, out["stats"]
     (l0, g0, names), (l1, g1, _) = out["none"], out["selective"]
     assert l0[-1] < l0[0] and names == out["eager_names"]
     assert max(abs(a - b) for a, b in zip(l0, l1)) < 1e-5
@@ -187,8 +192,10 @@ def _tp2_dropout_graph():
 def test_compiled_tp2_dropout_keeps_the_replicated_stream_identical(inductor_env):
     """tp 2 without sequence parallelism, dropout 0.1, compiled: the residual stream (replicated over tp) is still
     bitwise the same on both ranks after the dropouts, in one graph without a break."""
-    for same, stats in run_distributed(_tp2_dropout_graph, 2, env=inductor_env, timeout=900):
-        assert same and stats["graphs"] == 1 and stats["graph_breaks"] == 0, stats
+    # rank 1's vocabulary slice is all padding (64 ids padded to 256): its loss keeps the loop, no loss kernels
+    for (same, stats), loss_graphs in zip(run_distributed(_tp2_dropout_graph, 2, env=inductor_env, timeout=900),
+                                          (LOSS_GRAPHS, 0)):
+        assert same and stats["graphs"] == 1 + loss_graphs and stats["graph_breaks"] == 0, stats
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -288,6 +295,6 @@ def test_trainer_compiled_bf16_tp2_with_dropout_trains_without_breaks(tmp_path, 
     stream), dropout 0.1: 8 finite losses, one graph, no break, on both ranks."""
     for (rc, text), stats in run_distributed(_bf16_dropout_run, 2, (tmp_path, inductor_env), timeout=900):
         assert rc == 0, text[-3000:]
-        assert stats["graph_breaks"] == 0 and stats["graphs"] == 1, stats
+        assert stats["graph_breaks"] == 0 and stats["graphs"] == 1 + LOSS_GRAPHS, stats
     losses = [r["lm_loss"] for r in read_jsonl(tmp_path / "bf16.jsonl")]
     assert len(losses) == 8 and all(math.isfinite(x) for x in losses)

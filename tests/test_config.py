@@ -98,6 +98,10 @@ ERROR_CASES = [
     ("bad_override_syntax", base(), ("training.lr",), 1, "section.key=value", "training.lr"),
     ("timers_need_pp1", base(parallel={"pipeline_model_parallel_size": 2}, logging={"timers": True}), (), 2,
      "logging.timers", "pp = 2"),
+    ("profile_range", base(logging={"profile": "6-5"}), (), 1, "logging.profile", "START-END"),
+    ("profile_not_a_range", base(logging={"profile": "5"}), (), 1, "logging.profile", "e.g. \"5-6\""),
+    ("profile_dir_alone", base(logging={"profile_dir": "traces"}), (), 1, "logging.profile_dir",
+     "set logging.profile"),
 ]
 
 

@@ -58,7 +58,8 @@ def runs(tmp_path_factory):
                            checkpoint=dict(save=str(d / "minutes_ck")),
                            logging=dict(metrics_file=str(d / "minutes.jsonl")))
     timers = write_config(d / "timers.json", training=dict(train_iters=4),
-                          logging=dict(log_interval=2, timers=True, metrics_file=str(d / "timers.jsonl")))
+                          logging=dict(log_interval=2, timers=True, metrics_file=str(d / "timers.jsonl"),
+                                       profile="3-4", profile_dir=str(d / "profile")))
     plan = [("ramp", ["--config", ramp]), ("ramp3", ["--config", ramp3]), ("timers", ["--config", timers])] + \
         resume["dp"] + resume["pp"] + \
         resume["bf16_dp"] + resume["bf16_pp"] + \
@@ -252,6 +253,24 @@ def test_exit_duration_stops_every_rank_and_saves(runs):
     assert [r["iteration"] for r in read_jsonl(d / "minutes.jsonl")] == [1]
     assert "stopping at iteration 1: exit_duration_in_mins (1e-06) reached" in out[0]["minutes"][1]
     assert (d / "minutes_ck" / "latest").read_text().strip() == "iter_0000001"
+
+
+def test_profile_reports_its_iterations_on_the_log_rank_and_traces_every_rank(runs):
+    """logging.profile="3-4" (in the timers run, dp 2): once, after iteration 4, the log rank prints the profiled
+    iterations, their wall time and a table of ops by host time (this CPU) holding the model's GEMMs; each rank
+    writes a Chrome trace of them, named by its rank; the other rank prints nothing."""
+    import gzip
+
+    d, out = runs
+    printed = out[0]["timers"][1]
+    assert printed.count("logging.profile: iterations 3-4 on rank 0:") == 1, printed
+    report = printed[printed.index("logging.profile:"):]
+    per_iteration = float(report.split("(")[1].split(" s per iteration")[0])
+    assert per_iteration > 0 and "aten::mm" in report and "Self CPU" in report
+    assert "logging.profile" not in out[1]["timers"][1]
+    for rank in (0, 1):
+        with gzip.open(d / "profile" / f"trace_rank{rank}.json.gz", "rt") as f:
+            assert '"aten::mm"' in f.read()
 
 
 def test_timers_split_each_iteration(runs):

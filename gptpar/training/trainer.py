@@ -130,8 +130,8 @@ class CompileClock:
         self.spent = spent.item() / (self.pstate.tp_size * self.pstate.dp_size)
         if self.spent > 0 and not self.announced:
             self.announced = True
-            self.say(f"training.compile: the transformer layers compiled in {self.spent:.1f} s during this "
-                     f"iteration ({stats['graphs']} graph(s), {stats['graph_breaks']} graph break(s) so far), left "
+            self.say(f"training.compile: the transformer layers and the loss compiled in {self.spent:.1f} s during "
+                     f"this iteration ({stats['graphs']} graph(s), {stats['graph_breaks']} graph break(s) so far), left "
                      "out of the log line's time per iteration, samples/s and TFLOPs")
 
 
