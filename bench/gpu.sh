@@ -15,13 +15,19 @@
 # `speed` (issue 21), all at configs/1.3b.json's shape (24 x 2048, seq 2048, micro-batch 4, global batch 32 = 8
 # micro-batches, bf16, dropout 0.1, no recompute) on the demo's real tokens (so the losses move and compare), in
 # this order, each under its own timeout and all under BUDGET_S (default 470 s):
-#   1. peer_compiled   bench/bench_peer_loop.py --compile: the nanoGPT-style loop the trainer must beat
+#   1. peer_compiled   bench/bench_peer_loop.py --compile: the nanoGPT-style loop the trainer must beat, and
+#                        gptpar's model alone in the same loop (--gptpar; PEER_GPTPAR=0 leaves it out)
 #   2. trainer_compiled  pretrain_gpt.py, training.compile=true                  (target: >= 1.05x step 1 tokens/s)
+#      trainer_profile   the same over 5 iterations with logging.profile=4-5 (top kernels, device busy share)
+#      trainer_compiled_before  the same run on an earlier tree carried in .before/ (when there is one): a
+#                        change's gain in the same call, and its losses (within bf16 rounding of the new ones)
 #   3. trainer_fp8       the same with training.precision=fp8 (torchao float8, tensorwise)
 #   4. layer_bf16 / layer_fp8  bench/bench_layer.py: one configs/200b.json layer as a tp-8 GPU sees it, compiled,
-#                        bf16 and fp8, forward + backward                      (target: fp8 >= 1.3x bf16)
+#                        bf16 and fp8 (weight casts cached, and not), forward + backward  (target: fp8 >= 1.3x bf16)
+#      cuda_checks       the int32 dropout hash under Triton, torchao's float8 GEMMs against their emulation
 #   5. trainer_eager     pretrain_gpt.py, training.compile=false (what the H100 measured at 0.90x)
 #   6. summary           bench/gpu_summary.py: tokens/s, TFLOPs and peak memory of each, the ratios, the checks
+# (STEPS="..." runs only the named steps; a step the budget cannot start is skipped and said in skipped.txt.)
 # $OUT gets machine.txt, summary.{json,txt} and raw.tgz (every log, metrics file and JSON): at most 8 files.
 set -u
 MODE=${1:-speed}
