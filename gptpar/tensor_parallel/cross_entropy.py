@@ -114,15 +114,17 @@ def _loss_forward(logits: torch.Tensor, real: int, targets: _Targets, group: Gro
     log-probabilities in place while in cache, sparing backward a pass (the fused CPU loss's original algorithm).
     `compiled`: one compiled pass (`_rows_forward`) instead of the block loop."""
     n = logits.shape[0]
-    local_lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-    column_sum = torch.zeros(n, dtype=torch.float32, device=logits.device) if label_smoothing > 0 else None
-    target_logit = torch.zeros(n, dtype=torch.float32, device=logits.device)
     compiled = compiled and real > 0  # (a rank whose slice is all padding holds no target: the loop's -inf)
     if compiled:
         local_lse, target_logit, column_sum = _compiled(_rows_forward)(logits, targets.local, targets.here, real,
                                                                        label_smoothing > 0)
-    elif real > 0:
-        target_logit = logits.gather(-1, targets.local.unsqueeze(-1)).squeeze(-1).float().masked_fill(~targets.here, 0)
+    else:
+        local_lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        column_sum = torch.zeros(n, dtype=torch.float32, device=logits.device) if label_smoothing > 0 else None
+        target_logit = torch.zeros(n, dtype=torch.float32, device=logits.device)
+        if real > 0:
+            target_logit = (logits.gather(-1, targets.local.unsqueeze(-1)).squeeze(-1).float()
+                            .masked_fill(~targets.here, 0))
     log_probs = owned and logits.dtype == torch.float32 and group_size(group) == 1 and not compiled
     rows = _block_rows(real, logits.device)
     for r0 in range(0, 0 if compiled else n, rows):

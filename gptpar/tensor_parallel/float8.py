@@ -430,5 +430,6 @@ def invalidate_float8_weights(module: torch.nn.Module, free: bool = False) -> No
 
 
 __all__ = ["FLOAT8_MULTIPLE", "MAX_PADDING", "GEMM_NAMES", "Float8Gemm", "plan_float8_gemm", "layer_float8_gemms",
-           "float8_cast_bytes", "float8_weight_cache_bytes", "describe_float8_gemms", "float8_flags", "import_torchao", "Float8Matmul",
-           "Float8WeightCache", "float8_summary", "refresh_float8_weights", "invalidate_float8_weights"]
+           "float8_cast_bytes", "float8_weight_cache_bytes", "describe_float8_gemms", "float8_flags", "import_torchao",
+           "Float8Matmul", "Float8WeightCache", "float8_summary", "refresh_float8_weights",
+           "invalidate_float8_weights"]

@@ -21,8 +21,8 @@ inside the graph (gptpar/model/gpt.py, TransformerLayer).
 from __future__ import annotations
 
 import contextlib
-import math
 import functools
+import math
 from typing import Dict, Optional
 
 import torch

@@ -24,8 +24,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 from gptpar.model.config import RECOMPUTE_MODES, GPTConfig, recompute_mode
 from gptpar.model.partition import partition_layers, resolve_partition_method
 from gptpar.parallel import resolve_sizes
-from gptpar.training.schedules import BatchSizeRampup, LearningRateSchedule, SkipRanges
 from gptpar.training.profiling import parse_range
+from gptpar.training.schedules import BatchSizeRampup, LearningRateSchedule, SkipRanges
 
 
 class ConfigError(ValueError):

@@ -165,8 +165,7 @@ class Trainer:
             engine.time_phases()
         self.compile_clock = CompileClock(self._say, pstate) if t.compile else contextlib.nullcontext()
         lg = cfg.logging
-        self.profiler = (IterationProfiler(lg.profile, lg.profile_dir, pstate.rank, engine.device,
-                                           self._say)
+        self.profiler = (IterationProfiler(lg.profile, lg.profile_dir, pstate.rank, engine.device, self._say)
                          if lg.profile else None)
 
     # -- the loop ------------------------------------------------------------------------------

@@ -119,11 +119,15 @@ class FusedGradAccumulation:
         assert hp_grad is not None, f"high precision param has no gradient, lp param_id = {id(lp)}"
         if self.stream is None:
             hp_grad.add_(lp.grad.view(hp_grad.shape))
+            if clear_lp_grads:
+                lp.grad.zero_()
         else:
             main = torch.cuda.current_stream(lp.grad.device)
             self.stream.wait_stream(main)
             with torch.cuda.stream(self.stream):
                 hp_grad.add_(lp.grad.view(hp_grad.shape))
+                if clear_lp_grads:  # after the add, on its stream (the join orders the next backward after it)
+                    lp.grad.zero_()
             lp.grad.record_stream(self.stream)
             if self.main is None:
                 self.main = main
@@ -133,8 +137,6 @@ class FusedGradAccumulation:
                     self.join()
         lp._hp_grad = hp_grad
         opt.fp32_groups_has_gradients[group_idx][param_idx] = True
-        if clear_lp_grads:
-            lp.grad.zero_()
 
     def join(self) -> None:
         """The backward pass's stream waits for every add queued on the side stream."""
