@@ -134,14 +134,17 @@ def test_precision_plans_name_the_real_optimizers(held):
     plans = {case: held[2][0][case][0] for case in CASES}
     assert plans["bf16", 1, "adamw"] == ("precision plan: parameters bf16, gradient accumulation fp32, master weights "
                                          "a fp32 copy of 0.5 of the parameters (partitioned over dp 2); optimizer "
-                                         "BF16_Optimizer around AdamW")
+                                         "BF16_Optimizer around AdamW; gradient-accumulation fusion: 8 GEMM weights "
+                                         "add their gradients into the fp32 buffers after each GEMM (a CPU has no "
+                                         "fp32-output one)")
     assert "parameters fp32, gradient accumulation fp32, master weights the parameters themselves; optimizer " \
            "AdamW" in plans["fp32", 0, "adamw"]
     assert "optimizer DeepSpeedZeroOptimizer around AdamW" in plans["fp32", 1, "adamw"]
     assert "parameters fp16, gradient accumulation fp16, master weights a fp32 copy of 0.5 of the parameters " \
            "(partitioned over dp 2); optimizer DeepSpeedZeroOptimizer" in plans["fp16", 1, "adamw"]
     assert plans["fp32", 1, "adamw8bit"].endswith("optimizer DeepSpeedZeroOptimizer around AdamW8bit")
-    assert plans["bf16", 1, "adamw8bit"].endswith("optimizer BF16_Optimizer around AdamW8bit")
+    assert "optimizer BF16_Optimizer around AdamW8bit; gradient-accumulation fusion: 8" in plans["bf16", 1, "adamw8bit"]
+    assert not any("fusion" in plan for (precision, _, _), plan in plans.items() if precision != "bf16")
 
 
 # -- why fp16 never runs at ZeRO-0: DeepSpeed 0.19.8 does not scale the loss there --------------------

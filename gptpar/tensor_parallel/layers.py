@@ -19,6 +19,10 @@ With `float8` (a gptpar.tensor_parallel.float8.Float8Matmul: training.precision 
 run their GEMMs in float8 through torchao, padded or kept in bf16 as `plan_float8_gemm` decides for this rank's
 weight slice (`float8_gemm`); the parameters keep their shapes and dtype.
 
+A weight given an fp32 `main_grad` tensor of its shape (Megatron's attribute; gptpar's engine installs DeepSpeed's
+buffers there under training.gradient_accumulation_fusion) has its gradient accumulated into it by the layer's
+backward, and autograd gets none for it (gptpar.tensor_parallel.grad_accumulation).
+
 Sharded parameters carry Megatron's attributes `tensor_model_parallel`, `partition_dim`, `partition_stride`
 (DeepSpeed's gradient norm and clipping read them; checkpoint conversion and parameter counting too).
 Replicated parameters whose gradient must be summed over tp under sequence parallelism carry
@@ -40,6 +44,7 @@ from gptpar.tensor_parallel.comm import (
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region)
 from gptpar.tensor_parallel.float8 import Float8Matmul, Float8WeightCache, plan_float8_gemm
+from gptpar.tensor_parallel.grad_accumulation import accumulate_weight_grad_, linear_backward_into_main_grad
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
 _INIT_BLOCK_ELEMENTS = 1 << 22
@@ -80,45 +85,63 @@ def init_sharded_(shard: torch.Tensor, full_shape, partition_dim: int, rank: int
         shard.copy_(out)
 
 
-class _LinearGradAllReduce(torch.autograd.Function):
-    """F.linear(x, weight, bias) whose input gradient is all-reduced over `group` (Megatron's f + linear), with
-    the all-reduce overlapped with the weight-gradient GEMM (Megatron's async tensor-parallel all-reduce).
+class _Linear(torch.autograd.Function):
+    """F.linear(x, weight, bias) with Megatron's two backward options (gptpar.tensor_parallel.grad_accumulation):
+    the input gradient all-reduced over `group` (f + linear; None: no all-reduce), overlapped with the
+    weight-gradient GEMM (Megatron's async tensor-parallel all-reduce); and, with `main_grad` (the weight's fp32
+    buffer), the weight gradient accumulated into it by the GEMM instead of returned to autograd.
 
-    Backward: grad_x = g W, start all-reduce(grad_x), then grad_W = g^T x and grad_b = sum g, then wait."""
+    Backward: grad_x = g W, start all-reduce(grad_x), then grad_W = g^T x (or main_grad += g^T x) and
+    grad_b = sum g, then wait. Under torch.compile the fused backward is one opaque op (the input gradient and the
+    accumulation) and the all-reduce a functional collective after it."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
-        ctx.save_for_backward(x, weight)
+    def forward(ctx, x, weight, bias, group, main_grad):
+        ctx.save_for_backward(x, weight, main_grad)
         ctx.group, ctx.has_bias = group, bias is not None
         return F.linear(x, weight, bias)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
+        x, weight, main_grad = ctx.saved_tensors
         grad_x = grad_w = grad_b = handle = None
-        if ctx.needs_input_grad[0]:
-            grad_x = grad.matmul(weight)  # (..., in): this rank's partial sum
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        fused = main_grad is not None and ctx.needs_input_grad[1]
+        if fused and torch.compiler.is_compiling():  # x needs a gradient: linear_with_grad_all_reduce saw to it
+            grad_x = linear_backward_into_main_grad(grad, x, weight, main_grad)  # see its docstring
+            fused = False  # done
+        elif ctx.needs_input_grad[0]:
+            grad_x = grad.matmul(weight)  # (..., in): with a group, this rank's partial sum
+        if grad_x is not None and ctx.group is not None:
             if torch.compiler.is_compiling():  # Dynamo cannot trace async_op=True; a functional all-reduce is
-                grad_x = funcol.all_reduce(grad_x, "sum", ctx.group)  # waited for where grad_x is used: after grad_w
+                grad_x = funcol.all_reduce(grad_x, "sum", ctx.group)  # waited for where grad_x is used
             else:
                 handle = torch.distributed.all_reduce(grad_x, group=ctx.group, async_op=True)
-        flat_grad = grad.reshape(-1, grad.shape[-1])
-        if ctx.needs_input_grad[1]:
+        if fused:
+            accumulate_weight_grad_(main_grad, flat_grad, x.reshape(-1, x.shape[-1]))
+        elif ctx.needs_input_grad[1] and main_grad is None:
             grad_w = flat_grad.t().mm(x.reshape(-1, x.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = flat_grad.sum(0)
         if handle is not None:
             handle.wait()
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def linear_with_grad_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                                group: Group) -> torch.Tensor:
-    """`F.linear(copy_to_tensor_parallel_region(x, group), weight, bias)`, overlapping the backward all-reduce."""
+                                group: Group, main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`F.linear(copy_to_tensor_parallel_region(x, group), weight, bias)`, overlapping the backward all-reduce;
+    with `main_grad`, the weight gradient accumulated into it (gradient-accumulation fusion) - unless `x` needs no
+    gradient (the fused op returns the input gradient, without which a compiled graph would drop it): then autograd
+    gets the weight gradient as usual, and the optimizer wrapper adds it into the same buffer."""
+    if main_grad is not None and not (x.requires_grad and torch.is_grad_enabled()):
+        main_grad = None
     if group_size(group) == 1:
-        return F.linear(x, weight, bias)
-    return _LinearGradAllReduce.apply(x, weight, bias, group)
+        if main_grad is None:
+            return F.linear(x, weight, bias)
+        group = None
+    return _Linear.apply(x, weight, bias, group, main_grad)
 
 
 def _set_float8(layer: nn.Module, float8: Optional[Float8Matmul]) -> None:
@@ -132,11 +155,18 @@ def _set_float8(layer: nn.Module, float8: Optional[Float8Matmul]) -> None:
 
 
 def _gemm(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """x W^T (+ bias) with the layer's weight slice: in float8 when it has a float8 GEMM, else F.linear."""
+    """x W^T (+ bias) with the layer's weight slice: in float8 when it has a float8 GEMM, else F.linear (its
+    weight gradient accumulated into `weight.main_grad` when the weight has one)."""
     if layer.float8 is None:
-        return F.linear(x, layer.weight, bias)
+        return linear_with_grad_all_reduce(x, layer.weight, bias, None, _main_grad(layer))
     y = layer.float8.linear(x, layer.weight, layer.float8_gemm, layer.float8_weight_cache)
     return y if bias is None else y + bias
+
+
+def _main_grad(layer: nn.Module) -> Optional[torch.Tensor]:
+    """The weight's fp32 gradient buffer when the optimizer wrapper installed one (gradient-accumulation fusion:
+    gptpar.training.engine), else None. Float8 GEMMs keep torchao's backward, and no buffer is installed for them."""
+    return getattr(layer.weight, "main_grad", None)
 
 
 def _float8_repr(layer: nn.Module) -> str:
@@ -181,7 +211,7 @@ class ColumnParallelLinear(nn.Module):
             # gradient's all-reduce starts after the weight gradient instead of overlapping it
             y = _gemm(self, copy_to_tensor_parallel_region(x, self.group), self.bias)
         else:
-            y = linear_with_grad_all_reduce(x, self.weight, self.bias, self.group)  # f + linear
+            y = linear_with_grad_all_reduce(x, self.weight, self.bias, self.group, _main_grad(self))  # f + linear
         return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:

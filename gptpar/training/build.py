@@ -131,7 +131,8 @@ def build_trainer(cfg: Config, pstate, log, load_target, init_from=None):
     engine = build_engine(model, pstate, deepspeed_config(cfg, pstate.dp_size), optimizer=t.optimizer, lr=t.lr,
                           weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                           has_attention_mask=train_source.masks.has_attention_mask,
-                          universal_checkpoint_info=deepspeed_universal_info(cfg.model))
+                          universal_checkpoint_info=deepspeed_universal_info(cfg.model),
+                          gradient_accumulation_fusion=t.gradient_accumulation_fusion)
     writer = CheckpointWriter(async_save=ck.async_save, checksums=ck.checksums)
     engine.install_checkpoint_writer(writer)
     checkpointer = Checkpointer(ck.save, load_target, ck.keep_last, pstate.rank, pstate.world_size,

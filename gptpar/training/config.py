@@ -264,6 +264,13 @@ class TrainingConfig:
                "first iteration compiles (tens of seconds); that time is printed once and left out of the log line's "
                "time per iteration, samples/s and TFLOPs. Dropout masks differ from eager ones (same distribution "
                "and tp semantics). Off in the CPU configs, where compile time dominates a short run.")
+    gradient_accumulation_fusion: bool = _f(
+        True, "Megatron's gradient-accumulation fusion: in bf16 (and fp8's bf16 GEMMs) each tensor-parallel linear "
+              "layer's weight gradient is accumulated into DeepSpeed's fp32 gradient buffer by its weight-gradient "
+              "GEMM (fp32 output, cuBLAS; torch >= 2.10) instead of a bf16 gradient added in a second kernel per "
+              "micro-batch; the fp32 sums are also exact per micro-batch. On a CPU the same path runs the unfused "
+              "arithmetic. The precision plan line says how many weights it covers, or why none. No effect in "
+              "fp32 / fp16.")
     rampup_batch_size: Optional[List[int]] = _f(None, "Megatron's batch-size ramp-up `[start, increment, "
                                                       "samples]`: start at `start`, grow by `increment` "
                                                       "evenly over `samples` samples up to "
@@ -529,8 +536,9 @@ class LoggingConfig:
                              "overlap.")
     profile: Optional[str] = _f(None, "Megatron-LM's --profile-step-start/-end: `\"START-END\"` (1-based, both "
                                       "included, e.g. `\"5-6\"`) runs torch.profiler over those iterations; at "
-                                      "END the log rank prints the top ops by device (CPU: host) self time and "
-                                      "the device's busy share of the wall time. Pick iterations after the first "
+                                      "END the log rank prints the top ops by device (CPU: host) self time, "
+                                      "the device's busy share of the wall time and, on a GPU, its longest idle "
+                                      "gaps with the host ops running through them. Pick iterations after the first "
                                       "(training.compile compiles in it). null = off.")
     profile_dir: Optional[str] = _f(None, "With logging.profile: each rank writes its Chrome trace "
                                           "(`trace_rank<R>.json.gz`, chrome://tracing or Perfetto) into this "

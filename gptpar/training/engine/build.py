@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from gptpar.model.kernels import make_adamw
+from gptpar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from gptpar.training.config import OPTIMIZERS, Accelerator
 import gptpar.training.engine.deepspeed_api as deepspeed_api
 from gptpar.training.engine.step import TrainEngine, clip_and_keep_norm
@@ -110,8 +111,14 @@ def make_optimizer(name: str, param_groups: List[dict], *, lr: float, betas, eps
 
 def build_engine(model: torch.nn.Module, pstate, ds_config: dict, *, optimizer: str = "adamw", lr: float = 1e-4,
                  weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8,
-                 has_attention_mask: bool = False, universal_checkpoint_info: Optional[dict] = None) -> TrainEngine:
+                 has_attention_mask: bool = False, universal_checkpoint_info: Optional[dict] = None,
+                 gradient_accumulation_fusion: bool = True) -> TrainEngine:
     """Wrap `model` in a DeepSpeed engine with the client `optimizer` (`make_optimizer`). Call on every rank.
+
+    `gradient_accumulation_fusion` (training.gradient_accumulation_fusion): where DeepSpeed accumulates bf16
+    gradients in fp32 (BF16_Optimizer), the bf16 GEMM weights of the tensor-parallel layers accumulate theirs
+    into its fp32 buffers inside their backward (gptpar.tensor_parallel.grad_accumulation); the precision plan
+    line says how many, or why none.
 
     `universal_checkpoint_info` (gptpar.model.universal.deepspeed_universal_info) is saved into every
     checkpoint, where DeepSpeed's ds_to_universal.py reads how the tp slices merge."""
@@ -123,13 +130,32 @@ def build_engine(model: torch.nn.Module, pstate, ds_config: dict, *, optimizer: 
     engine = deepspeed_api.initialize(model, optimizer, ds_config, None if pipelined else ParallelStateMPU(pstate))
     release_shm_buffer(pstate)
     deepspeed_api.fuse_fp32_grad_accumulation(engine)  # bf16: one kernel per gradient into its fp32 buffer
+    fusion = _install_gradient_accumulation_fusion(engine, model) if gradient_accumulation_fusion else None
     if pipelined and has_attention_mask:
         engine.set_has_attention_mask(True)  # the mask travels as the last tensor between stages
     if not (engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization()):
         # Plain fp32 without ZeRO: DeepSpeed's clip_grad_norm_ drops the norm, and under the pipeline grid
         # counts the tied embedding copy and skips later stages' replicated (LayerNorm, bias) parameters.
         engine.clip_fp32_gradients = functools.partial(clip_and_keep_norm, engine, pstate)
-    return TrainEngine(engine, pstate, pipelined)
+    return TrainEngine(engine, pstate, pipelined, fusion)
+
+
+def _install_gradient_accumulation_fusion(engine, model: torch.nn.Module) -> Optional[str]:
+    """Give the bf16 GEMM weights their fp32 `main_grad` (deepspeed_api.install_main_grads); returns what the
+    precision plan says about it (None where nothing accumulates bf16 GEMM gradients in fp32: fp32, fp16)."""
+    from gptpar.tensor_parallel.grad_accumulation import fused_accumulation_unavailable
+
+    weights = [m.weight for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+               and m.float8 is None and m.weight.requires_grad]
+    if not weights or not deepspeed_api.has_fp32_grad_buffers(engine):
+        return None
+    device = torch.device(engine.device)
+    unavailable = fused_accumulation_unavailable(device)
+    if unavailable is not None:
+        return f"gradient-accumulation fusion off: {unavailable}"
+    fused = deepspeed_api.install_main_grads(engine, weights)
+    how = "in the GEMM (fp32 output)" if device.type == "cuda" else "after each GEMM (a CPU has no fp32-output one)"
+    return f"gradient-accumulation fusion: {fused} GEMM weights add their gradients into the fp32 buffers {how}"
 
 
 def shm_buffer_path(rank: int) -> str:

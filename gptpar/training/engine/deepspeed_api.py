@@ -58,6 +58,11 @@ uses them, and the test that breaks when one changes:
       during backward, and its `fp32_groups_gradients` /
       `fp32_groups_has_gradients` (`fuse_fp32_grad_accumulation`,
       installed by build.py)
+    BF16_Optimizer's `bf16_groups`, `grad_acc_dtype`,                  test_grad_accumulation_fusion.py (fused runs equal
+      `fp32_groups_gradients`, `fp32_groups_has_gradients` and          unfused ones at tp 2 + sp and pp 2; the norm and
+      `clear_hp_grads`; the pipeline's tied all-reduce reading          clipping see every fused weight)
+      `_hp_grad` (`install_main_grads`, gradient-accumulation
+      fusion, installed by build.py)
 """
 from __future__ import annotations
 
@@ -92,6 +97,52 @@ def fuse_fp32_grad_accumulation(engine) -> bool:
     device = torch.device(engine.device)
     opt._update_hp_grad = FusedGradAccumulation(opt, device)  # the instance's, called by its grad hooks
     return True
+
+
+def has_fp32_grad_buffers(engine) -> bool:
+    """Whether the engine's optimizer is a BF16_Optimizer that accumulates the gradients in fp32 buffers."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    opt = engine.optimizer
+    return isinstance(opt, BF16_Optimizer) and opt.grad_acc_dtype == torch.float32
+
+
+def install_main_grads(engine, weights: List[torch.Tensor]) -> int:
+    """Gradient-accumulation fusion (gptpar.tensor_parallel.grad_accumulation) into BF16_Optimizer's buffers: give
+    each of `weights` (GEMM weights of this rank's model) `main_grad`, a view of its fp32 gradient in DeepSpeed's
+    flat buffer, into which its layer's backward accumulates; autograd then gives the weight no gradient, so
+    DeepSpeed's grad hook never runs for it. What the hook would have done is done here once and kept:
+    `_hp_grad` set (the pipeline's tied-gradient all-reduce reads it) and the weight's `fp32_groups_has_gradients`
+    flag set again after each `clear_hp_grads` (the gradient norm and clipping read only flagged gradients; a
+    fused weight's buffer always holds its gradient, zero before the first backward).
+
+    The view is taken through `.data`: its autograd version counter is its own, so DeepSpeed zeroing the flat
+    buffer after a step does not invalidate the copies autograd saved for micro-batches still in flight. Returns
+    the number of weights fused: 0 without fp32 gradient buffers (`has_fp32_grad_buffers`)."""
+    if not has_fp32_grad_buffers(engine):
+        return 0
+    opt = engine.optimizer
+    where = {id(p): (i, j) for i, group in enumerate(opt.bf16_groups) for j, p in enumerate(group)}
+    fused = []
+    for weight in weights:
+        i, j = where[id(weight)]
+        hp_grad = opt.fp32_groups_gradients[i][j]
+        weight.main_grad = hp_grad.data.view(weight.shape)
+        weight._hp_grad = hp_grad
+        fused.append((i, j))
+    if not fused:
+        return 0
+    clear_hp_grads = opt.clear_hp_grads
+
+    def clear_hp_grads_keeping_fused():
+        clear_hp_grads()
+        for i, j in fused:
+            opt.fp32_groups_has_gradients[i][j] = True
+
+    opt.clear_hp_grads = clear_hp_grads_keeping_fused
+    for i, j in fused:
+        opt.fp32_groups_has_gradients[i][j] = True
+    return len(fused)
 
 
 class FusedGradAccumulation:

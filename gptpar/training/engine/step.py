@@ -29,8 +29,9 @@ from gptpar.tensor_parallel.float8 import invalidate_float8_weights, refresh_flo
 class TrainEngine:
     """One optimizer step per `train_step`, for a plain (pp = 1) or pipelined model."""
 
-    def __init__(self, ds_engine, pstate, pipelined: bool):
+    def __init__(self, ds_engine, pstate, pipelined: bool, fusion: Optional[str] = None):
         self.ds, self.pstate, self.pipelined = ds_engine, pstate, pipelined
+        self.fusion = fusion  # what build_engine did about gradient-accumulation fusion (None: not asked for)
         self.device = torch.device(ds_engine.device)
         self.checkpoint_writer = None  # gptpar's CheckpointWriter once `install_checkpoint_writer` ran
         self.phase_seconds: Optional[Dict[str, float]] = None  # `time_phases()` turns the timers on
@@ -152,8 +153,10 @@ class TrainEngine:
         return optimizer_state.full_state(self.ds, param)
 
     def precision_plan(self) -> str:
-        """One line: the dtypes and optimizer wrapper DeepSpeed chose, read off the engine's real objects."""
-        return optimizer_state.precision_plan(self.ds, self.pstate.dp_size)
+        """One line: the dtypes and optimizer wrapper DeepSpeed chose, read off the engine's real objects, and
+        what became of gradient-accumulation fusion."""
+        plan = optimizer_state.precision_plan(self.ds, self.pstate.dp_size)
+        return plan if self.fusion is None else f"{plan}; {self.fusion}"
 
     def held_state_bytes(self) -> dict:
         """Bytes this rank holds for parameters, gradients and the optimizer (what gptpar.estimate.memory estimates)."""

@@ -1,0 +1,195 @@
+"""Gradient-accumulation fusion (gptpar.tensor_parallel.grad_accumulation, training.gradient_accumulation_fusion):
+a linear layer whose weight has an fp32 `main_grad` adds its weight gradient there in its backward instead of
+returning it to autograd.
+
+References: the unfused layers' own autograd gradients, summed in fp32 per micro-batch as DeepSpeed's
+BF16_Optimizer does; the trainer's unfused run (its losses, grad norms, the gradients the optimizer steps on and
+the weights after the steps); on a GPU, fp32 arithmetic.
+"""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gptpar.testing import run_distributed
+
+MICRO_BATCHES = 3
+
+
+class _Pair(nn.Module):
+    """A column- then a row-parallel linear (tp 1), bf16, as in a transformer MLP."""
+
+    def __init__(self):
+        super().__init__()
+        from gptpar.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+        torch.manual_seed(0)
+        self.fc1 = ColumnParallelLinear(32, 64, dtype=torch.bfloat16)
+        self.fc2 = RowParallelLinear(64, 32, dtype=torch.bfloat16)
+        with torch.no_grad():
+            self.fc1.bias.normal_()
+            self.fc2.bias.normal_()
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def _micro_batches():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(2, 8, 32, generator=g).to(torch.bfloat16),
+             torch.randn(2, 8, 32, generator=g).to(torch.bfloat16)) for _ in range(MICRO_BATCHES)]
+
+
+def _run(fused: bool, compiled: bool, x_requires_grad: bool = True):
+    """fp32 sums of the weight gradients over the micro-batches, the other gradients, and whether autograd saw a
+    weight gradient. All forwards run before the backwards (in reverse order), as a pipeline keeps micro-batches
+    in flight: a fused backward must not invalidate what autograd saved for the others."""
+    model = _Pair()
+    weights = [model.fc1.weight, model.fc2.weight]
+    sums = [torch.zeros(w.shape) for w in weights]
+    if fused:
+        for w, s in zip(weights, sums):
+            w.main_grad = s
+    if compiled:
+        model.compile(backend="inductor")
+    inputs, outs = [], []
+    for x, _ in _micro_batches():
+        x = x.clone().requires_grad_(x_requires_grad)
+        inputs.append(x)
+        outs.append(model(x))
+    saw_weight_grad = False
+    for out, x, (_, g) in reversed(list(zip(outs, inputs, _micro_batches()))):
+        out.backward(g)
+        for w, s in zip(weights, sums):  # DeepSpeed's unfused path: each bf16 gradient added in fp32
+            if w.grad is not None:
+                saw_weight_grad = True
+                s.add_(w.grad)
+                w.grad = None
+    others = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    input_grads = [x.grad for x in inputs]
+    return sums, others, input_grads, saw_weight_grad
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal up to a bf16 rounding of a summand (a GEMM kernel may round differently for another layout):
+    a missing or doubled micro-batch is a third of the sum or more."""
+    return bool((a.float() - b.float()).abs().max() <= 2 ** -7 * b.float().abs().max())
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fused_backward_accumulates_every_micro_batch_once(compiled):
+    ref_sums, ref_others, ref_input_grads, ref_saw = _run(fused=False, compiled=compiled)
+    sums, others, input_grads, saw = _run(fused=True, compiled=compiled)
+    assert ref_saw and not saw  # fused: autograd never held a weight gradient
+    for fused_sum, ref in zip(sums, ref_sums):
+        assert fused_sum.abs().sum() > 0 and _close(fused_sum, ref)
+    assert others.keys() == ref_others.keys() == {"fc1.bias", "fc2.bias"}
+    for name in others:
+        assert torch.equal(others[name], ref_others[name])
+    for mine, ref in zip(input_grads, ref_input_grads):
+        assert torch.equal(mine, ref)
+
+
+def test_an_input_without_gradient_falls_back_to_autograd():
+    """The fused op returns the input gradient (a compiled graph keeps it for that); with no input gradient to
+    return, the layer hands autograd its weight gradient, which DeepSpeed adds into the same buffer."""
+    ref_sums, _, _, _ = _run(fused=False, compiled=False, x_requires_grad=False)
+    sums, _, _, saw = _run(fused=True, compiled=False, x_requires_grad=False)
+    assert saw
+    for fused_sum, ref in zip(sums, ref_sums):
+        assert torch.equal(fused_sum, ref)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_fused_gemm_accumulates_in_fp32_cuda(device):
+    """On a GPU the weight-gradient GEMM adds into the fp32 buffer itself: closer to fp32 arithmetic than the
+    bf16 gradient added afterwards, and available in the torch the GPU image has."""
+    from gptpar.tensor_parallel.grad_accumulation import accumulate_weight_grad_, fused_accumulation_unavailable
+
+    assert fused_accumulation_unavailable(torch.device(device)) is None
+    g = torch.Generator(device=device).manual_seed(0)
+    fused = torch.zeros(256, 512, device=device)
+    unfused = torch.zeros_like(fused)
+    exact = torch.zeros_like(fused, dtype=torch.float64)
+    for _ in range(MICRO_BATCHES):
+        grad = torch.randn(4096, 256, device=device, generator=g).to(torch.bfloat16)
+        x = torch.randn(4096, 512, device=device, generator=g).to(torch.bfloat16)
+        accumulate_weight_grad_(fused, grad, x)
+        unfused.add_(grad.t().mm(x))
+        exact += grad.double().t() @ x.double()
+    fused_error = (fused.double() - exact).norm() / exact.norm()
+    unfused_error = (unfused.double() - exact).norm() / exact.norm()
+    assert fused_error < 1e-5 and fused_error < unfused_error / 10, (fused_error, unfused_error)
+
+
+# -- the trainer's engine: fused and unfused runs take the same steps ------------------------------------------
+
+TINY = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 16, "vocab_size": 256,
+        "make_vocab_size_divisible_by": 128, "hidden_dropout": 0.0, "attention_dropout": 0.0}
+
+
+def _steps(pstate, fusion):
+    """Three bf16 steps of 4 micro-batches with `training.gradient_accumulation_fusion = fusion`: the losses, grad
+    norms, the fp32 gradient the optimizer steps on at each step, the weights after, and what the engine says."""
+    from gptpar.training.batches import SyntheticDataset, rank_micro_batches
+    from gptpar.training.build import build_model, seed_everything
+    from gptpar.training.config import config_from_dict
+    from gptpar.training.engine import build_engine, deepspeed_config
+
+    tp, pp = pstate.tp_size, pstate.pp_size
+    cfg = config_from_dict({"model": dict(TINY), "parallel": {"tensor_model_parallel_size": tp,
+                                                              "pipeline_model_parallel_size": pp,
+                                                              "sequence_parallel": tp > 1},
+                            "training": {"micro_batch_size": 1, "global_batch_size": 4, "train_iters": 3,
+                                         "precision": "bf16", "zero_stage": 1, "lr": 1e-2, "clip_grad": 0.5,
+                                         "gradient_accumulation_fusion": fusion},
+                            "data": {"synthetic": True}})
+    t = cfg.training
+    model = build_model(cfg, pstate, seed_everything(t.seed, pstate))
+    engine = build_engine(model, pstate, deepspeed_config(cfg, pstate.dp_size), lr=t.lr, weight_decay=0.1,
+                          gradient_accumulation_fusion=fusion)
+    stepped = []
+    inner = engine.ds.optimizer.optimizer
+    inner.register_step_pre_hook(lambda opt, args, kwargs: stepped.append(
+        torch.cat([p.grad.detach().reshape(-1).clone() for g in opt.param_groups for p in g["params"]])))
+    losses, norms = [], []
+    data = SyntheticDataset(TINY["vocab_size"], TINY["seq_length"], 7)
+    for step in range(3):
+        texts = rank_micro_batches(data, step * t.global_batch_size, t.global_batch_size, t.micro_batch_size,
+                                   pstate.dp_rank, pstate.dp_size)
+        losses.append(engine.train_step([{"input_ids": x[:, :-1].contiguous(), "labels": x[:, 1:].contiguous()}
+                                         for x in texts]))
+        norms.append(engine.grad_norm)
+    gemm = [n for n, p in engine.named_parameters() if hasattr(p, "main_grad")]
+    grads_seen = [n for n, p in engine.named_parameters() if p.grad is not None]
+    weights = torch.cat([p.detach().float().reshape(-1) for p in engine.parameters()])
+    return losses, norms, stepped, weights, gemm, grads_seen, engine.precision_plan()
+
+
+def _fused_and_unfused(tp, pp):
+    from gptpar.parallel import init_parallel
+
+    pstate = init_parallel(tp, pp, 1)
+    return {fusion: _steps(pstate, fusion) for fusion in (True, False)}
+
+
+def test_fused_training_takes_the_unfused_steps():
+    """tp 2 with sequence parallelism x pp 2 (1F1B keeps two micro-batches in flight on the first stage, the
+    tied embedding's gradient is all-reduced between the stages), clipping active: every rank's losses, grad
+    norms (DeepSpeed's norm over the flagged fp32 gradients: a fused weight left out would change them) and
+    stepped gradients equal the unfused run's up to bf16 roundings, and so do the weights after three steps."""
+    for rank, runs in enumerate(run_distributed(_fused_and_unfused, 4, (2, 2), timeout=400)):
+        losses, norms, stepped, weights, gemm, grads_seen, plan = runs[True]
+        ref_losses, ref_norms, ref_stepped, ref_weights, ref_gemm, _, ref_plan = runs[False]
+        # each stage holds one layer: qkv, dense, fc1, fc2 weights fused; nothing else
+        assert sorted(n.rsplit(".", 2)[-2] for n in gemm) == ["dense", "dense_4h_to_h", "dense_h_to_4h",
+                                                               "query_key_value"], gemm
+        assert not ref_gemm and "gradient-accumulation fusion: 4 GEMM weights" in plan
+        assert "fusion" not in ref_plan
+        assert not set(gemm) & set(grads_seen)
+        assert losses == pytest.approx(ref_losses, rel=1e-4) and norms == pytest.approx(ref_norms, rel=1e-4)
+        assert min(ref_norms) > 0.5  # the clip (0.5) is active: the norm decides the step
+        for mine, ref in zip(stepped, ref_stepped):
+            assert float((mine - ref).norm() / ref.norm()) < 1e-3, rank
+        assert float((weights - ref_weights).norm() / ref_weights.norm()) < 1e-4
