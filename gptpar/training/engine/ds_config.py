@@ -51,6 +51,8 @@ OWNED_KEYS = {
     "scheduler": "training.lr_decay_style (and the other training.lr_* keys)",
     "steps_per_print": "logging.log_interval",
     "wall_clock_breakdown": "logging.timers",
+    "timers": "logging.log_interval (gptpar's log line times the iterations; DeepSpeed's timer would synchronize "
+              "the device twice per micro-batch)",
     "activation_checkpointing": "training.activation_checkpointing",
     "tensorboard": "logging.tensorboard_dir",
     "csv_monitor": "logging.metrics_file",
@@ -114,6 +116,10 @@ def deepspeed_config(cfg: Config, dp_size: int, consumed_samples: int = 0) -> di
         "fp16": {"enabled": precision == "fp16"},
         "steps_per_print": 2 ** 31 - 1,  # gptpar prints its own log line
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer (on by default) synchronizes the device when each forward starts and each
+        # step() ends - twice per micro-batch, each a full drain of the GPU's queue, after which the GPU waits
+        # for the host to launch the next forward. gptpar's log line times the iterations itself.
+        "timers": {"throughput": {"enabled": False}},
     }
     if t.optimizer != "adamw":
         # ZeRO refuses client optimizers outside its list (torch's Adam/AdamW, its own) unless told; bitsandbytes'
