@@ -45,7 +45,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gptpar.estimate.flops import tflops_per_gpu  # noqa: E402 (the shared FLOP formula; nothing else from gptpar)
+from gptpar.estimate.flops import tflops_per_gpu  # noqa: E402 (the shared FLOP formula; the peer's loop uses
+# nothing else from gptpar; --profile reports with the trainer's profiler, --gptpar builds gptpar's model)
 
 
 @dataclass
@@ -173,8 +174,10 @@ def build_gptpar(model_section: dict, device, compile_model: bool, seed: int):
 
 
 def run(cfg: PeerConfig, *, micro_batch_size, global_batch_size, device, dtype, compile_model, iters, warmup,
-        clip=1.0, lr=2e-4, seed=0, gptpar_model: dict = None) -> dict:
-    """Time the peer loop, or with `gptpar_model` (a config's model section) gptpar's model in the same loop."""
+        clip=1.0, lr=2e-4, seed=0, gptpar_model: dict = None, profile: int = 0) -> dict:
+    """Time the peer loop, or with `gptpar_model` (a config's model section) gptpar's model in the same loop;
+    then, with `profile`, run that many more iterations under torch.profiler (the trainer's logging.profile
+    report: the top kernels by device time and the device's busy share), printed and kept under "profile"."""
     if global_batch_size % micro_batch_size:
         raise SystemExit(f"--global-batch-size {global_batch_size} must divide by the micro-batch {micro_batch_size}")
     accum = global_batch_size // micro_batch_size
@@ -234,6 +237,17 @@ def run(cfg: PeerConfig, *, micro_batch_size, global_batch_size, device, dtype, 
            "tokens_per_s": tokens / sec, "tflops": tflops, "losses": losses}
     if device.type == "cuda":
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+    if profile:
+        from gptpar.training.profiling import IterationProfiler
+
+        reports = []
+        profiler = IterationProfiler(f"1-{profile}", None, 0, device, reports.append, rows=40)
+        for n in range(1, profile + 1):
+            profiler.before(n)
+            iteration()
+            profiler.after(n)
+        out["profile"] = reports[0].replace("logging.profile:", f"{out['loop']} profile:", 1)
+        print(out["profile"])
     return out
 
 
@@ -269,6 +283,8 @@ def main(argv=None):
     p.add_argument("--json", default=None, help="also write the result here")
     p.add_argument("--tiny", action="store_true", help="a 2 x 64 model at seq 32: seconds on a CPU (smoke)")
     p.add_argument("--gptpar", action="store_true", help="also time gptpar's GPTModel the same way (see above)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing, profile N more iterations of each loop (top kernels, device busy share)")
     args = p.parse_args(argv)
 
     device = torch.device(args.device)
@@ -282,7 +298,7 @@ def main(argv=None):
     mbs = args.micro_batch_size or mbs
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     kw = dict(micro_batch_size=mbs, global_batch_size=gbs, device=device, dtype=dtype, compile_model=args.compile,
-              iters=iters, warmup=warmup)
+              iters=iters, warmup=warmup, profile=args.profile)
     res = run(cfg, **kw)
     print(summary_line(res, cfg, mbs, gbs, args.compile))
     if args.gptpar:

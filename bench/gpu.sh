@@ -17,14 +17,17 @@
 # this order, each under its own timeout and all under BUDGET_S (default 470 s):
 #   1. peer_compiled   bench/bench_peer_loop.py --compile: the nanoGPT-style loop the trainer must beat, and
 #                        gptpar's model alone in the same loop (--gptpar; PEER_GPTPAR=0 leaves it out)
+#      peer_profile    the same under torch.profiler for 2 iterations (top kernels, device busy share)
 #   2. trainer_compiled  pretrain_gpt.py, training.compile=true                  (target: >= 1.05x step 1 tokens/s)
+#      trainer_compiled_unfused  the same with training.gradient_accumulation_fusion=false: the fusion's gain
 #      trainer_profile   the same over 5 iterations with logging.profile=4-5 (top kernels, device busy share)
 #      trainer_compiled_before  the same run on an earlier tree carried in .before/ (when there is one): a
 #                        change's gain in the same call, and its losses (within bf16 rounding of the new ones)
 #   3. trainer_fp8       the same with training.precision=fp8 (torchao float8, tensorwise)
 #   4. layer_bf16 / layer_fp8  bench/bench_layer.py: one configs/200b.json layer as a tp-8 GPU sees it, compiled,
 #                        bf16 and fp8 (weight casts cached, and not), forward + backward  (target: fp8 >= 1.3x bf16)
-#      cuda_checks       the int32 dropout hash under Triton, torchao's float8 GEMMs against their emulation
+#      cuda_checks       the int32 dropout hash under Triton, torchao's float8 GEMMs against their emulation, the
+#                        fused fp32 weight-gradient GEMM against fp64
 #   5. trainer_eager     pretrain_gpt.py, training.compile=false (what the H100 measured at 0.90x)
 #   6. summary           bench/gpu_summary.py: tokens/s, TFLOPs and peak memory of each, the ratios, the checks
 # (STEPS="..." runs only the named steps; a step the budget cannot start is skipped and said in skipped.txt.)
@@ -134,8 +137,13 @@ speed() {
   local alone=--gptpar  # gptpar's model alone in the peer's loop too (PEER_GPTPAR=0: the peer only, ~40 s less)
   [ "${PEER_GPTPAR:-1}" = 1 ] || alone=
   step peer_compiled 190 $PY bench/bench_peer_loop.py $peer --compile $alone --json "$OUT/peer_compiled.json"
+  # Where the peer's time goes, next to trainer_profile's table: its loop (and gptpar's model in it) profiled.
+  step peer_profile 150 $PY bench/bench_peer_loop.py $peer --compile $alone --iters 1 --warmup 2 --profile 2
   step trainer_compiled 170 "${run[@]}" --set training.compile=true \
       --set logging.metrics_file="$OUT/trainer_compiled.jsonl"
+  # Gradient-accumulation fusion's gain: the same run with the bf16 weight gradients added by a second kernel.
+  step trainer_compiled_unfused 170 "${run[@]}" --set training.compile=true \
+      --set training.gradient_accumulation_fusion=false --set logging.metrics_file="$OUT/trainer_compiled_unfused.jsonl"
   # Where the time goes: torch.profiler over two iterations (the top kernels, the device's busy share).
   step trainer_profile 120 "${run[@]}" --set training.compile=true --set training.train_iters=5 \
       --set logging.profile=4-5
@@ -154,7 +162,8 @@ speed() {
   # The CUDA forms of what the speed steps rely on: the int32 dropout hash under Triton equals the int64 formula,
   # and torchao's float8 GEMMs equal their emulation.
   [ "${GPU_CPU_SMOKE:-0}" = 1 ] || step cuda_checks 90 $PY -m pytest -q -p no:cacheprovider -k "cuda" \
-      tests/test_compile.py::test_counter_dropout_int32_hash_is_the_int64_hash tests/test_float8.py
+      tests/test_compile.py::test_counter_dropout_int32_hash_is_the_int64_hash tests/test_float8.py \
+      tests/test_grad_accumulation_fusion.py
   echo "== 3. the trainer eager"
   step trainer_eager 120 "${run[@]}" --set training.compile=false --set logging.metrics_file="$OUT/trainer_eager.jsonl"
   step summary 60 $PY bench/gpu_summary.py --out "$OUT"

@@ -242,9 +242,9 @@ def _gpu_script_on_cpu(mode, tmp_path, timeout):
 
 @pytest.mark.slow
 def test_gpu_speed_script_flow_on_cpu(tmp_path):
-    """`bench/gpu.sh speed` (issue 21's call): the peer compiled (and gptpar's model in its loop), the trainer
-    compiled, profiled, in fp8 and eager, the layer in bf16 and fp8, and the summary's figures and ratios, each read
-    from what its step wrote (~6 min on 2 cores)."""
+    """`bench/gpu.sh speed` (issue 21's call): the peer compiled (and gptpar's model in its loop), also profiled,
+    the trainer compiled, without gradient-accumulation fusion, profiled, in fp8 and eager, the layer in bf16 and
+    fp8, and the summary's figures, ratios and checks, each read from what its step wrote (~7 min on 2 cores)."""
     pytest.importorskip("deepspeed")
     pytest.importorskip("torchao")
     _, out, raw = _gpu_script_on_cpu("speed", tmp_path, timeout=1500)
@@ -259,6 +259,11 @@ def test_gpu_speed_script_flow_on_cpu(tmp_path):
     peer = json.loads((raw / "peer_compiled.json").read_text())["peer"]  # --gptpar: {"peer", "gptpar"}
     assert summary["model_alone_compiled"]["tokens_per_s"] > 0
     assert "logging.profile: iterations 4-5 on rank 0:" in (raw / "trainer_profile.log").read_text()
+    peer_profile = (raw / "peer_profile.log").read_text()
+    assert "peer (nanoGPT-style) profile: iterations 1-2" in peer_profile and "gptpar GPTModel profile:" in peer_profile
+    assert "gradient-accumulation fusion: 8 GEMM weights" in (raw / "trainer_compiled.log").read_text()
+    assert "gradient-accumulation fusion" not in (raw / "trainer_compiled_unfused.log").read_text()
+    assert summary["checks"]["losses_as_unfused"]["within"], summary["checks"]
     assert summary["ratios"]["trainer_compiled_vs_peer_compiled"] == pytest.approx(
         summary["trainer_compiled"]["tokens_per_s"] / peer["tokens_per_s"])
     assert json.loads((raw / "layer_fp8.json").read_text())["float8"] and summary["layer_fp8"]["gemms"]

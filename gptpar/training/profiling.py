@@ -2,7 +2,8 @@
 
 Between the start of iteration START and the end of iteration END every rank records its CPU ops and, on a GPU,
 its kernels; at END the log rank prints where the device's time went (the top kernels by self time, and how much
-of the profiled wall time the device was busy at all: the rest is idle, waiting for the host), and with
+of the profiled wall time the device was busy at all: the rest is idle, waiting for the host; and the longest of
+those idle gaps, each with the host ops that were running through it: where the host made the device wait), and with
 logging.profile_dir each rank writes its Chrome trace (`trace_rank<R>.json.gz`, for chrome://tracing or Perfetto)
 there. Pick iterations after the first (training.compile compiles during iteration 1).
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -59,7 +60,13 @@ class IterationProfiler:
         if self.trace_dir:
             os.makedirs(self.trace_dir, exist_ok=True)
             prof.export_chrome_trace(os.path.join(self.trace_dir, f"trace_rank{self.rank}.json.gz"))
-        self.say(self.report(events, wall))
+        report = self.report(events, wall)
+        if self.device.type == "cuda":
+            raw = prof.events()
+            kernels = [(e.time_range.start, e.time_range.end) for e in raw if e.device_type.name == "CUDA"]
+            host = [(e.time_range.start, e.time_range.end, e.name) for e in raw if e.device_type.name == "CPU"]
+            report += "\n" + format_idle_gaps(idle_gaps(kernels, host))
+        self.say(report)
 
     def report(self, events, wall: float) -> str:
         """The table of the top ops by device (CPU: host) self time, and the device's busy share of `wall`."""
@@ -77,9 +84,40 @@ class IterationProfiler:
         return head + "\n" + events.table(sort_by=key, row_limit=self.rows, max_name_column_width=60)
 
 
+def idle_gaps(kernels: List[Tuple[float, float]], host: List[Tuple[float, float, str]], *, min_us: float = 20.0,
+              top: int = 8) -> dict:
+    """Where the device sat idle between kernels: `kernels` (start, end) in us on the device (any stream), `host`
+    (start, end, name) the host ops. Returns the number and total of gaps of at least `min_us` between the union of
+    the kernels' intervals, and the `top` longest, each with the host ops spanning its middle (outermost first:
+    what the host was doing while the device waited)."""
+    merged: List[List[float]] = []
+    for start, end in sorted(kernels):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    gaps = [(b[0] - a[1], a[1], b[0]) for a, b in zip(merged, merged[1:]) if b[0] - a[1] >= min_us]
+    longest = []
+    for length, start, end in sorted(gaps, reverse=True)[:top]:
+        middle = (start + end) / 2
+        spanning = sorted((h for h in host if h[0] <= middle <= h[1]), key=lambda h: (h[0], -h[1]))
+        longest.append({"us": length, "start_us": start, "host": [name for _, _, name in spanning]})
+    return {"count": len(gaps), "total_us": sum(g[0] for g in gaps), "min_us": min_us, "longest": longest}
+
+
+def format_idle_gaps(gaps: dict, depth: int = 4) -> str:
+    """`idle_gaps` as lines: the total, then each long gap with the outermost `depth` host ops running through it."""
+    lines = [f"device idle between kernels: {gaps['total_us'] / 1e3:.2f} ms in {gaps['count']} gaps of "
+             f">= {gaps['min_us']:.0f} us; the longest:"]
+    for gap in gaps["longest"]:
+        host = " > ".join(gap["host"][:depth]) or "(no host op: Python between ops)"
+        lines.append(f"  {gap['us'] / 1e3:8.3f} ms at +{gap['start_us'] / 1e3:.1f} ms, host in: {host}")
+    return "\n".join(lines)
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-__all__ = ["parse_range", "IterationProfiler"]
+__all__ = ["parse_range", "IterationProfiler", "idle_gaps", "format_idle_gaps"]
