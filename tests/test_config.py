@@ -102,6 +102,9 @@ ERROR_CASES = [
     ("profile_not_a_range", base(logging={"profile": "5"}), (), 1, "logging.profile", "e.g. \"5-6\""),
     ("profile_dir_alone", base(logging={"profile_dir": "traces"}), (), 1, "logging.profile_dir",
      "set logging.profile"),
+    ("profile_after_the_end", base(logging={"profile": "9-11"}), (), 1, "logging.profile", "within 1-10"),
+    ("profile_after_the_end_in_samples", base(training={"train_iters": None, "train_samples": 40},
+                                              logging={"profile": "5-6"}), (), 1, "logging.profile", "within 1-5"),
 ]
 
 

@@ -29,3 +29,32 @@ def test_idle_gap_lines():
         "device idle between kernels: 0.80 ms in 2 gaps of >= 20 us; the longest:",
         "     0.500 ms at +0.2 ms, host in: iteration > optimizer.step",
         "     0.300 ms at +1.0 ms, host in: iteration > data"]
+
+
+def test_a_run_stopping_inside_the_range_still_reports():
+    """`finish` at the run's end: a stop after iteration 3 of a "2-4" range reports iterations 2-3, once; a run
+    that never reached the range, or that finished it, reports nothing more."""
+    import torch
+
+    from gptpar.training.profiling import IterationProfiler
+
+    said = []
+    profiler = IterationProfiler("2-4", None, 0, torch.device("cpu"), said.append)
+    x = torch.randn(64, 64)
+    for iteration in (1, 2, 3):
+        profiler.before(iteration)
+        x = x @ x.T / 64
+        profiler.after(iteration)
+    assert said == []
+    profiler.finish(3)
+    profiler.finish(3)
+    assert len(said) == 1 and said[0].startswith(
+        "logging.profile: iterations 2-3 on rank 0 (the run stopped before iteration 4): ") and "aten::mm" in said[0]
+    early = IterationProfiler("5-6", None, 0, torch.device("cpu"), said.append)
+    early.before(1)
+    early.finish(1)
+    done = IterationProfiler("1-1", None, 0, torch.device("cpu"), said.append)
+    done.before(1)
+    done.after(1)
+    done.finish(1)
+    assert len(said) == 2 and said[1].startswith("logging.profile: iterations 1-1 on rank 0: ")

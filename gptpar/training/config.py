@@ -26,6 +26,7 @@ from gptpar.model.partition import partition_layers, resolve_partition_method
 from gptpar.parallel import resolve_sizes
 from gptpar.training.profiling import parse_range
 from gptpar.training.schedules import BatchSizeRampup, LearningRateSchedule, SkipRanges
+from gptpar.training.schedules import train_iters as total_train_iters
 
 
 class ConfigError(ValueError):
@@ -538,8 +539,10 @@ class LoggingConfig:
                                       "included, e.g. `\"5-6\"`) runs torch.profiler over those iterations; at "
                                       "END the log rank prints the top ops by device (CPU: host) self time, "
                                       "the device's busy share of the wall time and, on a GPU, its longest idle "
-                                      "gaps with the host ops running through them. Pick iterations after the first "
-                                      "(training.compile compiles in it). null = off.")
+                                      "gaps with the host ops running through them (a run that stops inside the "
+                                      "range reports what it profiled; a range past the run's last iteration is "
+                                      "refused). Pick iterations after the first (training.compile compiles in "
+                                      "it). null = off.")
     profile_dir: Optional[str] = _f(None, "With logging.profile: each rank writes its Chrome trace "
                                           "(`trace_rank<R>.json.gz`, chrome://tracing or Perfetto) into this "
                                           "directory; null = the printed table only.")
@@ -666,6 +669,13 @@ class Config:
             BatchSizeRampup.from_config(t, dp)  # the batch arithmetic's one home (gptpar.training.schedules)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if self.logging.profile is not None:
+            last = parse_range(self.logging.profile)[1]
+            iterations = total_train_iters(t, dp)
+            if last > iterations:
+                raise ConfigError(f"logging.profile {self.logging.profile!r} ends after the run's last iteration "
+                                  f"({iterations}, from training.train_iters / train_samples): its report would "
+                                  f"never print; pick a range within 1-{iterations}")
 
         if self.data.data_path is None and not self.data.synthetic:
             raise ConfigError("data.data_path is not set: give a preprocessed dataset prefix, or set "

@@ -38,6 +38,7 @@ class IterationProfiler:
         self.trace_dir, self.rank, self.device, self.say, self.rows = trace_dir, rank, device, say, rows
         self.prof = None
         self.began = 0.0
+        self.stopped_before: Optional[int] = None  # the range's END when the run stopped first (`finish`)
 
     def before(self, iteration: int) -> None:
         if iteration != self.start or self.prof is not None:
@@ -68,14 +69,22 @@ class IterationProfiler:
             report += "\n" + format_idle_gaps(idle_gaps(kernels, host))
         self.say(report)
 
+    def finish(self, iteration: int) -> None:
+        """At the end of a run that stopped inside the range (a signal, an exit condition): report the iterations
+        profiled so far instead of nothing."""
+        if self.prof is not None and iteration >= self.start:
+            self.stopped_before, self.end = self.end, iteration
+            self.after(iteration)
+
     def report(self, events, wall: float) -> str:
         """The table of the top ops by device (CPU: host) self time, and the device's busy share of `wall`."""
         on_device = self.device.type == "cuda"
         key = "self_device_time_total" if on_device else "self_cpu_time_total"
         busy_us = sum(getattr(e, key) for e in events if not on_device or e.device_type.name == "CUDA")
         n = self.end - self.start + 1
-        head = (f"logging.profile: iterations {self.start}-{self.end} on rank {self.rank}: {wall:.3f} s wall "
-                f"({wall / n:.3f} s per iteration)")
+        head = (f"logging.profile: iterations {self.start}-{self.end} on rank {self.rank}"
+                + (f" (the run stopped before iteration {self.stopped_before})" if self.stopped_before else "")
+                + f": {wall:.3f} s wall ({wall / n:.3f} s per iteration)")
         if on_device:
             head += (f"; kernels busy {busy_us / 1e6:.3f} s = {100 * busy_us / 1e6 / wall:.1f}% of it (the rest: "
                      "the device waiting for the host)")

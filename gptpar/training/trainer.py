@@ -176,6 +176,8 @@ class Trainer:
         self.start_time = time.time()
         try:
             reason = self._loop()
+            if self.profiler is not None:
+                self.profiler.finish(self.counters.iteration)  # a stop inside logging.profile's range
             if self.checkpointer is not None:
                 self.checkpointer.wait("exiting")  # an async save is whole (or its failure raised) before the end
             return reason
