@@ -181,18 +181,25 @@ def test_memory_estimate_is_bf16s_plus_casts():
     shape = dict(num_layers=4, hidden_size=14400, num_attention_heads=96, vocab_size=50257, seq_length=2048,
                  micro_batch_size=2, global_batch_size=16, tp_size=8, pp_size=2, dp_size=1)
     bf16, fp8 = memory_per_gpu(precision="bf16", **shape)["max"], memory_per_gpu(precision="fp8", **shape)["max"]
-    casts = float8_cast_bytes(layer_float8_gemms(14400, 57600, 8), 2 * 2048)
-    # plus the weight casts cached per step: 1 byte per padded weight element and a 4-byte scale, 2 layers a stage
+    rowwise = memory_per_gpu(precision="fp8", fp8_recipe="rowwise", **shape)["max"]
+    gemms = layer_float8_gemms(14400, 57600, 8)
+    casts = float8_cast_bytes(gemms, 2 * 2048, weights_cached=True)
+    # tensorwise: plus the weight casts cached per step: 1 byte per padded weight element and a 4-byte scale, 2
+    # layers a stage
     cache = 2 * (5408 * 14400 + 14400 * 1808 + 7200 * 14400 + 14400 * 7200 + 4 * 4)
     assert fp8["float8_casts"] == casts + cache and bf16["float8_casts"] == 0
     assert fp8["total"] == pytest.approx(bf16["total"] + casts + cache)
-    # 4096 tokens; per GEMM the output gradient cast twice, the weight and the input once (1 byte each), and for a
-    # padded one the rebuilt bf16 weight and the padded bf16 gradient of its padded side (2 bytes each)
+    assert rowwise["float8_casts"] == float8_cast_bytes(gemms, 2 * 2048)  # no cache: each GEMM casts its weight
+    # 4096 tokens; per GEMM the output gradient cast twice and the input once (1 byte each), the padded bf16
+    # gradient of a padded side (2 bytes); uncached also the weight's cast (1 byte) and a padded GEMM's rebuilt bf16
+    # weight (2 bytes)
     m = 4096
-    mlp_in = 2 * m * 7200 + 7200 * 14400 + m * 14400
-    qkv = 2 * m * 5408 + 5408 * 14400 + m * 14400 + 2 * 5408 * 14400 + 2 * m * 5408  # out 5400 -> 5408
-    dense = 2 * m * 14400 + 14400 * 1808 + m * 1808 + 2 * 14400 * 1808 + 2 * m * 1808  # in 1800 -> 1808
-    assert casts == max(mlp_in, qkv, dense, 2 * m * 14400 + 14400 * 7200 + m * 7200)
+    weights = {"mlp_in": 7200 * 14400, "qkv": 5408 * 14400, "dense": 14400 * 1808, "mlp_out": 14400 * 7200}
+    held = {"mlp_in": 2 * m * 7200 + m * 14400, "qkv": 2 * m * 5408 + m * 14400 + 2 * m * 5408,  # out 5400 -> 5408
+            "dense": 2 * m * 14400 + m * 1808 + 2 * m * 1808, "mlp_out": 2 * m * 14400 + m * 7200}  # in 1800 -> 1808
+    padded = {"qkv", "dense"}
+    assert casts == max(held.values())
+    assert float8_cast_bytes(gemms, m) == max(held[k] + weights[k] * (3 if k in padded else 1) for k in held)
 
 
 # -- one process: padding, the import --------------------------------------------------------------------------

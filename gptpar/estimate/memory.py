@@ -15,10 +15,10 @@ with the client AdamW gptpar passes (`training.optimizer=adamw`). Measured on CP
 fp8 holds bf16's model states exactly (to DeepSpeed it is bf16: gptpar.training.config.deepspeed_precision) and the
 same activations (torchao's float8 GEMM keeps its bf16 input and weight for backward, as F.linear does, and a padded
 GEMM keeps only its padded input); its float8 casts are transient, one GEMM's at a time:
-`float8_casts` per stage = gptpar.tensor_parallel.float8.float8_cast_bytes of the layer's largest GEMM, plus the
-weight casts cached per optimizer step (recipe tensorwise, the default: float8_weight_cache_bytes per layer on the
-stage, 1 byte per weight element; this estimate assumes it for rowwise too, an over-estimate of 1 byte per
-weight element there).
+`float8_casts` per stage = gptpar.tensor_parallel.float8.float8_cast_bytes of the layer's largest GEMM, plus, for
+recipe tensorwise (the default), the weight casts cached per optimizer step (float8_weight_cache_bytes per layer on
+the stage, 1 byte per weight element), whose GEMMs then cast no weight of their own; rowwise casts its weights in
+every GEMM and caches none.
 
 bf16 is DeepSpeed's BF16_Optimizer (`data_types.grad_accum_dtype = fp32`, `bf16.immediate_grad_update`): each
 bf16 gradient is added into a full fp32 buffer as autograd produces it and freed, so the 4 gradient bytes are
@@ -131,7 +131,7 @@ def memory_per_gpu(*, num_layers: int, hidden_size: int, num_attention_heads: in
                    seq_length: int, micro_batch_size: int, global_batch_size: int, tp_size: int = 1,
                    pp_size: int = 1, dp_size: int = 1, partition_method: str = "transformer",
                    precision: str = "bf16", zero_stage: int = 1, optimizer: str = "adamw",
-                   activation_checkpointing=True,
+                   activation_checkpointing=True, fp8_recipe: str = "tensorwise",
                    ffn_hidden_size: Optional[int] = None, make_vocab_size_divisible_by: int = 128,
                    max_position_embeddings: Optional[int] = None,
                    cuda_context_bytes: float = CUDA_CONTEXT_BYTES, embedding_weight: int = 1,
@@ -158,8 +158,9 @@ def memory_per_gpu(*, num_layers: int, hidden_size: int, num_attention_heads: in
     casts = cache = 0
     if precision == "fp8":
         gemms = layer_float8_gemms(hidden_size, ffn_hidden_size or 4 * hidden_size, tp_size)
-        casts = float8_cast_bytes(gemms, micro_batch_size * seq_length)
-        cache = float8_weight_cache_bytes(gemms)
+        cached = fp8_recipe == "tensorwise"  # Float8Matmul.caches_weights
+        casts = float8_cast_bytes(gemms, micro_batch_size * seq_length, weights_cached=cached)
+        cache = float8_weight_cache_bytes(gemms) if cached else 0
     stages = []
     for i, (params, (start, end)) in enumerate(zip(per_rank, ranges)):
         st = model_state_bytes(params, precision, zero_stage, dp_size, optimizer)

@@ -42,6 +42,7 @@ def memory_of(s: dict) -> dict:
                           global_batch_size=s["global_batch_size"], tp_size=s["tp_size"], pp_size=s["pp_size"],
                           dp_size=s["dp_size"], partition_method=s["partition_method"],
                           embedding_weight=s["embedding_weight"], precision=s["precision"],
+                          fp8_recipe=s.get("fp8_recipe", "tensorwise"),
                           zero_stage=s["zero_stage"], optimizer=s["optimizer"],
                           activation_checkpointing=s["activation_checkpointing"],
                           ffn_hidden_size=s["ffn_hidden_size"], max_position_embeddings=s["max_position_embeddings"],

@@ -148,20 +148,23 @@ def layer_float8_gemms(hidden_size: int, ffn_hidden_size: int, tp_size: int) -> 
     return [plan_float8_gemm(out, inp, name) for name, (out, inp) in zip(GEMM_NAMES, shapes)]
 
 
-def float8_cast_bytes(gemms: List[Float8Gemm], tokens: int) -> int:
+def float8_cast_bytes(gemms: List[Float8Gemm], tokens: int, weights_cached: bool = False) -> int:
     """Peak bytes of float8 casts and padding copies one GEMM of `gemms` holds at a time beyond what its bf16
     GEMM would (the largest over them), with `tokens` = micro batch x seq_length rows: its backward holds the
-    output gradient cast twice (for the input- and the weight-gradient GEMMs), the weight and the input cast once
-    (1 byte each), and for a padded GEMM the rebuilt bf16 weight copy and the padded bf16 gradients (2 bytes).
-    Transient: freed when the GEMM's backward returns; no float8 tensor is kept between forward and backward."""
+    output gradient cast twice (for the input- and the weight-gradient GEMMs) and the input cast once (1 byte
+    each), the padded bf16 gradients of a padded GEMM (2 bytes), and - unless `weights_cached` (tensorwise: the
+    cast comes from the per-step cache, counted by float8_weight_cache_bytes) - the weight's cast (1 byte) and for
+    a padded GEMM its rebuilt bf16 weight copy (2 bytes). Transient: freed when the GEMM's backward returns; no
+    float8 tensor is kept between forward and backward."""
     peak = 0
     for g in gemms:
         if g.mode == "bf16":
             continue
         o, i, m = g.padded_out, g.padded_in, tokens
-        held = 2 * m * o + o * i + m * i
+        held = 2 * m * o + m * i + (0 if weights_cached else o * i)
         if g.mode == "padded":
-            held += 2 * o * i + (2 * m * o if o != g.out_features else 0) + (2 * m * i if i != g.in_features else 0)
+            held += ((0 if weights_cached else 2 * o * i) + (2 * m * o if o != g.out_features else 0)
+                     + (2 * m * i if i != g.in_features else 0))
         peak = max(peak, held)
     return peak
 
