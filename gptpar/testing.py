@@ -7,6 +7,10 @@ must be a module-level (picklable) function. Its return values come back as a li
 an exception on any rank is raised here with that rank's traceback; a rank that hangs past `timeout`
 seconds gets every rank killed and a TimeoutError raised, so a broken collective cannot hang CI.
 
+Ranks are fresh interpreters (multiprocessing's spawn) unless `fork_ranks_from_server(preload)` was called: then
+they are forked from one server process that imported `preload` (torch, DeepSpeed) once, instead of each spending
+seconds on those imports (the test suite does this in tests/conftest.py).
+
 `LiveTensorBytes` counts the bytes of tensors created inside a block that are alive at once (a peak-memory count
 that needs no CUDA and does not depend on the allocator: tests and bench/bench_loss_memory.py use it).
 """
@@ -28,8 +32,43 @@ from torch.utils._pytree import tree_leaves
 from gptpar.parallel import free_port  # noqa: F401 (re-exported for tests)
 
 
+# None: spawn each rank; else the modules the forkserver imports before it forks ranks (fork_ranks_from_server).
+_server_preload: Optional[List[str]] = None
+
+
+def fork_ranks_from_server(preload: Sequence[str]) -> None:
+    """Later `run_distributed` calls fork their ranks from one server process (multiprocessing's forkserver) that
+    imported the modules `preload` names once. A rank is still a new process holding nothing of an earlier one: it
+    gets the caller's os.environ (as of the call), sys.path, working directory, stdout and stderr, as a spawned rank
+    does; only what `preload` did at import time (with the environment of the first call) is shared. Call it
+    before the first `run_distributed`."""
+    global _server_preload
+    _server_preload = list(preload)
+    mp.get_context("forkserver").set_forkserver_preload(_server_preload)
+
+
+class _CallerStdio:
+    """Pickled with a forked rank's arguments: the caller's stdout and stderr file descriptors, sent to the rank
+    (the forkserver's own are those of the call that started it), where `_take_stdio` makes them fds 1 and 2."""
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+
+        return _take_stdio, (DupFd(1), DupFd(2))
+
+
+def _take_stdio(out, err) -> None:
+    for target, sent in ((1, out), (2, err)):
+        fd = sent.detach()
+        os.dup2(fd, target)
+        os.close(fd)
+
+
 def _worker(rank: int, world_size: int, port: int, threads: int, fn: Callable, args: Sequence,
-            env: dict, results) -> None:
+            env: dict, results, caller_env: Optional[dict] = None, stdio=None) -> None:
+    if caller_env is not None:  # forked from the server: the caller's environment, not the server's
+        os.environ.clear()
+        os.environ.update(caller_env)
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
@@ -100,12 +139,13 @@ class LiveTensorBytes(TorchDispatchMode):
 def run_distributed(fn: Callable, world_size: int, args: Sequence = (), *, timeout: float = 300.0,
                     threads: Optional[int] = None, env: Optional[dict] = None) -> List[Any]:
     """Run `fn(*args)` on `world_size` spawned gloo ranks and return the per-rank results."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("spawn" if _server_preload is None else "forkserver")
     results = ctx.Queue()
     port = free_port()
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, threads, fn, tuple(args), env or {}, results),
-                         daemon=True) for r in range(world_size)]
+    forked = () if _server_preload is None else (dict(os.environ), _CallerStdio())
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, threads, fn, tuple(args), env or {}, results)
+                         + forked, daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
     out: List[Any] = [None] * world_size

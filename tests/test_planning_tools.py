@@ -1,4 +1,5 @@
 """The planning CLIs, run as `python tools/X.py` from the repo root, as users do."""
+import concurrent.futures
 import json
 import os
 import re
@@ -26,9 +27,19 @@ def run(tool, *args, check=True):
 
 
 def run_json(tool, *args):
-    out = run(tool, *args, "--json").stdout
+    return parse_json(run(tool, *args, "--json"))
+
+
+def parse_json(proc):
+    out = proc.stdout
     assert len(out.strip().splitlines()) == 1
     return json.loads(out)
+
+
+def side_by_side(*calls):
+    """run(*call) for each call, two at a time (each process spends seconds on one core importing torch)."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda call: run(*call), calls))
 
 
 def test_tflops_flags_reproduce_the_20b_log_line():
@@ -39,14 +50,15 @@ def test_tflops_flags_reproduce_the_20b_log_line():
 
 
 def test_tflops_config_with_override_reproduces_the_final_round():
-    out = run_json("tflops.py", "--config", "configs/181b_48nodes.json", "--gpus", "384", "--sec-per-iter", "120.85")
+    out, other, no_rc = map(parse_json, side_by_side(
+        ("tflops.py", "--config", "configs/181b_48nodes.json", "--gpus", "384", "--sec-per-iter", "120.85", "--json"),
+        # flags override the config: seed 003's 84-layer, 13312-wide final-round model (ffn back to 4h)
+        ("tflops.py", "--config", "configs/181b_48nodes.json", "--num-layers", "84", "--hidden-size", "13312",
+         "--gpus", "384", "--sec-per-iter", "122.93", "--json"),
+        ("tflops.py", "--config", "configs/181b_48nodes.json", "--gpus", "384", "--sec-per-iter", "120.85",
+         "--no-recompute", "--json")))
     assert abs(out["tflops"] - 133.40) <= 0.01 and out["formula"] == "improved" and out["recompute"] == "full"
-    # flags override the config: seed 003's 84-layer, 13312-wide final-round model (ffn back to 4h)
-    other = run_json("tflops.py", "--config", "configs/181b_48nodes.json", "--num-layers", "84", "--hidden-size",
-                     "13312", "--gpus", "384", "--sec-per-iter", "122.93")
     assert abs(other["tflops"] - 132.00) <= 0.01
-    no_rc = run_json("tflops.py", "--config", "configs/181b_48nodes.json", "--gpus", "384", "--sec-per-iter",
-                     "120.85", "--no-recompute")
     assert no_rc["tflops"] < out["tflops"] * 0.8 and no_rc["recompute"] == "none"
 
 
@@ -64,14 +76,16 @@ def test_tflops_from_a_log(tmp_path):
 
 
 def test_model_size_tool():
-    out = run_json("model_size.py", "--num-layers", "64", "--hidden-size", "11600", "--seq-length", "2048",
-                   "--vocab-size", "50257")
+    out, cfg, table = side_by_side(("model_size.py", "--num-layers", "64", "--hidden-size", "11600", "--seq-length",
+                                    "2048", "--vocab-size", "50257", "--json"),
+                                   ("model_size.py", "--config", "configs/200b.json", "--json"),
+                                   ("model_size.py", "--config", "configs/104b.json"))
+    out, cfg = parse_json(out), parse_json(cfg)
     assert round(out["model_size_formula"] / 1e9) == 104
-    cfg = run_json("model_size.py", "--config", "configs/200b.json")
     assert len(cfg["params_per_stage"]) == 10 and cfg["padded_vocab_size"] == 250880
     assert sum(cfg["params_per_stage"]) == cfg["exact_params"] + 250880 * 14400
-    assert "Model size" not in run("model_size.py", "--config", "configs/104b.json").stdout  # table, not JSON
-    assert "104B" in run("model_size.py", "--config", "configs/104b.json").stdout
+    assert "Model size" not in table.stdout  # table, not JSON
+    assert "104B" in table.stdout
 
 
 def test_memory_tool():
@@ -91,7 +105,7 @@ def test_plan_topology_tool():
     assert "layouts fit" in text and "hidden%128" in text     # 14400 is off the 128 tile: flagged
 
 
-@pytest.mark.parametrize("tool,args,needle", [
+BAD_INPUT = [
     ("tflops.py", ["--config", "configs/missing.json"], "--config"),
     ("tflops.py", ["--config", "configs/200b.json", "--gpus", "80", "--sec-per-iter", "1", "--formula", "x"],
      "--formula"),
@@ -105,9 +119,19 @@ def test_plan_topology_tool():
      "pipeline_model_parallel_size (100)"),
     ("plan_topology.py", ["--config", "configs/200b.json", "--nodes", "0"], "--nodes"),
     ("plan_topology.py", ["--config", "configs/200b.json", "--nodes", "1", "--gpu-mem", "8"], "--gpu-mem"),
-])
-def test_bad_input_is_one_clear_message(tool, args, needle):
-    proc = run(tool, *args, check=False)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs():
+    """Every BAD_INPUT case's process, two side by side (each spends seconds on one core importing torch)."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda case: run(case[0], *case[1], check=False), BAD_INPUT))
+
+
+@pytest.mark.parametrize("tool,args,needle", BAD_INPUT)
+def test_bad_input_is_one_clear_message(bad_input_runs, tool, args, needle):
+    proc = bad_input_runs[BAD_INPUT.index((tool, args, needle))]
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
     assert needle in proc.stderr, proc.stderr

@@ -96,9 +96,10 @@ def flip_a_byte_inside_a_tensor(path):
         f.write(bytes([byte ^ 0x5A]))
 
 
-def run_cases(d, only=None):
+def run_cases(d, live_pid, only=None):
     """On each rank: the cases in order, rank 0 preparing the folders between them; {name: (rc, output,
-    (folder before, after) or None)}. `only`: run just these cases (and "base"), e.g. against older code."""
+    (folder before, after) or None)}. `live_pid`: a live process on this host, the job holding a live lock (the
+    test process). `only`: run just these cases (and "base"), e.g. against older code."""
     import contextlib
     import io
     import traceback
@@ -191,8 +192,8 @@ def run_cases(d, only=None):
     full = shutil.disk_usage(str(d))._replace(free=1000)
     run("no_space", two, "--set", f"checkpoint.save={d}/space", "--set", "checkpoint.load=null",
         patches=[(shutil, "disk_usage", lambda path: full)])
-    run("live_lock", two, prepare=lambda: (_write_lock(a, pid=os.getppid(), host=socket.gethostname(),
-                                                       start_ticks=_start_ticks(os.getppid()), started="earlier"),
+    run("live_lock", two, prepare=lambda: (_write_lock(a, pid=live_pid, host=socket.gethostname(),
+                                                       start_ticks=_start_ticks(live_pid), started="earlier"),
                                            keep("live_lock", a)()))
     run("other_host_lock", two, prepare=lambda: (_write_lock(a, pid=1, host="elsewhere", started="earlier"),
                                                  keep("other_host_lock", a)()))
@@ -298,8 +299,8 @@ def run_cases(d, only=None):
         u = d / "D_universal"
         for tmp, owner in ((f"iter_0000002.tmp-{DEAD_PID}", dict(pid=DEAD_PID, host=socket.gethostname())),
                            (f"iter_0000001.tmp-{DEAD_PID + 1}", None),
-                           (f"iter_0000002.tmp-{os.getppid()}", dict(pid=os.getppid(), host=socket.gethostname(),
-                                                                       start_ticks=_start_ticks(os.getppid())))):
+                           (f"iter_0000002.tmp-{live_pid}", dict(pid=live_pid, host=socket.gethostname(),
+                                                                  start_ticks=_start_ticks(live_pid)))):
             os.makedirs(u / tmp / "zero" / "layers.0.dense.weight")
             (u / tmp / "zero" / "layers.0.dense.weight" / "fp32.pt").write_bytes(b"half a file")
             if owner:
@@ -358,7 +359,7 @@ def run_cases(d, only=None):
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     d = tmp_path_factory.mktemp("reliability")
-    return d, run_distributed(run_cases, 2, (d,), timeout=600)
+    return d, run_distributed(run_cases, 2, (d, os.getpid()), timeout=600)
 
 
 def _case(cases, name):
