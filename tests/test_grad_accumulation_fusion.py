@@ -120,7 +120,8 @@ def test_fused_gemm_accumulates_in_fp32_cuda(device):
         exact += grad.double().t() @ x.double()
     fused_error = (fused.double() - exact).norm() / exact.norm()
     unfused_error = (unfused.double() - exact).norm() / exact.norm()
-    assert fused_error < 1e-5 and fused_error < unfused_error / 10, (fused_error, unfused_error)
+    # fp32 sums of exact bf16 products: ~1e-6 relative; one bf16 rounding per micro-batch's product: ~1e-3
+    assert fused_error < 1e-4 and fused_error < unfused_error / 4, (fused_error, unfused_error)
 
 
 # -- the trainer's engine: fused and unfused runs take the same steps ------------------------------------------
