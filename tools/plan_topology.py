@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gptpar.estimate.planner import (Hardware, calibrated_hardware, calibration_notes, load_calibration,  # noqa: E402
                                      plan_topology, predict_layout)
 from gptpar.estimate.settings import settings_of  # noqa: E402
-from gptpar.tensor_parallel.float8 import describe_float8_gemms, layer_float8_gemms  # noqa: E402
+from gptpar.estimate.float8_gemms import describe_float8_gemms, layer_float8_gemms  # noqa: E402
 from gptpar.training.config import load_config  # noqa: E402
 
 TOP = 20

@@ -17,14 +17,14 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import re
 import typing
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from gptpar.model.config import RECOMPUTE_MODES, GPTConfig, recompute_mode
 from gptpar.model.partition import partition_layers, resolve_partition_method
-from gptpar.parallel import resolve_sizes
-from gptpar.training.profiling import parse_range
+from gptpar.topology import resolve_sizes
 from gptpar.training.schedules import BatchSizeRampup, LearningRateSchedule, SkipRanges
 from gptpar.training.schedules import train_iters as total_train_iters
 
@@ -50,6 +50,19 @@ def deepspeed_precision(precision: str) -> str:
     if precision not in PRECISIONS:
         raise ValueError(f"training.precision must be one of {list(PRECISIONS)}, got {precision!r}")
     return "bf16" if precision == "fp8" else precision
+
+
+def parse_range(spec: Optional[str]) -> Optional[Tuple[int, int]]:
+    """logging.profile's "START-END" (1-based iterations, both included) -> (START, END); None -> None; ValueError
+    naming the fix."""
+    if spec is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", str(spec))
+    if m is None or not 1 <= int(m.group(1)) <= int(m.group(2)):
+        raise ValueError(f"logging.profile {spec!r} must be \"START-END\", two iteration numbers with "
+                         "1 <= START <= END, e.g. \"5-6\" (both included; iteration 1 compiles under "
+                         "training.compile, so start after it)")
+    return int(m.group(1)), int(m.group(2))
 
 
 def package_installed(name: str) -> bool:

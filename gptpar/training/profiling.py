@@ -10,23 +10,12 @@ there. Pick iterations after the first (training.compile compiles during iterati
 from __future__ import annotations
 
 import os
-import re
 import time
 from typing import Callable, List, Optional, Tuple
 
 import torch
 
-
-def parse_range(spec: Optional[str]) -> Optional[Tuple[int, int]]:
-    """"START-END" (1-based iterations, both included) -> (START, END); None -> None; ValueError naming the fix."""
-    if spec is None:
-        return None
-    m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", str(spec))
-    if m is None or not 1 <= int(m.group(1)) <= int(m.group(2)):
-        raise ValueError(f"logging.profile {spec!r} must be \"START-END\", two iteration numbers with "
-                         "1 <= START <= END, e.g. \"5-6\" (both included; iteration 1 compiles under "
-                         "training.compile, so start after it)")
-    return int(m.group(1)), int(m.group(2))
+from gptpar.training.config import parse_range
 
 
 class IterationProfiler:
@@ -129,4 +118,4 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-__all__ = ["parse_range", "IterationProfiler", "idle_gaps", "format_idle_gaps"]
+__all__ = ["IterationProfiler", "idle_gaps", "format_idle_gaps"]
