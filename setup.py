@@ -35,7 +35,8 @@ setup(
         # transformers is the reference model in tests and benchmarks; pinned so comparisons stay reproducible.
         # `make test` and `make demo` install this extra, so the 8-bit, fp8 and evaluation tests run and the demo
         # draws its plot and evaluates its model.
-        "dev": ["pytest", "transformers==5.23.0", "bitsandbytes==0.50.2", "torchao==0.18.0", "matplotlib",
-                "lm-eval==0.4.13", "accelerate"],
+        # pytest-xdist: `make test` runs two workers (see the Makefile).
+        "dev": ["pytest", "pytest-xdist==3.8.0", "transformers==5.23.0", "bitsandbytes==0.50.2", "torchao==0.18.0",
+                "matplotlib", "lm-eval==0.4.13", "accelerate"],
     },
 )

@@ -114,7 +114,7 @@ def test_tokenizer_vocab_larger_than_the_model(tmp_path):
     train_tokenizer.train([str(corpus)], 300, "bpe", str(tmp_path / "tok"), byte_fallback=False)
     prefix = str(tmp_path / "d")
     _build(prefix, _docs(7, 100))
-    with pytest.raises(DataError, match=f"tok.model has 300 pieces but model.vocab_size is 256: set "
+    with pytest.raises(DataError, match="tok.model has 300 pieces but model.vocab_size is 256: set "
                                         "model.vocab_size=300"):
         check_data(_cfg(prefix, 256, str(tmp_path / "tok.model")), LOG.append)
     check_data(_cfg(prefix, 300, str(tmp_path / "tok.model")), LOG.append)

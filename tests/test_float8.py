@@ -10,7 +10,6 @@
 """
 import gc
 import glob
-import json
 import os
 import subprocess
 import sys

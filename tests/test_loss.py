@@ -29,7 +29,7 @@ def _shard(t, rank, world):
 
 def _previous_algorithm(shard, target, group, vocab_size, label_smoothing):
     """Megatron's vocab-parallel cross-entropy as gptpar computed it before: on a full fp32 copy of the shard."""
-    tp, rank, local = dist.get_world_size(group), dist.get_rank(group), shard.shape[-1]
+    rank, local = dist.get_rank(group), shard.shape[-1]
     start = rank * local
     x = shard.float()
     padded = torch.arange(start, start + local) >= vocab_size

@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.testing import assert_close
 
 from gptpar.estimate.flops import model_size_formula, params_per_stage

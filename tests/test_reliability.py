@@ -464,7 +464,7 @@ def test_no_space_for_a_checkpoint_exits_2(cases):
 
 
 def test_live_job_holding_the_folder_is_refused(cases):
-    _expect(cases, "live_lock", 2, f"another job is writing checkpoints to", f"pid {os.getpid()} on "
+    _expect(cases, "live_lock", 2, "another job is writing checkpoints to", f"pid {os.getpid()} on "
             f"{socket.gethostname()}")
     _unchanged(cases, "live_lock")
 
