@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import os
 import queue
+import sys
 import time
 import traceback
 from typing import Any, Callable, List, Optional, Sequence
@@ -36,15 +37,20 @@ from gptpar.parallel import free_port  # noqa: F401 (re-exported for tests)
 _server_preload: Optional[List[str]] = None
 
 
-def fork_ranks_from_server(preload: Sequence[str]) -> None:
+def fork_ranks_from_server(preload: Sequence[str], freeze_gc: bool = True) -> None:
     """Later `run_distributed` calls fork their ranks from one server process (multiprocessing's forkserver) that
     imported the modules `preload` names once. A rank is still a new process holding nothing of an earlier one: it
     gets the caller's os.environ (as of the call), sys.path, working directory, stdout and stderr, as a spawned rank
     does; only what `preload` did at import time (with the environment of the first call) is shared. Call it
-    before the first `run_distributed`."""
+    before the first `run_distributed`.
+
+    The server imports with a fresh interpreter's sys.path (Python 3.11's forkserver does not give its preloads the
+    caller's) and silently skips a module that fails to import: every rank checks that each `preload` module is
+    there, and fails naming the missing ones. `freeze_gc`: the server then moves what its imports made into the
+    collector's permanent generation (gptpar/_freeze_gc.py), so that the ranks' collections never scan it."""
     global _server_preload
     _server_preload = list(preload)
-    mp.get_context("forkserver").set_forkserver_preload(_server_preload)
+    mp.get_context("forkserver").set_forkserver_preload(_server_preload + (["gptpar._freeze_gc"] if freeze_gc else []))
 
 
 class _CallerStdio:
@@ -65,7 +71,8 @@ def _take_stdio(out, err) -> None:
 
 
 def _worker(rank: int, world_size: int, port: int, threads: int, fn: Callable, args: Sequence,
-            env: dict, results, caller_env: Optional[dict] = None, stdio=None) -> None:
+            env: dict, results, caller_env: Optional[dict] = None, stdio=None, preloaded: Sequence[str] = ()) -> None:
+    missing = [m for m in preloaded if m not in sys.modules]  # before this rank imports anything itself
     if caller_env is not None:  # forked from the server: the caller's environment, not the server's
         os.environ.clear()
         os.environ.update(caller_env)
@@ -77,6 +84,9 @@ def _worker(rank: int, world_size: int, port: int, threads: int, fn: Callable, a
 
     torch.set_num_threads(threads)
     try:
+        if missing:
+            raise ImportError(f"the rank server did not import {missing}: not importable from a fresh interpreter's "
+                              f"sys.path (the working directory, PYTHONPATH, site-packages), or their import failed")
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         out = fn(*args)
         # Serialised to bytes here: tensors sent as-is travel as shared-memory handles that die with
@@ -143,7 +153,7 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence = (), *, timeo
     results = ctx.Queue()
     port = free_port()
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
-    forked = () if _server_preload is None else (dict(os.environ), _CallerStdio())
+    forked = () if _server_preload is None else (dict(os.environ), _CallerStdio(), tuple(_server_preload))
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, threads, fn, tuple(args), env or {}, results)
                          + forked, daemon=True) for r in range(world_size)]
     for p in procs:
