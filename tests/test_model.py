@@ -282,3 +282,24 @@ def test_cuda_matches_hugging_face_and_cpu():
     compile_transformer_layers(models["cuda"])
     compiled = models["cuda"](xs[:, :-1], labels=xs[:, 1:])
     assert_close(compiled.cpu(), losses["cpu"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
+def test_attention_output_is_a_view_for_the_cuda_kernels(kernel):
+    """The (s, b, h) activation layout costs no transpose copy around attention on a GPU: the CUDA kernels'
+    shape functions (which torch.compile plans its buffers with) give the output q's layout, and for qkv_heads'
+    q that makes attention_output's permute + reshape a view of the kernel's output. Checked on meta tensors."""
+    from gptpar.model.gpt import TransformerLayer
+
+    config = GPTConfig(num_layers=1, hidden_size=256, num_attention_heads=2, seq_length=64, vocab_size=100)
+    layer = TransformerLayer(config, 0, device="meta", dtype=torch.bfloat16)
+    q, k, v = layer.qkv_heads(torch.empty(64, 3, 256, device="meta", dtype=torch.bfloat16))
+    if kernel == "cudnn":
+        ctx = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.1, True, False)[0]
+    else:
+        ctx = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.1, True, False)[0]
+    seen = []
+    layer.dense.forward = lambda x: seen.append(x) or x
+    layer.attention_output(ctx)
+    assert seen[0].shape == (64, 3, 256)
+    assert seen[0]._base is ctx  # a view of the kernel's output, not a copy

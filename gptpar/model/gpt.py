@@ -189,7 +189,11 @@ class TransformerLayer(nn.Module):
         return tuple(t.permute(1, 2, 0, 3) for t in qkv.unbind(dim=3))
 
     def attention_output(self, ctx: torch.Tensor) -> torch.Tensor:
-        """The heads' context (b, nh/tp, s, d) -> the output projection (s, b, h), summed over tp."""
+        """The heads' context (b, nh/tp, s, d) -> the output projection (s, b, h), summed over tp.
+
+        No copy on a GPU: CUDA's cuDNN and flash attention allocate their output in q's layout, here (s, b, nh, d)
+        (qkv_heads' views of one (s, b, 3h/tp) GEMM output), so the permute and reshape are a view (a copy on a
+        CPU and with the memory-efficient kernel; tests/test_model.py checks the CUDA kernels' layouts)."""
         b, _, s, _ = ctx.shape
         return self.dense(ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim))
 
