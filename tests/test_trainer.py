@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -291,3 +292,82 @@ def test_timers_split_each_iteration(runs):
         line = printed[printed.index(next(p for p in printed if p.startswith(f" iteration {log['iteration']:8d}"))) + 1]
         assert line == " time (ms) |" + "".join(f" {k}: {v:.2f} |" for k, v in phases.items())
 
+
+
+def test_elapsed_time_is_wall_clock_between_steps_less_eval_saves_and_skips(tmp_path, monkeypatch):
+    """Megatron's interval timer: an iteration's elapsed time runs from the end of the previous optimizer step to
+    the end of its own, so the loop's work between steps (here the log line) is in it, while evaluation, saves and
+    a skipped iteration are not. A fake clock that only the fake engine, checkpointer and log advance makes the
+    expected times exact (no sleeps, no timing margins)."""
+    import types
+
+    import gptpar.training.trainer as trainer_module
+    from gptpar.training.config import config_from_dict
+
+    now = [0.0]
+
+    def advance(seconds):
+        now[0] += seconds
+
+    class Engine:
+        device, phase_seconds, loss_scale, grad_norm, step_applied = torch.device("cpu"), None, 1.0, 0.5, True
+
+        def set_micro_batches(self, *args):
+            pass
+
+        def set_lr(self, lr):
+            pass
+
+        def train_step(self, micro_batches):
+            advance(1.0)
+            return 2.0
+
+        def eval_step(self, micro_batches):
+            advance(100.0)
+            return 3.0
+
+        def parameters(self):
+            return [torch.ones(2)]
+
+    class Checkpointer:
+        saved = []
+
+        def save(self, engine, iteration, client_state, tracker):
+            advance(50.0)
+            self.saved.append(iteration)
+            return str(tmp_path / f"iter_{iteration}")
+
+        def poll(self):
+            pass
+
+        def wait(self, *args):
+            pass
+
+        def failed(self):
+            return False
+
+    source = types.SimpleNamespace(micro_batches=lambda consumed, gbs: [])
+    pstate = types.SimpleNamespace(dp_size=1, tp_size=1, world_size=1, rank=0, dp_rank=0, tp_rank=0,
+                                   is_last_stage=True, device=torch.device("cpu"))
+    cfg = config_from_dict({"model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16,
+                                      "vocab_size": 200},
+                            "training": {"micro_batch_size": 1, "global_batch_size": 1, "train_iters": 4,
+                                         "eval_interval": 2, "eval_iters": 1, "skip_train_iteration_range": ["3-3"]},
+                            "data": {"synthetic": True},
+                            "checkpoint": {"save": str(tmp_path / "ck"), "save_interval": 2},
+                            "logging": {"log_interval": 1, "metrics_file": str(tmp_path / "m.jsonl")}})
+    monkeypatch.setattr(trainer_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0], time=time.time))
+    printed = []
+    checkpointer = Checkpointer()
+    trainer = trainer_module.Trainer(cfg, pstate, Engine(), source, {None: source}, checkpointer,
+                                     log=lambda line: (printed.append(line), advance(0.25)))
+    assert trainer.train() == "train_iters reached"
+    logged = [r for r in read_jsonl(tmp_path / "m.jsonl") if "elapsed_s" in r]
+    # 1: the step; 2: iteration 1's log line and memory report (printed once) + the step; 4: iteration 2's log
+    # line + the step (iteration 2's evaluation and save and iteration 3, skipped, with the lines they print, are
+    # left out)
+    assert [(r["iteration"], r["elapsed_s"]) for r in logged] == [(1, 1.0), (2, 1.5), (4, 1.25)]
+    assert sum("memory (MB)" in line for line in printed) == 1
+    assert any("skipping iterations 3-3" in line for line in printed)
+    assert sum("validation loss" in line for line in printed) == 2  # the evaluations did run (iterations 2, 4)
+    assert checkpointer.saved == [2, 4]

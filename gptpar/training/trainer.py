@@ -16,9 +16,11 @@ With checkpoint.async_save a save returns once its snapshot is planned (gptpar.t
 says when it was written (`Checkpointer.poll`), stops every rank at the same iteration if it failed (a flag in
 the stop all-reduce), and the end of the run waits for it.
 
-Elapsed time per iteration is the mean over the interval of the time from fetching the batch to the end of
-the optimizer step (evaluation, checkpoint saves and torch.compile's compilation are not in it); samples/s and
-TFLOPs derive from it.
+Elapsed time per iteration is wall-clock time, as Megatron's interval timer measures it: each iteration's runs
+from the end of the previous iteration's optimizer step to the end of its own, so the loop's own work between
+steps (the log line, the exit checks' all-reduce, fetching the batch) is in it; evaluation, checkpoint saves,
+skipped iterations, logging.profile's own work and torch.compile's compilation are not. The log line shows
+its mean over the interval; samples/s and TFLOPs derive from it.
 The log line is printed by the last pipeline stage's first data-parallel rank (tp rank 0); the same record
 goes to the metrics JSONL and TensorBoard (gptpar.training.logging). Skipped iterations are counted
 from the engine's `step_applied`, NaN iterations from the loss, num zeros from the gradients the optimizer
@@ -155,6 +157,7 @@ class Trainer:
         self.signals = StopSignals()
         self.engine_gbs = None
         self.last = {}
+        self.clock_mark = None  # perf_counter() at the end of the last timed step; None: the next starts the clock
         self.saved_at = self.evaluated_at = None
         self.nan_streak = 0  # consecutive iterations with a NaN/Inf loss (the same on every rank: the loss is)
         self.is_log_rank = pstate.is_last_stage and pstate.dp_rank == 0 and pstate.tp_rank == 0
@@ -192,13 +195,16 @@ class Trainer:
         while c.iteration < self.train_iters:
             skip = self.skip_ranges.range_of(c.iteration + 1)
             if skip is not None:
-                self.skip_step(skip)
+                with self.off_the_clock():
+                    self.skip_step(skip)
             else:
-                if self.profiler is not None:
-                    self.profiler.before(c.iteration + 1)
+                if self.profiler is not None:  # starting, stopping and the report: off the clock
+                    with self.off_the_clock():
+                        self.profiler.before(c.iteration + 1)
                 self.train_step()
                 if self.profiler is not None:
-                    self.profiler.after(c.iteration)
+                    with self.off_the_clock():
+                        self.profiler.after(c.iteration)
                 if c.iteration % self.cfg.logging.log_interval == 0 or self._nan_limit_reached():
                     self.log_interval()
             if self._nan_limit_reached():
@@ -207,12 +213,14 @@ class Trainer:
                     f"iterations (training.exit_on_nan_iterations={t.exit_on_nan_iterations}); not saving"
                     f"{self._latest_note()}. Lower training.lr or check the data, then resume")
             if t.eval_interval and c.iteration % t.eval_interval == 0:
-                self.evaluate()
+                with self.off_the_clock():
+                    self.evaluate()
             if self.checkpointer is not None:
                 self.checkpointer.poll()
             reason = self.stop_reason()
             if self._save_due() or reason:
-                self.save(final=bool(reason))
+                with self.off_the_clock():
+                    self.save(final=bool(reason))
             if reason:
                 self._say(f"stopping at iteration {c.iteration}: {reason}")
                 return reason
@@ -232,16 +240,28 @@ class Trainer:
         self.engine.set_lr(lr)
         if self.zeros is not None:
             self.zeros.reset()
-        start = time.perf_counter()
+        start = time.perf_counter() if self.clock_mark is None else self.clock_mark
         with self.compile_clock:
             loss = self.engine.train_step(self.train_source.micro_batches(c.consumed_samples, gbs))
-        elapsed = time.perf_counter() - start - getattr(self.compile_clock, "spent", 0.0)
+        self.clock_mark = time.perf_counter()
+        elapsed = self.clock_mark - start - getattr(self.compile_clock, "spent", 0.0)
         applied = self.engine.step_applied
         c.advance(gbs, self.cfg.model.seq_length, applied)
         self.stats.add(loss, elapsed, skipped=not applied)
         self.nan_streak = 0 if math.isfinite(loss) else self.nan_streak + 1
         self.last = {"lr": lr, "global_batch_size": gbs, "grad_norm": self.engine.grad_norm if applied else None,
                      "step_applied": applied}
+
+    @contextlib.contextmanager
+    def off_the_clock(self):
+        """Leave the block's time out of the next iteration's elapsed time (evaluation, saves, skipped iterations,
+        the profiler's own work)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.clock_mark is not None:
+                self.clock_mark += time.perf_counter() - start
 
     def skip_step(self, skip: tuple) -> None:
         """An iteration of a skip range: draw this global batch and discard it (no forward, backward or
@@ -295,7 +315,7 @@ class Trainer:
 
     def phases_ms(self, iterations: int, elapsed_s: float) -> Optional[dict]:
         """With logging.timers: ms per iteration of each timed phase over the interval, and the rest of the
-        elapsed time (the loss's dp all-reduce, Python) as `other`; then the timers restart."""
+        elapsed time (the loss's dp all-reduce, the loop's work between steps) as `other`; then the timers restart."""
         seconds = self.engine.phase_seconds
         if seconds is None:
             return None
