@@ -293,7 +293,6 @@ def test_timers_split_each_iteration(runs):
         assert line == " time (ms) |" + "".join(f" {k}: {v:.2f} |" for k, v in phases.items())
 
 
-
 def test_elapsed_time_is_wall_clock_between_steps_less_eval_saves_and_skips(tmp_path, monkeypatch):
     """Megatron's interval timer: an iteration's elapsed time runs from the end of the previous optimizer step to
     the end of its own, so the loop's work between steps (here the log line) is in it, while evaluation, saves and
@@ -330,7 +329,8 @@ def test_elapsed_time_is_wall_clock_between_steps_less_eval_saves_and_skips(tmp_
             return [torch.ones(2)]
 
     class Checkpointer:
-        saved = []
+        def __init__(self):
+            self.saved = []
 
         def save(self, engine, iteration, client_state, tracker):
             advance(50.0)
@@ -357,6 +357,7 @@ def test_elapsed_time_is_wall_clock_between_steps_less_eval_saves_and_skips(tmp_
                             "checkpoint": {"save": str(tmp_path / "ck"), "save_interval": 2},
                             "logging": {"log_interval": 1, "metrics_file": str(tmp_path / "m.jsonl")}})
     monkeypatch.setattr(trainer_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0], time=time.time))
+    monkeypatch.setattr(trainer_module, "memory_usage", lambda device: {"resident": 1.0, "max resident": 2.0})
     printed = []
     checkpointer = Checkpointer()
     trainer = trainer_module.Trainer(cfg, pstate, Engine(), source, {None: source}, checkpointer,
