@@ -192,8 +192,9 @@ class TransformerLayer(nn.Module):
         """The heads' context (b, nh/tp, s, d) -> the output projection (s, b, h), summed over tp.
 
         No copy on a GPU: CUDA's cuDNN and flash attention allocate their output in q's layout, here (s, b, nh, d)
-        (qkv_heads' views of one (s, b, 3h/tp) GEMM output), so the permute and reshape are a view (a copy on a
-        CPU and with the memory-efficient kernel; tests/test_model.py checks the CUDA kernels' layouts)."""
+        (qkv_heads' views of one (s, b, 3h/tp) GEMM output), so the permute and reshape are a view (a copy after
+        the memory-efficient kernel and the math fallback, e.g. a CPU with dropout; tests/test_model.py checks the
+        CUDA kernels' layouts)."""
         b, _, s, _ = ctx.shape
         return self.dense(ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim))
 
