@@ -27,7 +27,7 @@
 #   4. layer_bf16 / layer_fp8  bench/bench_layer.py: one configs/200b.json layer as a tp-8 GPU sees it, compiled,
 #                        bf16 and fp8 (weight casts cached, and not), forward + backward  (target: fp8 >= 1.3x bf16)
 #      cuda_checks       the int32 dropout hash under Triton, torchao's float8 GEMMs against their emulation, the
-#                        fused fp32 weight-gradient GEMM against fp64
+#                        fused fp32 weight-gradient GEMM and embedding lookup against fp64
 #   5. trainer_eager     pretrain_gpt.py, training.compile=false (what the H100 measured at 0.90x)
 #   6. summary           bench/gpu_summary.py: tokens/s, TFLOPs and peak memory of each, the ratios, the checks
 # (STEPS="..." runs only the named steps; a step the budget cannot start is skipped and said in skipped.txt.)

@@ -135,8 +135,8 @@ def test_precision_plans_name_the_real_optimizers(held):
     assert plans["bf16", 1, "adamw"] == ("precision plan: parameters bf16, gradient accumulation fp32, master weights "
                                          "a fp32 copy of 0.5 of the parameters (partitioned over dp 2); optimizer "
                                          "BF16_Optimizer around AdamW; gradient-accumulation fusion: 8 GEMM weights "
-                                         "add their gradients into the fp32 buffers after each GEMM (a CPU has no "
-                                         "fp32-output one)")
+                                         "and the word embedding (lookup and tied output layer) add their gradients "
+                                         "into the fp32 buffers after each GEMM (a CPU has no fp32-output one)")
     assert "parameters fp32, gradient accumulation fp32, master weights the parameters themselves; optimizer " \
            "AdamW" in plans["fp32", 0, "adamw"]
     assert "optimizer DeepSpeedZeroOptimizer around AdamW" in plans["fp32", 1, "adamw"]

@@ -319,10 +319,11 @@ def lm_logits(embedding: GPTEmbedding, hidden: torch.Tensor) -> torch.Tensor:
 
     Also the `forward_fn` of the last pipeline stage's tied embedding (a plain function, no lambda)."""
     weight = embedding.word_embeddings.weight
+    main_grad = getattr(weight, "main_grad", None)  # gradient-accumulation fusion (the engine installs it)
     if embedding.sequence_parallel:
         hidden = gather_from_sequence_parallel_region(hidden, embedding.tp_group)  # bwd: reduce-scatter
-        return F.linear(hidden, weight)
-    return linear_with_grad_all_reduce(hidden, weight, None, embedding.tp_group)  # f + linear
+        return linear_with_grad_all_reduce(hidden, weight, None, None, main_grad)
+    return linear_with_grad_all_reduce(hidden, weight, None, embedding.tp_group, main_grad)  # f + linear
 
 
 def lm_loss(embedding: GPTEmbedding, hidden: torch.Tensor, labels: torch.Tensor, vocab_size: int,

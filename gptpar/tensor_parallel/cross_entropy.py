@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from gptpar.tensor_parallel.comm import Group, group_rank, group_size
+from gptpar.tensor_parallel.grad_accumulation import accumulate_weight_grad_
 
 # Elements per fp32 block: on a GPU 16 MB, within an H100's 50 MB L2, with few enough blocks (~100 at 8192 x 50304)
 # that kernel launches stay cheap; on a CPU 32 MB (~160 rows of 50k): measured fastest on the 2-core benchmark machine
@@ -235,11 +236,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
     table needs no slice and no zero-filled copy. Under autocast the GEMMs run in the autocast dtype; the loss is
     fp32 in every case. `reduce_input_grad`: all-reduce the hidden gradient over `group` (Megatron's f operator),
     overlapped with the weight-gradient GEMM; off under sequence parallelism, whose gather before the output layer
-    reduce-scatters it instead."""
+    reduce-scatters it instead. `main_grad` (the weight's fp32 buffer, gradient-accumulation fusion): the weight
+    gradient is accumulated into its rows by the GEMM (gptpar.tensor_parallel.grad_accumulation) and autograd gets
+    none."""
 
     @staticmethod
     def forward(ctx, hidden, weight, target, group, vocab_size, ignore_index, label_smoothing, reduce_input_grad,
-                workspace, compiled):
+                workspace, compiled, main_grad):
         local_vocab, device = weight.shape[0], hidden.device
         start = group_rank(group) * local_vocab
         real = real_columns(start, local_vocab, vocab_size)
@@ -257,7 +260,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(h, w, logits, lse, *targets)
         ctx.real, ctx.n_classes, ctx.label_smoothing = real, n_classes, label_smoothing
         ctx.group, ctx.reduce_input_grad, ctx.workspace = group, reduce_input_grad, workspace
-        ctx.dtypes, ctx.compiled = (hidden.dtype, weight.dtype), compiled
+        ctx.dtypes, ctx.compiled, ctx.main_grad = (hidden.dtype, weight.dtype), compiled, main_grad
         return loss
 
     @staticmethod
@@ -272,7 +275,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_hidden = torch.mm(grad, w[:rows])
             if ctx.reduce_input_grad and group_size(ctx.group) > 1:
                 handle = dist.all_reduce(grad_hidden, group=ctx.group, async_op=True)
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and ctx.main_grad is not None:
+            accumulate_weight_grad_(ctx.main_grad.data[:rows], grad, h)
+        elif ctx.needs_input_grad[1]:
             grad_weight = torch.empty_like(w)
             torch.mm(grad.t(), h, out=grad_weight[:rows])
             grad_weight[rows:].zero_()
@@ -283,7 +288,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_hidden = grad_hidden.to(ctx.dtypes[0])
         if ctx.workspace is not None:
             ctx.workspace.give_back(grad)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, group: Group = None,
@@ -299,12 +304,14 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     With `group=None`: `F.cross_entropy(F.linear(hidden, weight[:vocab_size]), target, reduction='none')`.
     `reduce_input_grad=False` when the caller reduces the hidden gradient itself (sequence parallelism's gather).
     `workspace` (CPU) reuses the logits buffer across steps. `compiled` runs the loss's passes over the logits as
-    two torch.compile'd kernels (training.compile) instead of the block loop.
+    two torch.compile'd kernels (training.compile) instead of the block loop. A weight with an fp32 `main_grad`
+    gets its gradient accumulated there (gptpar.tensor_parallel.grad_accumulation), none through autograd.
     """
     _check_label_smoothing(label_smoothing)
     flat = hidden.reshape(-1, hidden.shape[-1])
+    main_grad = getattr(weight, "main_grad", None)  # gradient-accumulation fusion (the engine installs it)
     loss = _LinearCrossEntropy.apply(flat, weight, target.reshape(-1), group, vocab_size, ignore_index,
-                                     label_smoothing, reduce_input_grad, workspace, compiled)
+                                     label_smoothing, reduce_input_grad, workspace, compiled, main_grad)
     return loss.view(target.shape)
 
 

@@ -21,7 +21,8 @@ weight slice (`float8_gemm`); the parameters keep their shapes and dtype.
 
 A weight given an fp32 `main_grad` tensor of its shape (Megatron's attribute; gptpar's engine installs DeepSpeed's
 buffers there under training.gradient_accumulation_fusion) has its gradient accumulated into it by the layer's
-backward, and autograd gets none for it (gptpar.tensor_parallel.grad_accumulation).
+backward, and autograd gets none for it (gptpar.tensor_parallel.grad_accumulation); so does the embedding table's,
+by the lookup's backward and by the tied output layer's.
 
 Sharded parameters carry Megatron's attributes `tensor_model_parallel`, `partition_dim`, `partition_stride`
 (DeepSpeed's gradient norm and clipping read them; checkpoint conversion and parameter counting too).
@@ -44,7 +45,8 @@ from gptpar.tensor_parallel.comm import (
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region)
 from gptpar.tensor_parallel.float8 import Float8Matmul, Float8WeightCache, plan_float8_gemm
-from gptpar.tensor_parallel.grad_accumulation import accumulate_weight_grad_, linear_backward_into_main_grad
+from gptpar.tensor_parallel.grad_accumulation import (
+    accumulate_weight_grad_, embedding_into_main_grad, linear_backward_into_main_grad)
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
 _INIT_BLOCK_ELEMENTS = 1 << 22
@@ -294,11 +296,18 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if group_size(self.group) == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = self._lookup(local).masked_fill(outside.unsqueeze(-1), 0.0)  # bwd: outside rows' gradients zeroed
         return reduce_from_tensor_parallel_region(out, self.group)
+
+    def _lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
+        """F.embedding of this rank's rows; with `weight.main_grad`, its gradient accumulated there."""
+        main_grad = _main_grad(self)
+        if main_grad is None or not torch.is_grad_enabled():
+            return F.embedding(local_ids, self.weight)
+        return embedding_into_main_grad(local_ids, self.weight, main_grad)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, tp={group_size(self.group)}, "

@@ -282,9 +282,10 @@ class TrainingConfig:
         True, "Megatron's gradient-accumulation fusion: in bf16 (and fp8's bf16 GEMMs) each tensor-parallel linear "
               "layer's weight gradient is accumulated into DeepSpeed's fp32 gradient buffer by its weight-gradient "
               "GEMM (fp32 output, cuBLAS; torch >= 2.10) instead of a bf16 gradient added in a second kernel per "
-              "micro-batch; the fp32 sums are also exact per micro-batch. On a CPU the same path runs the unfused "
-              "arithmetic. The precision plan line says how many weights it covers, or why none. No effect in "
-              "fp32 / fp16.")
+              "micro-batch; the fp32 sums are also exact per micro-batch. The word embedding too: the tied output "
+              "layer's GEMM adds into its buffer and the lookup adds each token's gradient there by row (no dense "
+              "bf16 table gradient). On a CPU the GEMMs run the unfused arithmetic (the lookup sums in fp32). The "
+              "precision plan line says how many weights it covers, or why none. No effect in fp32 / fp16.")
     rampup_batch_size: Optional[List[int]] = _f(None, "Megatron's batch-size ramp-up `[start, increment, "
                                                       "samples]`: start at `start`, grow by `increment` "
                                                       "evenly over `samples` samples up to "

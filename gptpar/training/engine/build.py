@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from gptpar.model.kernels import make_adamw
-from gptpar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from gptpar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from gptpar.training.config import OPTIMIZERS, Accelerator
 import gptpar.training.engine.deepspeed_api as deepspeed_api
 from gptpar.training.engine.step import TrainEngine, clip_and_keep_norm
@@ -141,21 +141,26 @@ def build_engine(model: torch.nn.Module, pstate, ds_config: dict, *, optimizer: 
 
 
 def _install_gradient_accumulation_fusion(engine, model: torch.nn.Module) -> Optional[str]:
-    """Give the bf16 GEMM weights their fp32 `main_grad` (deepspeed_api.install_main_grads); returns what the
-    precision plan says about it (None where nothing accumulates bf16 GEMM gradients in fp32: fp32, fp16)."""
+    """Give the bf16 GEMM weights and the word embedding table (its lookup and the tied output layer) their fp32
+    `main_grad` (deepspeed_api.install_main_grads); returns what the precision plan says about it (None where
+    nothing accumulates bf16 gradients in fp32: fp32, fp16)."""
     from gptpar.tensor_parallel.grad_accumulation import fused_accumulation_unavailable
 
-    weights = [m.weight for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
-               and m.float8 is None and m.weight.requires_grad]
+    gemms = [m.weight for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+             and m.float8 is None and m.weight.requires_grad]
+    tables = [m.weight for m in model.modules() if isinstance(m, VocabParallelEmbedding) and m.weight.requires_grad]
+    weights = gemms + tables
     if not weights or not deepspeed_api.has_fp32_grad_buffers(engine):
         return None
     device = torch.device(engine.device)
     unavailable = fused_accumulation_unavailable(device)
     if unavailable is not None:
         return f"gradient-accumulation fusion off: {unavailable}"
-    fused = deepspeed_api.install_main_grads(engine, weights)
+    deepspeed_api.install_main_grads(engine, weights)
     how = "in the GEMM (fp32 output)" if device.type == "cuda" else "after each GEMM (a CPU has no fp32-output one)"
-    return f"gradient-accumulation fusion: {fused} GEMM weights add their gradients into the fp32 buffers {how}"
+    table = " and the word embedding (lookup and tied output layer)" if tables else ""
+    return (f"gradient-accumulation fusion: {len(gemms)} GEMM weights{table} add their gradients into the fp32 "
+            f"buffers {how}")
 
 
 def shm_buffer_path(rank: int) -> str:

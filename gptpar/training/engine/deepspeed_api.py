@@ -109,9 +109,11 @@ def has_fp32_grad_buffers(engine) -> bool:
 
 def install_main_grads(engine, weights: List[torch.Tensor]) -> int:
     """Gradient-accumulation fusion (gptpar.tensor_parallel.grad_accumulation) into BF16_Optimizer's buffers: give
-    each of `weights` (GEMM weights of this rank's model) `main_grad`, a view of its fp32 gradient in DeepSpeed's
-    flat buffer, into which its layer's backward accumulates; autograd then gives the weight no gradient, so
-    DeepSpeed's grad hook never runs for it. What the hook would have done is done here once and kept:
+    each of `weights` (GEMM weights and the word embedding of this rank's model) `main_grad`, a view of its fp32
+    gradient in DeepSpeed's flat buffer, into which its layer's backward accumulates; autograd then gives the weight
+    no gradient, so DeepSpeed's grad hook does not run for it (where a layer falls back to autograd, e.g. an input
+    without gradient, the hook adds that gradient into the same buffer). What the hook would have done is done
+    here once and kept:
     `_hp_grad` set (the pipeline's tied-gradient all-reduce reads it) and the weight's `fp32_groups_has_gradients`
     flag set again after each `clear_hp_grads` (the gradient norm and clipping read only flagged gradients; a
     fused weight's buffer always holds its gradient, zero before the first backward).
