@@ -145,8 +145,9 @@ speed() {
   step trainer_compiled_unfused 170 "${run[@]}" --set training.compile=true \
       --set training.gradient_accumulation_fusion=false --set logging.metrics_file="$OUT/trainer_compiled_unfused.jsonl"
   # Where the time goes: torch.profiler over two iterations (the top kernels, the device's busy share).
+  # TRACE=1: its Chrome trace too ($OUT/trace/trace_rank0.json.gz in raw.tgz; every kernel, for Perfetto).
   step trainer_profile 120 "${run[@]}" --set training.compile=true --set training.train_iters=5 \
-      --set logging.profile=4-5
+      --set logging.profile=4-5 ${TRACE:+--set logging.profile_dir=$OUT/trace}
   if [ -f .before/pretrain_gpt.py ]; then
     # The same run on an earlier tree carried in .before/ (git archive of a commit): what a change gained.
     [ -e .before/data ] || ln -s "$PWD/data" .before/data

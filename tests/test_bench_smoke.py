@@ -310,3 +310,47 @@ def test_bench_optimizer8bit_smoke(tmp_path):
     assert summary["final_lm_loss_ratio"] == pytest.approx(summary["loss"]["adamw8bit"]["final_lm_loss"]
                                                            / summary["loss"]["adamw"]["final_lm_loss"])
     assert "optimizer=bitsandbytes AdamW8bit" in (tmp_path / "adamw8bit" / "train.log").read_text()
+
+
+def test_trace_kernels_reads_a_profiler_trace(tmp_path):
+    """bench/trace_kernels.py on a hand-made Chrome trace whose figures are known: kernel time by category per
+    iteration, each other kernel's launching host op (by the runtime call's correlation id), the host's waits and
+    the device's idle gaps (the union over streams: an overlapping side-stream kernel closes no gap)."""
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import trace_kernels
+
+    def op(name, ts, dur, tid=1):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    def launch(corr, ts):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "tid": 1,
+                "args": {"correlation": corr}}
+
+    def kernel(name, corr, ts, dur, stream=7):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr,
+                                                                                        "stream": stream}}
+    events = [
+        op("step", 0, 1000), op("aten::mul_", 10, 5), op("aten::add_", 20, 5), op("aten::mm", 30, 5),
+        launch(1, 11), launch(2, 21), launch(3, 31), launch(4, 12),
+        kernel("nvjet_sm90_gemm", 3, 100, 300),                    # GEMM: 100-400
+        kernel("elementwise_mul", 1, 400, 50),                     # 400-450
+        kernel("elementwise_add", 2, 500, 40),                     # gap 50 us, 500-540
+        kernel("elementwise_mul", 4, 520, 100, stream=9),          # side stream, overlaps: union 500-620
+        kernel("cudnn_sdpa_fprop", 5, 650, 30),                    # gap 30 us (no launch on record: "?")
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 40, "dur": 600, "tid": 1},
+    ]
+    r = trace_kernels.summarize(events, iterations=2, min_gap_us=20)
+    assert r["ms"] == {"GEMM": 0.15, "other": 0.095, "attention": 0.015}
+    mul, add = r["other"]
+    assert (mul["kernel"], mul["launches"], mul["us_each"]) == ("elementwise_mul", 1, 75)
+    assert mul["launched_in"] == "step > aten::mul_" and add["launched_in"] == "step > aten::add_"
+    assert [(w["call"], w["ms"], w["in"]) for w in r["waits"]] == [("cudaStreamSynchronize", 0.6, "step")]
+    assert [(g["ms"], g["after"], g["before"]) for g in r["gaps"]] == [
+        (0.05, "elementwise_mul", "elementwise_add"), (0.03, "elementwise_mul", "cudnn_sdpa_fprop")]
+    assert r["idle_ms"] == pytest.approx(0.04) and r["span_ms"] == pytest.approx(0.58)
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    out = subprocess.run([sys.executable, "bench/trace_kernels.py", str(trace), "--iterations", "2"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "0.04 ms per iteration in gaps of >= 20 us" in out.stdout
