@@ -338,3 +338,70 @@ def test_fused_fp32_grad_accumulation_equals_deepspeeds():
     for a, b in zip(ours.fp32_groups_gradients[0], theirs.fp32_groups_gradients[0]):
         assert a.dtype == torch.float32 and torch.equal(a, b) and a.abs().sum() > 0
     assert ours.fp32_groups_has_gradients == theirs.fp32_groups_has_gradients == [[True, True]]
+
+
+# -- the optimizer step's norm and clip --------------------------------------------------------------
+
+def test_foreach_norm_and_clip_equal_deepspeeds():
+    """gptpar's stand-ins for DeepSpeed's `get_global_norm_of_tensors` and `clip_tensors_by_global_norm` (one
+    multi-tensor norm, one multi-tensor multiply, no host sync) give DeepSpeed's norm and clipped tensors bit for
+    bit on a CPU, whether the coefficient clips or not, and -1 for a NaN or Inf norm."""
+    from deepspeed.runtime.utils import clip_tensors_by_global_norm, get_global_norm_of_tensors
+
+    from gptpar.training.engine.deepspeed_api import clip_by_global_norm, global_grad_norm
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(shape, generator=g) * 10.0 ** k for k, shape in
+               zip((-3, 0, 2, -1, 1), ((64, 32), (7,), (3, 5, 2), (1,), (100,)))]
+    norm = global_grad_norm(tensors)
+    assert torch.equal(norm, get_global_norm_of_tensors(tensors)) and norm > 0
+    for max_norm in (float(norm) / 3, float(norm) * 3):  # clips, does not clip
+        ours, theirs = [t.clone() for t in tensors], [t.clone() for t in tensors]
+        assert clip_by_global_norm(ours, max_norm, global_norm=norm) is norm
+        clip_tensors_by_global_norm(theirs, max_norm, global_norm=norm)
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+        assert all(torch.equal(a, t) for a, t in zip(ours, tensors)) == (max_norm > float(norm))
+    for bad in (float("inf"), float("nan")):
+        broken = tensors + [torch.tensor([1.0, bad])]
+        assert float(global_grad_norm(broken)) == float(get_global_norm_of_tensors(broken)) == -1.0
+
+
+def _bf16_steps_with_and_without_foreach(tp):
+    """Three bf16 iterations at tp (a clip that engages: clip_grad 0.05) with gptpar's foreach norm and clip, and
+    the same from the same seed with DeepSpeed's own `step` (the instance's wrapper removed)."""
+    from deepspeed.runtime import bf16_optimizer
+
+    from gptpar.parallel import init_parallel
+
+    pstate = init_parallel(tp, 1, 1)
+    runs = {}
+    for name in ("foreach", "deepspeed"):
+        cfg = _config("bf16", 1, micro_batches=2, clip_grad=0.05)
+        engine = _engine(cfg, pstate)
+        opt = engine.ds.optimizer
+        installed = "step" in vars(opt)
+        if name == "deepspeed":
+            del opt.step
+        losses, norms = [], []
+        for k in range(3):
+            losses.append(engine.train_step(_batches(cfg, pstate, consumed=k * cfg.training.global_batch_size)))
+            norms.append(engine.grad_norm)
+        restored = (bf16_optimizer.get_global_norm_of_tensors.__module__,
+                    bf16_optimizer.clip_tensors_by_global_norm.__module__)
+        runs[name] = {"installed": installed, "losses": losses, "grad_norms": norms, "restored": restored,
+                      "master": [p.detach().clone() for p in opt.fp32_groups_flat_partition]}
+    return runs
+
+
+def test_bf16_training_with_foreach_clip_equals_deepspeeds():
+    """The trainer's bf16 engine (BF16_Optimizer) steps with the foreach norm and clip installed, and trains
+    exactly as with DeepSpeed's own: losses, grad norms (summed over tp 2) and the fp32 master weights after
+    three clipped steps, bit for bit on a CPU; DeepSpeed's functions are back in their module after each step."""
+    for rank in run_distributed(_bf16_steps_with_and_without_foreach, 2, (2,), timeout=300):
+        ours, theirs = rank["foreach"], rank["deepspeed"]
+        assert ours["installed"] and theirs["installed"]
+        assert ours["grad_norms"] == theirs["grad_norms"] and min(ours["grad_norms"]) > 0.05  # clipped
+        assert ours["losses"] == theirs["losses"]
+        assert all(torch.equal(a, b) for a, b in zip(ours["master"], theirs["master"]))
+        assert ours["restored"] == theirs["restored"] == ("deepspeed.runtime.utils",) * 2
+

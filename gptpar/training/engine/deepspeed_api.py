@@ -63,6 +63,10 @@ uses them, and the test that breaks when one changes:
       `clear_hp_grads`; the pipeline's tied all-reduce reading          clipping see every fused weight)
       `_hp_grad` (`install_main_grads`, gradient-accumulation
       fusion, installed by build.py)
+    BF16_Optimizer.step reading `get_global_norm_of_tensors` and       test_precision.py::test_foreach_norm_and_clip_equal_deepspeeds,
+      `clip_tensors_by_global_norm` from its module, and their          ::test_bf16_training_with_foreach_clip_equals_deepspeeds
+      signatures, and `has_moe_layers` (`foreach_norm_and_clip`,
+      installed by build.py)
 """
 from __future__ import annotations
 
@@ -196,6 +200,72 @@ class FusedGradAccumulation:
         if self.main is not None:
             self.main.wait_stream(self.stream)
             self.main = None
+
+
+def foreach_norm_and_clip(engine) -> bool:
+    """BF16_Optimizer.step with the gradient norm and the clip as multi-tensor kernels: `global_grad_norm` and
+    `clip_by_global_norm` stand in for DeepSpeed's `get_global_norm_of_tensors` and `clip_tensors_by_global_norm`
+    while the optimizer's `step` runs (the names `step` reads from its module, swapped back after it). DeepSpeed's
+    own launch one norm and one multiply per parameter (292 + 292 at the 1.3B shape, the small ones each a launch
+    the device waits for), and read the clip coefficient on the host. The same norm (each parameter's, squared
+    and summed in the same order, summed over the model-parallel group, NaN/Inf marked -1) and the same clipped
+    gradients (the same coefficient where it is below 1, as torch.nn.utils.clip_grad_norm_ a multiply by exactly
+    1 where it is not). Returns whether it was installed: only on a BF16_Optimizer without MoE layers."""
+    from deepspeed.runtime import bf16_optimizer
+
+    opt = engine.optimizer
+    if not isinstance(opt, bf16_optimizer.BF16_Optimizer) or opt.has_moe_layers:
+        return False
+    step = opt.step
+
+    def step_with_foreach_norm_and_clip(closure=None):
+        theirs = bf16_optimizer.get_global_norm_of_tensors, bf16_optimizer.clip_tensors_by_global_norm
+        bf16_optimizer.get_global_norm_of_tensors = global_grad_norm
+        bf16_optimizer.clip_tensors_by_global_norm = clip_by_global_norm
+        try:
+            return step(closure)
+        finally:
+            bf16_optimizer.get_global_norm_of_tensors, bf16_optimizer.clip_tensors_by_global_norm = theirs
+
+    opt.step = step_with_foreach_norm_and_clip
+    return True
+
+
+def _one_device(tensors) -> bool:
+    return bool(tensors) and len({t.device for t in tensors}) == 1
+
+
+@torch.no_grad()
+def global_grad_norm(input_tensors, norm_type=2, mpu=None, moe_ep_group=None) -> torch.Tensor:
+    """DeepSpeed 0.19.8's `get_global_norm_of_tensors` (L2, no MoE group) with the tensors' norms from one
+    `torch._foreach_norm`: sqrt of the sum of their squares, summed over `mpu`'s model-parallel group; -1 where
+    it is NaN or Inf, without a host sync. Other cases are DeepSpeed's function."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime import utils as ds_utils
+
+    tensors = [t.detach().float() for t in input_tensors]
+    if float(norm_type) != 2.0 or moe_ep_group is not None or not _one_device(tensors):
+        return ds_utils.get_global_norm_of_tensors(input_tensors, norm_type=norm_type, mpu=mpu,
+                                                   moe_ep_group=moe_ep_group)
+    total = torch.stack(torch._foreach_norm(tensors, 2.0)).pow(2.0).sum()
+    if mpu is not None:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mpu.get_model_parallel_group())
+    total = total.pow(0.5)
+    return total.masked_fill_(~torch.isfinite(total), -1.0)
+
+
+@torch.no_grad()
+def clip_by_global_norm(input_tensors, max_norm=1.0, global_norm=None, mpu=None, eps=1e-6):
+    """DeepSpeed's `clip_tensors_by_global_norm` as one `torch._foreach_mul_` by min(1, max_norm / (norm + eps)),
+    a device tensor: no host sync to decide whether to clip. Returns the norm."""
+    from deepspeed.runtime import utils as ds_utils
+
+    if not torch.is_tensor(global_norm) or not _one_device(list(input_tensors) + [global_norm]):
+        return ds_utils.clip_tensors_by_global_norm(input_tensors, max_norm=max_norm, global_norm=global_norm,
+                                                    mpu=mpu, eps=eps)
+    coef = torch.clamp(max_norm / (global_norm + eps), max=1.0)
+    torch._foreach_mul_([t.detach() for t in input_tensors], coef)
+    return global_norm
 
 
 def is_pipeline_module(model: torch.nn.Module) -> bool:
