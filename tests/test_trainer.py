@@ -317,9 +317,12 @@ def test_elapsed_time_is_wall_clock_between_steps_less_eval_saves_and_skips(tmp_
         def set_lr(self, lr):
             pass
 
-        def train_step(self, micro_batches):
+        def train_step(self, micro_batches, prepare_next=None):
             advance(1.0)
             return 2.0
+
+        def to_device(self, micro_batches):
+            return micro_batches
 
         def eval_step(self, micro_batches):
             advance(100.0)
@@ -372,3 +375,68 @@ def test_elapsed_time_is_wall_clock_between_steps_less_eval_saves_and_skips(tmp_
     assert any("skipping iterations 3-3" in line for line in printed)
     assert sum("validation loss" in line for line in printed) == 2  # the evaluations did run (iterations 2, 4)
     assert checkpointer.saved == [2, 4]
+
+
+def test_the_next_batch_is_drawn_during_the_step_and_used_only_where_it_is_that_iterations(monkeypatch):
+    """The trainer draws the next global batch while the engine's step waits for the device (`prepare_next`,
+    called once the last backward is queued), and trains iteration k on the batch after iteration k's own consumed
+    samples and at its own ramped-up size: drawn once (prefetched), not for a skipped iteration (discarded
+    instead) nor after the last; a prefetch that fails leaves the step it ran in alone, and the batch is drawn
+    again in its own iteration."""
+    import types
+
+    import gptpar.training.trainer as trainer_module
+    from gptpar.training.config import config_from_dict
+
+    draws, trained, failed_once = [], [], set()
+
+    def micro_batches(consumed, gbs):
+        draws.append((consumed, gbs))
+        if consumed == 8 and consumed not in failed_once:  # the prefetch of iteration 6's batch fails once
+            failed_once.add(consumed)
+            raise OSError("a flaky read")
+        return [{"consumed": consumed, "gbs": gbs}]
+
+    class Engine:
+        device, phase_seconds, loss_scale, grad_norm, step_applied = torch.device("cpu"), None, 1.0, 0.5, True
+
+        def set_micro_batches(self, *args):
+            pass
+
+        def set_lr(self, lr):
+            pass
+
+        def train_step(self, batches, prepare_next=None):
+            c = trainer.counters
+            trained.append((c.iteration + 1, batches, (c.consumed_samples, trainer.engine_gbs)))
+            if prepare_next is not None:
+                prepare_next()
+            return 2.0
+
+        def to_device(self, batches):
+            return [dict(mb, prefetched=True) for mb in batches]
+
+        def parameters(self):
+            return [torch.ones(2)]
+
+    source = types.SimpleNamespace(micro_batches=micro_batches)
+    pstate = types.SimpleNamespace(dp_size=1, tp_size=1, world_size=1, rank=0, dp_rank=0, tp_rank=0,
+                                   is_last_stage=True, device=torch.device("cpu"))
+    cfg = config_from_dict({"model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16,
+                                      "vocab_size": 200},
+                            "training": {"micro_batch_size": 1, "global_batch_size": 2, "rampup_batch_size": [1, 1, 2],
+                                         "train_samples": 11, "lr_warmup_samples": 0, "lr_decay_samples": 11,
+                                         "skip_train_iteration_range": ["4-4"]},
+                            "data": {"synthetic": True}})
+    monkeypatch.setattr(trainer_module, "memory_usage", lambda device: {"resident": 1.0, "max resident": 2.0})
+    trainer = trainer_module.Trainer(cfg, pstate, Engine(), source, {}, log=lambda line: None)
+    assert trainer.train() == "train_iters reached"
+    # consumed before each iteration: 0, 1 (gbs 1 while consumed <= 1), 3, 5 (skipped), 7, 9; gbs 2 from 2 on
+    assert [(k, key) for k, _, key in trained] == [(1, (0, 1)), (2, (1, 1)), (3, (1 + 1, 2)), (5, (6, 2)),
+                                                    (6, (8, 2))]
+    for _, batches, (consumed, gbs) in trained:
+        assert [(mb["consumed"], mb["gbs"]) for mb in batches] == [(consumed, gbs)]
+    prefetched = [k for k, batches, _ in trained if batches[0].get("prefetched")]
+    assert prefetched == [2, 3]  # 1: before any step; 5: after the skipped 4; 6: its prefetch failed
+    # each batch drawn once, but iteration 4's (discarded by the skip) and 6's (its prefetch failed, then drawn)
+    assert draws == [(0, 1), (1, 1), (2, 2), (4, 2), (6, 2), (8, 2), (8, 2)]

@@ -38,7 +38,7 @@ import os
 import signal
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -156,6 +156,7 @@ class Trainer:
         self.stats = IntervalStats()
         self.signals = StopSignals()
         self.engine_gbs = None
+        self.prefetched = None  # ((consumed samples, global batch size), its micro-batches on the device)
         self.last = {}
         self.clock_mark = None  # perf_counter() at the end of the last timed step; None: the next starts the clock
         self.saved_at = self.evaluated_at = None
@@ -241,8 +242,10 @@ class Trainer:
         if self.zeros is not None:
             self.zeros.reset()
         start = time.perf_counter() if self.clock_mark is None else self.clock_mark
+        micro_batches = self._take_batches(c.consumed_samples, gbs)
+        prefetch = self._prefetch_after(c.consumed_samples + gbs, c.iteration + 1)
         with self.compile_clock:
-            loss = self.engine.train_step(self.train_source.micro_batches(c.consumed_samples, gbs))
+            loss = self.engine.train_step(micro_batches, prepare_next=prefetch)
         self.clock_mark = time.perf_counter()
         elapsed = self.clock_mark - start - getattr(self.compile_clock, "spent", 0.0)
         applied = self.engine.step_applied
@@ -251,6 +254,34 @@ class Trainer:
         self.nan_streak = 0 if math.isfinite(loss) else self.nan_streak + 1
         self.last = {"lr": lr, "global_batch_size": gbs, "grad_norm": self.engine.grad_norm if applied else None,
                      "step_applied": applied}
+
+    def _take_batches(self, consumed: int, gbs: int) -> List[dict]:
+        """The micro-batches of the global batch after `consumed` samples: the ones prefetched during the previous
+        iteration when they are these, else drawn now."""
+        ready, self.prefetched = self.prefetched, None
+        if ready is not None and ready[0] == (consumed, gbs):
+            return ready[1]
+        return self.train_source.micro_batches(consumed, gbs)
+
+    def _prefetch_after(self, consumed: int, iteration: int) -> Optional[Callable[[], None]]:
+        """What the engine calls once iteration `iteration`'s last backward is queued, where the host would next
+        wait for the device (the optimizer step's first read of the gradient norm): draw the next global batch,
+        the one after `consumed` samples, and queue its copy to the device, so that neither is left between that
+        step's end and the next forward, with the device idle. None when the next iteration draws no batch to
+        train on (there is none, or it is skipped). A batch that fails to draw is drawn again in its own
+        iteration, which then fails: never the step of this one."""
+        following = iteration + 1
+        if following > self.train_iters or self.skip_ranges.range_of(following) is not None:
+            return None
+        gbs = self.rampup.global_batch_size(consumed)
+
+        def prefetch() -> None:
+            try:
+                self.prefetched = ((consumed, gbs), self.engine.to_device(self.train_source.micro_batches(consumed,
+                                                                                                        gbs)))
+            except Exception:  # noqa: BLE001 - raised again, in its own iteration, by _take_batches
+                self.prefetched = None
+        return prefetch
 
     @contextlib.contextmanager
     def off_the_clock(self):

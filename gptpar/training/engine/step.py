@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,14 +37,20 @@ class TrainEngine:
         self.phase_seconds: Optional[Dict[str, float]] = None  # `time_phases()` turns the timers on
 
     # -- the step ------------------------------------------------------------------------------
-    def train_step(self, micro_batches: List[dict]) -> float:
+    def train_step(self, micro_batches: List[dict], prepare_next: Optional[Callable[[], None]] = None) -> float:
         """Forward, backward and optimizer step over this dp rank's micro-batches.
 
-        Returns the loss averaged over the micro-batches and the data-parallel ranks (on every rank). Under
+        Returns the loss averaged over the micro-batches and the data-parallel ranks (on every rank).
+        `prepare_next` (the trainer's prefetch of the next batch) is called once the last backward is queued,
+        before the optimizer step, whose first read of the gradient norm makes the host wait for the device. Under
         precision fp8 the weights' float8 casts are made once here, used by every micro-batch, and invalidated
         when the step ends (DeepSpeed's update writes the weights where no forward can see it)."""
         with self._float8_weights_cast():
-            return self._train_step(micro_batches)
+            return self._train_step(micro_batches, prepare_next)
+
+    def to_device(self, micro_batches: List[dict]) -> List[dict]:
+        """The micro-batches' tensors on this rank's device (copies queued, non-blocking from pinned memory)."""
+        return [to_device(mb, self.device) for mb in micro_batches]
 
     @contextlib.contextmanager
     def _float8_weights_cast(self):
@@ -55,12 +61,14 @@ class TrainEngine:
         finally:
             invalidate_float8_weights(self.ds.module)
 
-    def _train_step(self, micro_batches: List[dict]) -> float:
+    def _train_step(self, micro_batches: List[dict], prepare_next) -> float:
         self.ds.train()
         with self._phase("batch"):
-            micro_batches = [to_device(mb, self.device) for mb in micro_batches]
-        if self.pipelined:
+            micro_batches = self.to_device(micro_batches)  # a no-op for prefetched ones
+        if self.pipelined:  # DeepSpeed's schedule runs the step inside train_batch
             loss = self.ds.train_batch(data_iter=iter([_pipe_batch(mb) for mb in micro_batches]))
+            if prepare_next is not None:
+                prepare_next()
             return float(loss)
         losses = []
         for i, mb in enumerate(micro_batches):
@@ -72,6 +80,8 @@ class TrainEngine:
                 loss = self.ds(**mb)
             with self._phase("backward"):
                 self.ds.backward(loss)
+            if last and prepare_next is not None:
+                prepare_next()
             with self._phase("optimizer" if last else "micro-step"):  # reduce, clip, step / bookkeeping
                 self.ds.step()
             losses.append(loss.detach().float())
