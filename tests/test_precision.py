@@ -405,3 +405,33 @@ def test_bf16_training_with_foreach_clip_equals_deepspeeds():
         assert all(torch.equal(a, b) for a, b in zip(ours["master"], theirs["master"]))
         assert ours["restored"] == theirs["restored"] == ("deepspeed.runtime.utils",) * 2
 
+
+def _gradients_summed_and_stepped_on(comm):
+    """bf16, dp 1, no clipping: the fp32 gradient buffers once the last micro-batch's backward is done (the
+    engine's `prepare_next` moment, before DeepSpeed's reduction) and the gradients the client optimizer steps
+    on, with the generated config or with `communication_data_type` overridden."""
+    from gptpar.parallel import init_parallel
+
+    pstate = init_parallel(1, 1, 1)
+    cfg = _config("bf16", 1, micro_batches=4, clip_grad=0.0)
+    engine = _engine(cfg, pstate, ds_edit=(lambda ds: ds.update(communication_data_type=comm)) if comm else None)
+    opt = engine.ds.optimizer
+    summed, stepped = [], []
+    opt.optimizer.register_step_pre_hook(lambda o, args, kwargs: stepped.extend(
+        p.grad.detach().clone() for group in o.param_groups for p in group["params"]))
+    engine.train_step(_batches(cfg, pstate),
+                      prepare_next=lambda: summed.extend(b.detach().clone() for b in opt.fp32_groups_gradients_flat))
+    return str(engine.ds.communication_data_type), torch.cat(summed), torch.cat(stepped)
+
+
+def test_bf16_steps_on_the_fp32_sums_not_their_bf16_rounding():
+    """The generated config reduces gradients over dp in fp32 under bf16 (Megatron-LM's choice): the optimizer
+    steps on the fp32 sums exactly. DeepSpeed's own default for a bf16 engine (what `communication_data_type =
+    bf16` restores) casts them to bf16 for the all-reduce and back, even at dp 1."""
+    runs = {comm: run_distributed(_gradients_summed_and_stepped_on, 1, (comm,), timeout=300)[0]
+            for comm in (None, "bf16")}
+    dtype, summed, stepped = runs[None]
+    assert dtype == "torch.float32" and torch.equal(stepped, summed)
+    assert not torch.equal(summed, summed.bfloat16().float())  # the sums are not bf16 numbers already
+    dtype, summed, stepped = runs["bf16"]
+    assert dtype == "torch.bfloat16" and torch.equal(stepped, summed.bfloat16().float())
