@@ -8,6 +8,7 @@ import math
 import os
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -293,13 +294,38 @@ def test_timers_split_each_iteration(runs):
         assert line == " time (ms) |" + "".join(f" {k}: {v:.2f} |" for k, v in phases.items())
 
 
+class _LoopEngine:
+    """The TrainEngine surface the trainer's loop uses, doing nothing; a test overrides what it watches."""
+    device, phase_seconds, loss_scale, grad_norm, step_applied = torch.device("cpu"), None, 1.0, 0.5, True
+
+    def set_micro_batches(self, *args):
+        pass
+
+    def set_lr(self, lr):
+        pass
+
+    def train_step(self, micro_batches, prepare_next=None):
+        return 2.0
+
+    def eval_step(self, micro_batches):
+        return 3.0
+
+    def to_device(self, micro_batches):
+        return micro_batches
+
+    def parameters(self):
+        return [torch.ones(2)]
+
+
+_ONE_RANK = types.SimpleNamespace(dp_size=1, tp_size=1, world_size=1, rank=0, dp_rank=0, tp_rank=0,
+                                  is_last_stage=True, device=torch.device("cpu"))
+
+
 def test_elapsed_time_is_wall_clock_between_steps_less_eval_saves_and_skips(tmp_path, monkeypatch):
     """Megatron's interval timer: an iteration's elapsed time runs from the end of the previous optimizer step to
     the end of its own, so the loop's work between steps (here the log line) is in it, while evaluation, saves and
     a skipped iteration are not. A fake clock that only the fake engine, checkpointer and log advance makes the
     expected times exact (no sleeps, no timing margins)."""
-    import types
-
     import gptpar.training.trainer as trainer_module
     from gptpar.training.config import config_from_dict
 
@@ -308,28 +334,14 @@ def test_elapsed_time_is_wall_clock_between_steps_less_eval_saves_and_skips(tmp_
     def advance(seconds):
         now[0] += seconds
 
-    class Engine:
-        device, phase_seconds, loss_scale, grad_norm, step_applied = torch.device("cpu"), None, 1.0, 0.5, True
-
-        def set_micro_batches(self, *args):
-            pass
-
-        def set_lr(self, lr):
-            pass
-
+    class Engine(_LoopEngine):
         def train_step(self, micro_batches, prepare_next=None):
             advance(1.0)
             return 2.0
 
-        def to_device(self, micro_batches):
-            return micro_batches
-
         def eval_step(self, micro_batches):
             advance(100.0)
             return 3.0
-
-        def parameters(self):
-            return [torch.ones(2)]
 
     class Checkpointer:
         def __init__(self):
@@ -350,8 +362,7 @@ def test_elapsed_time_is_wall_clock_between_steps_less_eval_saves_and_skips(tmp_
             return False
 
     source = types.SimpleNamespace(micro_batches=lambda consumed, gbs: [])
-    pstate = types.SimpleNamespace(dp_size=1, tp_size=1, world_size=1, rank=0, dp_rank=0, tp_rank=0,
-                                   is_last_stage=True, device=torch.device("cpu"))
+    pstate = _ONE_RANK
     cfg = config_from_dict({"model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16,
                                       "vocab_size": 200},
                             "training": {"micro_batch_size": 1, "global_batch_size": 1, "train_iters": 4,
@@ -383,8 +394,6 @@ def test_the_next_batch_is_drawn_during_the_step_and_used_only_where_it_is_that_
     samples and at its own ramped-up size: drawn once (prefetched), not for a skipped iteration (discarded
     instead) nor after the last; a prefetch that fails leaves the step it ran in alone, and the batch is drawn
     again in its own iteration."""
-    import types
-
     import gptpar.training.trainer as trainer_module
     from gptpar.training.config import config_from_dict
 
@@ -397,15 +406,7 @@ def test_the_next_batch_is_drawn_during_the_step_and_used_only_where_it_is_that_
             raise OSError("a flaky read")
         return [{"consumed": consumed, "gbs": gbs}]
 
-    class Engine:
-        device, phase_seconds, loss_scale, grad_norm, step_applied = torch.device("cpu"), None, 1.0, 0.5, True
-
-        def set_micro_batches(self, *args):
-            pass
-
-        def set_lr(self, lr):
-            pass
-
+    class Engine(_LoopEngine):
         def train_step(self, batches, prepare_next=None):
             c = trainer.counters
             trained.append((c.iteration + 1, batches, (c.consumed_samples, trainer.engine_gbs)))
@@ -416,12 +417,8 @@ def test_the_next_batch_is_drawn_during_the_step_and_used_only_where_it_is_that_
         def to_device(self, batches):
             return [dict(mb, prefetched=True) for mb in batches]
 
-        def parameters(self):
-            return [torch.ones(2)]
-
     source = types.SimpleNamespace(micro_batches=micro_batches)
-    pstate = types.SimpleNamespace(dp_size=1, tp_size=1, world_size=1, rank=0, dp_rank=0, tp_rank=0,
-                                   is_last_stage=True, device=torch.device("cpu"))
+    pstate = _ONE_RANK
     cfg = config_from_dict({"model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16,
                                       "vocab_size": 200},
                             "training": {"micro_batch_size": 1, "global_batch_size": 2, "rampup_batch_size": [1, 1, 2],
