@@ -49,6 +49,12 @@ from gptpar.estimate.flops import tflops_per_gpu  # noqa: E402 (the shared FLOP 
 # nothing else from gptpar; --profile reports with the trainer's profiler, --gptpar builds gptpar's model)
 
 
+# The peer's MLP activation, as gptpar's config names it: nanoGPT's tanh GELU (also BLOOM's, and Megatron's fused
+# bias-GELU). The gptpar config the peer takes its shape from must ask for the same one, or the two loops (and
+# --gptpar's model alone) would time different functions.
+ACTIVATION = "gelu_tanh"
+
+
 @dataclass
 class PeerConfig:
     n_layer: int
@@ -88,7 +94,7 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))  # ACTIVATION
 
 
 class Block(nn.Module):
@@ -264,6 +270,10 @@ def config_from_file(path: str):
     m, t = d["model"], d.get("training", {})
     if m.get("ffn_hidden_size") not in (None, 4 * m["hidden_size"]):
         raise SystemExit(f"{path}: the peer loop has nanoGPT's 4h MLP; ffn_hidden_size {m['ffn_hidden_size']}")
+    activation = m.get("activation", "gelu")  # gptpar's default
+    if activation != ACTIVATION:
+        raise SystemExit(f"{path}: model.activation is {activation!r}, the peer loop's MLP computes nanoGPT's tanh "
+                         f"GELU: set model.activation to {ACTIVATION!r} so that both loops train the same model")
     return PeerConfig(n_layer=m["num_layers"], n_embd=m["hidden_size"], n_head=m["num_attention_heads"],
                       block_size=m["seq_length"], vocab_size=m["vocab_size"],
                       dropout=m.get("hidden_dropout", 0.0)), t.get("micro_batch_size", 1), m
@@ -293,7 +303,7 @@ def main(argv=None):
     if args.tiny:
         cfg = PeerConfig(n_layer=2, n_embd=64, n_head=2, block_size=32, vocab_size=500, dropout=0.1)
         model_section = dict(num_layers=2, hidden_size=64, num_attention_heads=2, seq_length=32, vocab_size=500,
-                             hidden_dropout=0.1, attention_dropout=0.1)
+                             hidden_dropout=0.1, attention_dropout=0.1, activation=ACTIVATION)
         mbs, gbs, iters, warmup = 2, 4, 2, 1
     mbs = args.micro_batch_size or mbs
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]

@@ -146,13 +146,28 @@ def test_peer_model_computes_gptpar_model():
         transposed = name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))
         hf[name] = t.t() if transposed else t
     gcfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
-                     make_vocab_size_divisible_by=64, activation="gelu_tanh")
+                     make_vocab_size_divisible_by=64, activation=peer.ACTIVATION)
     assert gcfg.padded_vocab_size(1) == cfg.padded_vocab
     ours = GPTModel(gcfg).eval()
     load_full_state_dict(ours, from_hf_state_dict(hf, gcfg), None)
     x = torch.randint(0, 100, (3, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(ours(x)[..., :100], model(x)[..., :100], rtol=1e-5, atol=1e-5)
+
+
+def test_peer_takes_only_a_config_of_its_own_activation(tmp_path):
+    """The issue's comparison trains one model in both loops: configs/1.3b.json asks for the peer's activation
+    (the one test_peer_model_computes_gptpar_model proves the peer computes), and a config asking for another
+    is refused, naming the field, rather than timing erf GELU against tanh GELU."""
+    peer = _load_bench("bench_peer_loop")
+    cfg, mbs, section = peer.config_from_file(os.path.join(REPO, "configs", "1.3b.json"))
+    assert section["activation"] == peer.ACTIVATION and (cfg.n_layer, cfg.n_embd, mbs) == (24, 2048, 4)
+    erf = json.loads(open(os.path.join(REPO, "configs", "1.3b.json")).read())
+    del erf["model"]["activation"]  # gptpar's default: erf GELU
+    path = tmp_path / "erf.json"
+    path.write_text(json.dumps(erf))
+    with pytest.raises(SystemExit, match="model.activation is 'gelu'.*set model.activation to 'gelu_tanh'"):
+        peer.config_from_file(str(path))
 
 
 def test_bench_layer_tiny_calibrates_the_planner(tmp_path):
