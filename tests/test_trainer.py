@@ -371,7 +371,9 @@ def test_elapsed_time_is_wall_clock_between_steps_less_eval_saves_and_skips(tmp_
                             "checkpoint": {"save": str(tmp_path / "ck"), "save_interval": 2},
                             "logging": {"log_interval": 1, "metrics_file": str(tmp_path / "m.jsonl")}})
     monkeypatch.setattr(trainer_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0], time=time.time))
-    monkeypatch.setattr(trainer_module, "memory_usage", lambda device: {"resident": 1.0, "max resident": 2.0})
+    memory_reads = []
+    monkeypatch.setattr(trainer_module, "memory_usage",
+                        lambda device: memory_reads.append(device) or {"resident": 1.0, "max resident": 2.0})
     printed = []
     checkpointer = Checkpointer()
     trainer = trainer_module.Trainer(cfg, pstate, Engine(), source, {None: source}, checkpointer,
@@ -383,6 +385,7 @@ def test_elapsed_time_is_wall_clock_between_steps_less_eval_saves_and_skips(tmp_
     # left out)
     assert [(r["iteration"], r["elapsed_s"]) for r in logged] == [(1, 1.0), (2, 1.5), (4, 1.25)]
     assert sum("memory (MB)" in line for line in printed) == 1
+    assert len(memory_reads) == 1  # read for that report only: no TensorBoard to write it to at every log line
     assert any("skipping iterations 3-3" in line for line in printed)
     assert sum("validation loss" in line for line in printed) == 2  # the evaluations did run (iterations 2, 4)
     assert checkpointer.saved == [2, 4]

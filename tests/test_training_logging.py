@@ -80,6 +80,25 @@ def test_order_of_fields_matches_anchor():
     assert parse_log_line(line)["params_norm"] == 11.5
 
 
+def test_cuda_memory_usage_reads_what_torch_cuda_reads_from_one_stats_call(monkeypatch):
+    """On CUDA the four figures are torch.cuda.memory_allocated / max_memory_allocated / memory_reserved /
+    max_memory_reserved, read from one `memory_stats` (checked on any machine with a stand-in allocator: the
+    torch functions and memory_usage read the same fake statistics)."""
+    import torch.cuda.memory as cuda_memory
+
+    stats = {"allocated_bytes.all.current": 11, "allocated_bytes.all.peak": 12, "reserved_bytes.all.current": 13,
+             "reserved_bytes.all.peak": 14, "active_bytes.all.current": 99}
+    calls = []
+    fake = lambda device=None: calls.append(device) or dict(stats)  # noqa: E731
+    monkeypatch.setattr(cuda_memory, "memory_stats", fake)
+    monkeypatch.setattr(torch.cuda, "memory_stats", fake)
+    device = torch.device("cuda", 0)
+    expected = {"allocated": torch.cuda.memory_allocated(device), "max allocated": torch.cuda.max_memory_allocated(device),
+                "reserved": torch.cuda.memory_reserved(device), "max reserved": torch.cuda.max_memory_reserved(device)}
+    assert len(calls) == 4 and sorted(expected.values()) == [11, 12, 13, 14]
+    assert memory_usage(device) == expected and len(calls) == 5
+
+
 def test_memory_line_is_megatrons_report_memory():
     """`[Rank r] (after N iterations) memory (MB) | allocated: ... |` with Megatron's labels (utils.report_memory,
     written out here), MB = 2**20 bytes printed unrounded; on CPU this process's VmRSS / VmHWM."""

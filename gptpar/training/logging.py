@@ -110,18 +110,19 @@ def format_timers_line(phases_ms: Dict[str, float]) -> str:
 def memory_usage(device) -> Dict[str, float]:
     """This process's memory in bytes, labelled as Megatron's `report_memory` labels it.
 
-    On CUDA the caching allocator's `allocated`, `max allocated`, `reserved` and `max reserved`
-    (torch.cuda.memory_allocated / max_memory_allocated / memory_reserved / max_memory_reserved). On CPU the
+    On CUDA the caching allocator's `allocated`, `max allocated`, `reserved` and `max reserved`: what
+    torch.cuda.memory_allocated / max_memory_allocated / memory_reserved / max_memory_reserved read, from one
+    `torch.cuda.memory_stats` (each of those builds the whole statistics dict again). On CPU the
     process's `resident` memory and its peak, `max resident`: VmRSS and VmHWM of /proc/self/status (the kernel's
     own counters of resident pages now and at most so far, read together, so the peak is never below the
     resident). Empty where neither exists (a CPU without /proc: nothing is reported)."""
     import torch
 
     if device.type == "cuda":
-        return {"allocated": float(torch.cuda.memory_allocated(device)),
-                "max allocated": float(torch.cuda.max_memory_allocated(device)),
-                "reserved": float(torch.cuda.memory_reserved(device)),
-                "max reserved": float(torch.cuda.max_memory_reserved(device))}
+        stats = torch.cuda.memory_stats(device)
+        return {label: float(stats.get(key, 0)) for label, key in (
+            ("allocated", "allocated_bytes.all.current"), ("max allocated", "allocated_bytes.all.peak"),
+            ("reserved", "reserved_bytes.all.current"), ("max reserved", "reserved_bytes.all.peak"))}
     try:
         with open("/proc/self/status") as f:
             status = dict(line.split(":", 1) for line in f if ":" in line)

@@ -319,7 +319,8 @@ class Trainer:
         num_zeros = self.zeros.total(self.last["step_applied"]) if self.zeros is not None else None
         params_norm = self.engine.params_norm() if self.cfg.logging.log_params_norm else None
         phases = self.phases_ms(iterations, interval["elapsed_s"])
-        usage = memory_usage(self.pstate.device)
+        report_memory = not self.memory_reported and self.last["step_applied"]
+        usage = memory_usage(self.pstate.device) if report_memory or self.cfg.logging.tensorboard_dir else {}
         largest = self._largest_over_ranks(usage) if usage and self.cfg.logging.tensorboard_dir else None
         if self.is_log_rank:
             record = self.record(interval, num_zeros, params_norm)
@@ -332,7 +333,7 @@ class Trainer:
                 self.tensorboard.add_timers(iteration, phases)
             if largest is not None:
                 self.tensorboard.add_memory(iteration, largest)
-        if not self.memory_reported and self.last["step_applied"]:
+        if report_memory:
             self.memory_reported = True
             if self.pstate.dp_rank == 0 and usage:  # Megatron: one report per model-parallel rank
                 self.log(format_memory_line(self.pstate.rank, iteration, usage))
@@ -408,11 +409,12 @@ class Trainer:
         minutes = (time.time() - self.start_time) / 60.0
         killed = t.kill_switch_path is not None and os.path.exists(t.kill_switch_path)
         save_failed = self.checkpointer is not None and self.checkpointer.failed()  # an async save, seen here
-        flags = torch.tensor([self.signals.received or 0, killed, t.exit_duration_in_mins is not None
-                              and minutes > t.exit_duration_in_mins, self.signals.requested is not None, save_failed],
-                             dtype=torch.float64, device=self.pstate.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        flags = [self.signals.received or 0, killed, t.exit_duration_in_mins is not None
+                 and minutes > t.exit_duration_in_mins, self.signals.requested is not None, save_failed]
+        if dist.is_initialized() and dist.get_world_size() > 1:  # else no device tensor, no read back
+            flags = torch.tensor(flags, dtype=torch.float64, device=self.pstate.device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            flags = flags.tolist()  # one read of the device, not one per flag
         if flags[4] > 0:  # every rank raises the save's CheckpointSaveError here, at this iteration
             self.checkpointer.wait()
             from gptpar.training.checkpoint import CheckpointSaveError
