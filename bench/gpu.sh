@@ -161,10 +161,11 @@ speed() {
   step layer_bf16 90 $PY bench/bench_layer.py $layer --compile --dtype bf16 --json "$OUT/layer_bf16.json"
   step layer_fp8 90 $PY bench/bench_layer.py $layer --compile --dtype fp8 --json "$OUT/layer_fp8.json"
   # The CUDA forms of what the speed steps rely on: the int32 dropout hash under Triton equals the int64 formula,
-  # and torchao's float8 GEMMs equal their emulation.
+  # torchao's float8 GEMMs equal their emulation, the step's loss and norm are read without waiting for the
+  # optimizer step.
   [ "${GPU_CPU_SMOKE:-0}" = 1 ] || step cuda_checks 90 $PY -m pytest -q -p no:cacheprovider -k "cuda" \
       tests/test_compile.py::test_counter_dropout_int32_hash_is_the_int64_hash tests/test_float8.py \
-      tests/test_grad_accumulation_fusion.py
+      tests/test_grad_accumulation_fusion.py tests/test_step_syncs.py
   echo "== 3. the trainer eager"
   step trainer_eager 120 "${run[@]}" --set training.compile=false --set logging.metrics_file="$OUT/trainer_eager.jsonl"
   step summary 60 $PY bench/gpu_summary.py --out "$OUT"

@@ -382,24 +382,28 @@ def _bf16_steps_with_and_without_foreach(tp):
         installed = "step" in vars(opt)
         if name == "deepspeed":
             del opt.step
-        losses, norms = [], []
+        losses, norms, carried = [], [], []
         for k in range(3):
             losses.append(engine.train_step(_batches(cfg, pstate, consumed=k * cfg.training.global_batch_size)))
             norms.append(engine.grad_norm)
+            carried.append(getattr(engine.ds.get_global_grad_norm(), "host_scalar", None) is not None)
         restored = (bf16_optimizer.get_global_norm_of_tensors.__module__,
                     bf16_optimizer.clip_tensors_by_global_norm.__module__)
         runs[name] = {"installed": installed, "losses": losses, "grad_norms": norms, "restored": restored,
-                      "master": [p.detach().clone() for p in opt.fp32_groups_flat_partition]}
+                      "master": [p.detach().clone() for p in opt.fp32_groups_flat_partition], "carried": carried}
     return runs
 
 
 def test_bf16_training_with_foreach_clip_equals_deepspeeds():
     """The trainer's bf16 engine (BF16_Optimizer) steps with the foreach norm and clip installed, and trains
     exactly as with DeepSpeed's own: losses, grad norms (summed over tp 2) and the fp32 master weights after
-    three clipped steps, bit for bit on a CPU; DeepSpeed's functions are back in their module after each step."""
+    three clipped steps, bit for bit on a CPU; DeepSpeed's functions are back in their module after each step.
+    The norm the log line reads is gptpar's own tensor, the one carrying its copy for the host (read without
+    waiting for the optimizer step queued after it, `HostScalar`), and its value equals DeepSpeed's norm's."""
     for rank in run_distributed(_bf16_steps_with_and_without_foreach, 2, (2,), timeout=300):
         ours, theirs = rank["foreach"], rank["deepspeed"]
         assert ours["installed"] and theirs["installed"]
+        assert ours["carried"] == [True] * 3 and theirs["carried"] == [False] * 3
         assert ours["grad_norms"] == theirs["grad_norms"] and min(ours["grad_norms"]) > 0.05  # clipped
         assert ours["losses"] == theirs["losses"]
         assert all(torch.equal(a, b) for a, b in zip(ours["master"], theirs["master"]))

@@ -1,7 +1,12 @@
 """A training step does not wait for the device between micro-batches: no device synchronisation from DeepSpeed
 inside `TrainEngine.train_step` (its throughput timer, on by default, would synchronize twice per micro-batch).
 
-Counted on the CPU accelerator, whose `synchronize` DeepSpeed calls exactly where it would on a GPU."""
+Counted on the CPU accelerator, whose `synchronize` DeepSpeed calls exactly where it would on a GPU. The step's
+loss and gradient norm are read without waiting for the optimizer step queued after them (`HostScalar`; its
+CUDA behaviour checked where a GPU is)."""
+
+import pytest
+import torch
 
 from gptpar.testing import run_distributed
 
@@ -57,3 +62,29 @@ def test_a_step_does_not_synchronize_the_device_per_micro_batch():
     gptpar, deepspeed_default = run_distributed(_both, 1, timeout=300)[0]
     assert deepspeed_default == 2 * MICRO_BATCHES  # what the generated config turns off (the test can see it)
     assert gptpar == 0
+
+
+def test_host_scalar_reads_numbers_tensors_and_the_copy_a_tensor_carries():
+    from gptpar.training.engine.step import HostScalar
+
+    t = torch.tensor(2.5)
+    assert HostScalar(t * 2).value() == 5.0
+    assert HostScalar.read(1.25) == 1.25 and HostScalar.read(t) == 2.5
+    t.host_scalar = HostScalar(torch.tensor(-1.0))  # the carried copy is what is read
+    assert HostScalar.read(t) == -1.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_host_scalar_does_not_wait_for_work_queued_after_it_cuda():
+    """`value()` returns while the device still runs what was queued after the scalar was made; `float()` of the
+    same tensor waits for all of it (the stream is idle after it): what the step's loss and norm avoid."""
+    from gptpar.training.engine.step import HostScalar
+
+    x = torch.full((), 3.5, device="cuda")
+    scalar = HostScalar(x * 2)
+    torch.cuda._sleep(2_000_000_000)  # about a second of device time, queued after the copy
+    assert scalar.value() == 7.0
+    assert not torch.cuda.current_stream().query()  # still sleeping: value() did not wait for it
+    y = x * 2
+    torch.cuda._sleep(200_000_000)
+    assert float(y) == 7.0 and torch.cuda.current_stream().query()  # float() waited for the whole stream

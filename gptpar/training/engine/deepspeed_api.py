@@ -239,7 +239,8 @@ def _one_device(tensors) -> bool:
 def global_grad_norm(input_tensors, norm_type=2, mpu=None, moe_ep_group=None) -> torch.Tensor:
     """DeepSpeed 0.19.8's `get_global_norm_of_tensors` (L2, no MoE group) with the tensors' norms from one
     `torch._foreach_norm`: sqrt of the sum of their squares, summed over `mpu`'s model-parallel group; -1 where
-    it is NaN or Inf, without a host sync. Other cases are DeepSpeed's function."""
+    it is NaN or Inf, without a host sync. The tensor carries its copy for the host (`host_scalar`, read by
+    TrainEngine.grad_norm). Other cases are DeepSpeed's function."""
     from deepspeed import comm as dist
     from deepspeed.runtime import utils as ds_utils
 
@@ -251,7 +252,11 @@ def global_grad_norm(input_tensors, norm_type=2, mpu=None, moe_ep_group=None) ->
     if mpu is not None:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mpu.get_model_parallel_group())
     total = total.pow(0.5)
-    return total.masked_fill_(~torch.isfinite(total), -1.0)
+    total.masked_fill_(~torch.isfinite(total), -1.0)
+    from gptpar.training.engine.step import HostScalar  # (step.py imports this module)
+
+    total.host_scalar = HostScalar(total)  # for the log line, without waiting for the step queued after it
+    return total
 
 
 @torch.no_grad()
