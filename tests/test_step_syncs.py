@@ -2,8 +2,8 @@
 inside `TrainEngine.train_step` (its throughput timer, on by default, would synchronize twice per micro-batch).
 
 Counted on the CPU accelerator, whose `synchronize` DeepSpeed calls exactly where it would on a GPU. The step's
-loss and gradient norm are read without waiting for the optimizer step queued after them (`HostScalar`; its
-CUDA behaviour checked where a GPU is)."""
+loss and gradient norm are read without waiting for the optimizer step queued after them (`HostScalar`,
+gptpar/training/engine/host_scalar.py; its CUDA behaviour checked where a GPU is)."""
 
 import pytest
 import torch
@@ -65,7 +65,7 @@ def test_a_step_does_not_synchronize_the_device_per_micro_batch():
 
 
 def test_host_scalar_reads_numbers_tensors_and_the_copy_a_tensor_carries():
-    from gptpar.training.engine.step import HostScalar
+    from gptpar.training.engine.host_scalar import HostScalar
 
     t = torch.tensor(2.5)
     assert HostScalar(t * 2).value() == 5.0
@@ -78,7 +78,7 @@ def test_host_scalar_reads_numbers_tensors_and_the_copy_a_tensor_carries():
 def test_host_scalar_does_not_wait_for_work_queued_after_it_cuda():
     """`value()` returns while the device still runs what was queued after the scalar was made; `float()` of the
     same tensor waits for all of it (the stream is idle after it): what the step's loss and norm avoid."""
-    from gptpar.training.engine.step import HostScalar
+    from gptpar.training.engine.host_scalar import HostScalar
 
     x = torch.full((), 3.5, device="cuda")
     scalar = HostScalar(x * 2)

@@ -93,7 +93,8 @@ def test_cuda_memory_usage_reads_what_torch_cuda_reads_from_one_stats_call(monke
     monkeypatch.setattr(cuda_memory, "memory_stats", fake)
     monkeypatch.setattr(torch.cuda, "memory_stats", fake)
     device = torch.device("cuda", 0)
-    expected = {"allocated": torch.cuda.memory_allocated(device), "max allocated": torch.cuda.max_memory_allocated(device),
+    expected = {"allocated": torch.cuda.memory_allocated(device),
+                "max allocated": torch.cuda.max_memory_allocated(device),
                 "reserved": torch.cuda.memory_reserved(device), "max reserved": torch.cuda.max_memory_reserved(device)}
     assert len(calls) == 4 and sorted(expected.values()) == [11, 12, 13, 14]
     assert memory_usage(device) == expected and len(calls) == 5

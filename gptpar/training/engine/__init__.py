@@ -12,6 +12,7 @@ fp32/bf16/fp16), split by what changes together:
     checkpoint_writer.py  CheckpointWriter: the engine's checkpoint engine, hashing every file as written, and
                         writing it in a background thread from a host snapshot with checkpoint.async_save
     optimizer_state.py  one parameter's full optimizer state (universal checkpoints), the precision plan, bytes held
+    host_scalar.py      HostScalar: the step's loss and grad norm read without waiting for the optimizer step
 
 Nothing else in gptpar/ imports DeepSpeed except the pipeline-stage builder (gptpar/model/pipeline.py:
 `PipelineModule`, `LayerSpec`, the topology); tests/test_package_structure.py keeps it so. The trainer and the

@@ -74,6 +74,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from gptpar.training.engine.host_scalar import HostScalar
+
 
 def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: dict, mpu):
     """`deepspeed.initialize` with a client optimizer; returns DeepSpeed's engine (a PipelineEngine for a
@@ -253,8 +255,6 @@ def global_grad_norm(input_tensors, norm_type=2, mpu=None, moe_ep_group=None) ->
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mpu.get_model_parallel_group())
     total = total.pow(0.5)
     total.masked_fill_(~torch.isfinite(total), -1.0)
-    from gptpar.training.engine.step import HostScalar  # (step.py imports this module)
-
     total.host_scalar = HostScalar(total)  # for the log line, without waiting for the step queued after it
     return total
 
