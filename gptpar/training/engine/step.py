@@ -83,8 +83,8 @@ class TrainEngine:
                 self.ds.backward(loss)
             losses.append(loss.detach().float())
             if last:
-                # The mean is read once the step's work before it is done, not after the optimizer step queued
-                # below: the host can then log and queue the next forward while the device still steps.
+                # The mean is read as soon as the work queued before it is done, not after the optimizer step
+                # queued below: the host then logs and queues the next forward while the device still steps.
                 mean = HostScalar(_dp_mean(torch.stack(losses).mean(), self.pstate))
                 if prepare_next is not None:
                     prepare_next()
