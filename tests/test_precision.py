@@ -132,16 +132,17 @@ def test_zero1_shards_the_optimizer_state(held, precision, zero, optimizer):
 
 def test_precision_plans_name_the_real_optimizers(held):
     plans = {case: held[2][0][case][0] for case in CASES}
-    assert plans["bf16", 1, "adamw"] == ("precision plan: parameters bf16, gradient accumulation fp32, master weights "
-                                         "a fp32 copy of 0.5 of the parameters (partitioned over dp 2); optimizer "
+    assert plans["bf16", 1, "adamw"] == ("precision plan: parameters bf16, gradient accumulation fp32, dp reduction "
+                                         "fp32, master weights a fp32 copy of 0.5 of the parameters (partitioned "
+                                         "over dp 2); optimizer "
                                          "BF16_Optimizer around AdamW; gradient-accumulation fusion: 8 GEMM weights "
                                          "and the word embedding (lookup and tied output layer) add their gradients "
                                          "into the fp32 buffers after each GEMM (a CPU has no fp32-output one)")
-    assert "parameters fp32, gradient accumulation fp32, master weights the parameters themselves; optimizer " \
-           "AdamW" in plans["fp32", 0, "adamw"]
+    assert "parameters fp32, gradient accumulation fp32, dp reduction fp32, master weights the parameters " \
+           "themselves; optimizer AdamW" in plans["fp32", 0, "adamw"]
     assert "optimizer DeepSpeedZeroOptimizer around AdamW" in plans["fp32", 1, "adamw"]
-    assert "parameters fp16, gradient accumulation fp16, master weights a fp32 copy of 0.5 of the parameters " \
-           "(partitioned over dp 2); optimizer DeepSpeedZeroOptimizer" in plans["fp16", 1, "adamw"]
+    assert "parameters fp16, gradient accumulation fp16, dp reduction fp16, master weights a fp32 copy of 0.5 " \
+           "of the parameters (partitioned over dp 2); optimizer DeepSpeedZeroOptimizer" in plans["fp16", 1, "adamw"]
     assert plans["fp32", 1, "adamw8bit"].endswith("optimizer DeepSpeedZeroOptimizer around AdamW8bit")
     assert "optimizer BF16_Optimizer around AdamW8bit; gradient-accumulation fusion: 8" in plans["bf16", 1, "adamw8bit"]
     assert not any("fusion" in plan for (precision, _, _), plan in plans.items() if precision != "bf16")

@@ -48,6 +48,8 @@ uses them, and the test that breaks when one changes:
     DeepSpeedZeroConfig (a pydantic model that forbids unknown keys)   test_deepspeed_overrides.py (typos, types, the values
       and `get_communication_data_type`                                  read back from the built engine)
       (`check_deepspeed_key`, for ds_config.check_deepspeed_overrides)
+    the engine's `communication_data_type` (the dp reduction dtype in   test_precision.py::test_precision_plans_name_the_real_optimizers
+      optimizer_state.py's `precision_plan`)
     the engine's `checkpoint_engine` attribute, called for every file   test_async_checkpoint.py (async files equal blocking
       `save_checkpoint` writes and `load_checkpoint` reads (the           ones), test_reliability.py (corrupted files refused,
       pipeline engine passes it to `PipelineModule.save_state_dict`),     a full disk during a save)

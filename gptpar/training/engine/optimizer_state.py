@@ -114,7 +114,7 @@ def grad_fragment_of(flat: torch.Tensor, param: torch.Tensor) -> Optional[torch.
 
 
 def precision_plan(ds, dp_size: int) -> str:
-    """One line: parameter, gradient-accumulation and master-weight dtypes and the optimizer wrapper
+    """One line: parameter, gradient-accumulation, dp-reduction and master-weight dtypes and the optimizer wrapper
     DeepSpeed chose, read off the engine's real objects."""
     names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
     params = [p for p in ds.module.parameters() if p.requires_grad]
@@ -131,7 +131,8 @@ def precision_plan(ds, dp_size: int) -> str:
     chain = type(inner).__name__ if wrapper is inner else f"{type(wrapper).__name__} around {type(inner).__name__}"
     float8 = float8_summary(ds.module)  # precision fp8: the layers' float8 GEMMs
     return (f"precision plan: parameters {names[params[0].dtype]}, gradient accumulation "
-            f"{names[ds.get_data_types()[1]]}, master weights {where}; optimizer {chain}"
+            f"{names[ds.get_data_types()[1]]}, dp reduction {names[ds.communication_data_type]}, master weights "
+            f"{where}; optimizer {chain}"
             + (f"; {float8}" if float8 else ""))
 
 
