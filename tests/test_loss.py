@@ -151,6 +151,54 @@ def test_compiled_loss_kernels_match_serial_and_previous_algorithm(tp):
     assert run_distributed(_compiled_checks, tp, timeout=400) == ["ok"] * tp
 
 
+def _online_softmax_matched():
+    """Whether inductor's online-softmax pattern (one pass: running max and sum) matches the compiled loss's
+    forward, and torch.logsumexp, as on a GPU: its CUDA-only check is lifted (in this spawned process only, before
+    any compile registers the patterns), the post-grad graph recorded, and the compile stopped there (the CPU's C++
+    backend has no online-softmax kernel)."""
+    import torch._inductor.config as inductor_config
+    import torch._inductor.fx_passes.post_grad as post_grad
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    post_grad.prepare_softmax_extra_check = lambda match: True
+
+    class Recorded(Exception):
+        pass
+
+    class Record(CustomGraphPass):
+        def __call__(self, graph):
+            raise Recorded("prepare_softmax_online" in str(graph))
+
+        def uuid(self):
+            return None
+
+    inductor_config.post_grad_custom_post_pass = Record()
+    inductor_config.fx_graph_cache = False
+    logits = torch.randn(6, 40).bfloat16()
+    target = torch.tensor([0, 3, 39, 7, 1, 2])
+    local, here = target, torch.ones(6, dtype=torch.bool)
+    matched = {}
+    for name, fn in (("loss", lambda x: cross_entropy._rows_forward(x, local, here, 37, False)[0]),
+                     ("torch.logsumexp", lambda x: torch.logsumexp(x[:, :37].float(), dim=-1))):
+        torch._dynamo.reset()
+        try:
+            torch.compile(fn)(logits)
+        except Exception as error:  # noqa: BLE001 - Recorded, wrapped by inductor
+            cause = error
+            while cause is not None and not isinstance(cause, Recorded):
+                cause = cause.__cause__ or cause.__context__
+            assert cause is not None, error
+            matched[name] = cause.args[0]
+    return matched
+
+
+def test_compiled_loss_forward_is_one_online_softmax_pass_on_a_gpu():
+    """The compiled loss's log-sum-exp is in the form inductor turns into one pass over the logits on a GPU
+    (online softmax); torch.logsumexp, which it replaced, is not (two passes: ~2x the bytes of an 8192 x 50304
+    bf16 logits tensor per micro-batch at 1.3B)."""
+    assert run_distributed(_online_softmax_matched, 1, timeout=300)[0] == {"loss": True, "torch.logsumexp": False}
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_loss_matches_serial_and_previous_algorithm(tp):
     # 40 elements a block: 2 or 1 rows of 16-32 columns, so 33 rows span many blocks and end on a partial one.

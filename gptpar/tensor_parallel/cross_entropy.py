@@ -84,9 +84,15 @@ def _fp32_block(logits: torch.Tensor, r0: int, rows: int, real: int) -> torch.Te
 # ---------------------------------------------------------------------------------------------
 
 def _rows_forward(logits: torch.Tensor, local: torch.Tensor, here: torch.Tensor, real: int, column_sums: bool):
-    """Per row of logits[:, :real]: fp32 log-sum-exp, the target's logit (0 when not here), the sum of the row."""
+    """Per row of logits[:, :real]: fp32 log-sum-exp, the target's logit (0 when not here), the sum of the row.
+
+    The log-sum-exp is written as max, then the sum of exp(x - max): the form inductor's pattern turns into one
+    online-softmax pass over the logits on a GPU (a running max and sum). torch.logsumexp decomposes differently
+    (it masks an infinite max before subtracting it), so inductor read the logits twice: one pass for the max,
+    one for the sum (tests/test_loss.py checks which form it matches). A non-finite row gives NaN, not inf."""
     x = logits[:, :real].float()
-    lse = torch.logsumexp(x, dim=-1)
+    top = x.amax(dim=-1, keepdim=True)
+    lse = (top + (x - top).exp().sum(dim=-1, keepdim=True).log()).squeeze(-1)
     target_logit = x.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~here, 0.0)
     return lse, target_logit, (x.sum(dim=-1) if column_sums else None)
 
