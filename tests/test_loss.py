@@ -151,11 +151,11 @@ def test_compiled_loss_kernels_match_serial_and_previous_algorithm(tp):
     assert run_distributed(_compiled_checks, tp, timeout=400) == ["ok"] * tp
 
 
-def _online_softmax_matched():
-    """Whether inductor's online-softmax pattern (one pass: running max and sum) matches the compiled loss's
-    forward, and torch.logsumexp, as on a GPU: its CUDA-only check is lifted (in this spawned process only, before
-    any compile registers the patterns), the post-grad graph recorded, and the compile stopped there (the CPU's C++
-    backend has no online-softmax kernel)."""
+def _post_grad_graphs(cases):
+    """Inductor's post-grad graph (as text) of each compiled `fn(*args)` in `cases` {name: (fn, args)}, as on a
+    GPU: the online-softmax pattern's CUDA-only check is lifted (in this spawned process only, before any compile
+    registers the patterns), the graph recorded and the compile stopped there (the CPU's C++ backend has no
+    online-softmax kernel)."""
     import torch._inductor.config as inductor_config
     import torch._inductor.fx_passes.post_grad as post_grad
     from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -167,36 +167,65 @@ def _online_softmax_matched():
 
     class Record(CustomGraphPass):
         def __call__(self, graph):
-            raise Recorded("prepare_softmax_online" in str(graph))
+            raise Recorded(str(graph))
 
         def uuid(self):
             return None
 
     inductor_config.post_grad_custom_post_pass = Record()
     inductor_config.fx_graph_cache = False
-    logits = torch.randn(6, 40).bfloat16()
-    target = torch.tensor([0, 3, 39, 7, 1, 2])
-    local, here = target, torch.ones(6, dtype=torch.bool)
-    matched = {}
-    for name, fn in (("loss", lambda x: cross_entropy._rows_forward(x, local, here, 37, False)[0]),
-                     ("torch.logsumexp", lambda x: torch.logsumexp(x[:, :37].float(), dim=-1))):
+    graphs = {}
+    for name, (fn, args) in cases.items():
         torch._dynamo.reset()
         try:
-            torch.compile(fn)(logits)
+            torch.compile(fn)(*args)
         except Exception as error:  # noqa: BLE001 - Recorded, wrapped by inductor
             cause = error
             while cause is not None and not isinstance(cause, Recorded):
                 cause = cause.__cause__ or cause.__context__
             assert cause is not None, error
-            matched[name] = cause.args[0]
-    return matched
+            graphs[name] = cause.args[0]
+    return graphs
+
+
+def _row_kernel_cases():
+    """The compiled row kernels on bf16 logits 40 wide whose last 3 columns are padding (37 real)."""
+    logits = torch.randn(6, 40).bfloat16()
+    target = torch.tensor([0, 3, 36, 7, 1, 2])
+    here, lse, g = torch.ones(6, dtype=torch.bool), torch.randn(6), torch.rand(6)
+    return {"forward": (lambda x: cross_entropy._rows_forward(x, target, here, 37, False)[0], (logits,)),
+            "backward": (lambda x: cross_entropy._rows_backward_(x, lse, target, here, g, 37, 0.0, 37), (logits,)),
+            "torch.logsumexp": (lambda x: torch.logsumexp(x[:, :37].float(), dim=-1), (logits,))}
+
+
+def _online_softmax_matched():
+    cases = _row_kernel_cases()
+    graphs = _post_grad_graphs({name: cases[name] for name in ("forward", "torch.logsumexp")})
+    return {name: "prepare_softmax_online" in graph for name, graph in graphs.items()}
 
 
 def test_compiled_loss_forward_is_one_online_softmax_pass_on_a_gpu():
     """The compiled loss's log-sum-exp is in the form inductor turns into one pass over the logits on a GPU
     (online softmax); torch.logsumexp, which it replaced, is not (two passes: ~2x the bytes of an 8192 x 50304
     bf16 logits tensor per micro-batch at 1.3B)."""
-    assert run_distributed(_online_softmax_matched, 1, timeout=300)[0] == {"loss": True, "torch.logsumexp": False}
+    assert run_distributed(_online_softmax_matched, 1, timeout=300)[0] == {"forward": True, "torch.logsumexp": False}
+
+
+def _column_slices():
+    cases = _row_kernel_cases()
+    graphs = _post_grad_graphs({name: cases[name] for name in ("forward", "backward", "torch.logsumexp")})
+    return {name: [op for op in ("aten.slice", "aten.constant_pad_nd") if op in graph]
+            for name, graph in graphs.items()}
+
+
+def test_compiled_loss_kernels_read_whole_rows():
+    """The compiled kernels read and write the logits' whole rows, padding columns included, and mask those in
+    registers: no column slice (logits[:, :real]) nor pad in their graphs. On a GPU such a slice of an odd width
+    (50257 of 50304) becomes a load mask that keeps Triton from vectorizing: 2-byte loads instead of 16-byte ones
+    in the generated sm_90 code (gptpar/tensor_parallel/cross_entropy.py, `_real_mask`). The slicing form is
+    checked to show up (torch.logsumexp on the slice), so the check can fail."""
+    assert run_distributed(_column_slices, 1, timeout=300)[0] == {"forward": [], "backward": [],
+                                                                  "torch.logsumexp": ["aten.slice"]}
 
 
 @pytest.mark.parametrize("tp", [1, 2])
