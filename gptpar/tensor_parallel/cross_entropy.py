@@ -12,7 +12,8 @@ Backward, locally: softmax - (1 - e) * onehot(t) - e / C, times the incoming gra
 The logits are read in blocks of rows, each turned into fp32 on its own (`_block_rows`): the forward keeps only
 per-token fp32 vectors (the log-sum-exp), never an (N, V/tp) fp32 tensor, whatever the logits' dtype, and backward
 writes the gradient block by block into the logits' own buffer (bf16 logits: bf16 gradient, as before). Padding
-columns (ids >= vocab_size, a suffix of the last ranks' slices) are left out by slicing, not masking.
+columns (ids >= vocab_size, a suffix of the last ranks' slices) are left out: sliced off by the block loops, masked
+in registers by the compiled kernels (`_real_mask`).
 
 Two entry points share that arithmetic:
   `vocab_parallel_cross_entropy(logits, target)`: the loss of given logits (the pipeline's last stage, any model);
