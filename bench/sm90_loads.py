@@ -9,7 +9,8 @@ width: `ld.global...b16` loads one bf16 value, `ld.global...v4.b32` eight. Nothi
 fails and is ignored. The rows are the 1.3B config's: 50304 columns, 50257 of them real (`_real_mask`). Block sizes
 are one representative choice (on a GPU inductor autotunes them). `--source DIR` checks another checkout's gptpar
 (e.g. `git archive <commit> gptpar | tar -x -C DIR`). Relies on inductor's and Triton's internals (its driver
-registry, `AsyncCompile.triton`); written against torch 2.13 and Triton 3.9.
+registry, `AsyncCompile.triton`); written against torch 2.13 / Triton 3.9, also run with torch 2.11 / Triton 3.6
+(the GPU image's: its CUDA wheel imports on a CPU machine once its CUDA libraries are installed beside it).
 """
 import argparse
 import collections

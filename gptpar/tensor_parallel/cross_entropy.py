@@ -131,8 +131,10 @@ def _real_mask(logits: torch.Tensor, real: int) -> Optional[torch.Tensor]:
 @functools.lru_cache(maxsize=None)
 def _compiled(kernel):
     """`kernel` torch.compile'd. On a GPU its pointwise kernels are tiled rows x columns (`prefer_nd_tiling`)
-    rather than flattened: a row's log-sum-exp, target and incoming gradient are then loaded once per row in a
-    tile, not once per element (sm_90 PTX of the backward: 4 such loads per 8 logits instead of 16 per 4)."""
+    rather than flattened, so a row's log-sum-exp, target and incoming gradient can be loaded once per row of a
+    tile rather than once per logit. By the sm_90 PTX of the backward (bench/sm90_loads.py), Triton 3.9 does so
+    in every tile checked (4 such loads per 8 logits, flattened 16 per 4); Triton 3.6 (torch 2.11's) only in
+    tiles whose threads each hold one row's columns (256 x 16), an autotuning candidate."""
     return torch.compile(kernel, options={"triton.prefer_nd_tiling": True})
 
 
