@@ -139,6 +139,49 @@ def test_fp16_decided_by_the_accelerator():
         assert config_from_dict(base(training={"precision": precision})).check(1, NO_FP16) == (1, 1, 1)
 
 
+def test_compiled_sequence_parallel_refused_under_torch_2_11():
+    """torch 2.11's compiled backward of sequence parallelism's scatter / reduce-scatter gathered zeros instead of
+    the gradient (seen with 2.11.0 on CPU: layer weights' gradients 0 or wrong at tp 2; 2.12.1 and 2.13 equal eager):
+    the combination is refused under that torch, naming the fields and the fix; other torches, other settings and a
+    dry run (no accelerator named) pass."""
+    sp = base(training={"compile": True}, parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True})
+    old = Accelerator("a test accelerator", fp16=True, torch_version="2.11.0+cu130")
+    message = error_of(sp, world_size=2, accelerator=old)
+    for words in ("training.compile=true", "parallel.sequence_parallel=true", "tp 2", "torch 2.11.0+cu130",
+                  "install torch >= 2.12", "training.compile=false", "parallel.sequence_parallel=false"):
+        assert words in message, (words, message)
+    for version in ("2.12.1+cu130", "2.13.0+cpu", "3.0.0", ""):
+        assert config_from_dict(sp).check(2, Accelerator("a test accelerator", fp16=True,
+                                                         torch_version=version)) == (2, 1, 1), version
+    assert config_from_dict(sp).check(2, None) == (2, 1, 1)
+    for change in ({"training": {"compile": False}}, {"parallel": {"sequence_parallel": False}},
+                   {"parallel": {"tensor_model_parallel_size": 1}}):
+        d = json.loads(json.dumps(sp))
+        for section, values in change.items():
+            d[section].update(values)
+        assert config_from_dict(d).check(2 if d["parallel"]["tensor_model_parallel_size"] == 2 else 1, old)
+
+
+def test_cli_names_the_accelerator_for_compiled_sequence_parallelism(tmp_path, monkeypatch):
+    """The command line detects the device (and its torch) for compiled sequence parallelism, as for fp16 and
+    fp8, so the refusal above happens at parse time, before any process group."""
+    import gptpar.training.engine as engine
+    from gptpar.training.cli import parse
+
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(base(training={"compile": True},
+                                    parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True,
+                                              "data_parallel_size": 1})))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(engine, "detect_accelerator",
+                        lambda: Accelerator("a test accelerator", fp16=True, torch_version="2.11.0"))
+    with pytest.raises(ConfigError, match="torch 2.11.0"):
+        parse(["--config", str(path)])
+    monkeypatch.setattr(engine, "detect_accelerator",
+                        lambda: Accelerator("a test accelerator", fp16=True, torch_version="2.13.0"))
+    assert parse(["--config", str(path)])[2] == (2, 1, 1)
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_runs_at_zero_stage_1(precision):
     """bf16 accumulates in fp32 only through BF16_Optimizer (DeepSpeed's ZeRO-1), and DeepSpeed 0.19.8's fp16 at

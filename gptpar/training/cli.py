@@ -151,7 +151,9 @@ def parse(argv: Sequence[str]) -> Tuple[Optional[Config], Dict[str, Any], Option
         world = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * (p.data_parallel_size or 1) \
             if flags["dry_run"] else 1
     accelerator = None
-    if cfg.training.precision in ("fp16", "fp8") and not flags["dry_run"]:  # a dry run plans for GPUs
+    # What the device (fp16, fp8) or its torch (compiled sequence parallelism) decides; a dry run plans for GPUs.
+    compiled_sp = cfg.training.compile and p.sequence_parallel and p.tensor_model_parallel_size > 1
+    if (cfg.training.precision in ("fp16", "fp8") or compiled_sp) and not flags["dry_run"]:
         from gptpar.training.engine import detect_accelerator
 
         accelerator = detect_accelerator()

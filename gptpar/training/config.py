@@ -80,6 +80,13 @@ class Accelerator:
     name: str    # says what it is and why, e.g. "DeepSpeed's CPU accelerator (oneDNN: no fp16 kernels)"
     fp16: bool   # whether fp16 training (loss-scaled) runs on it
     fp8: bool = True  # whether float8 matmuls run on it: natively (CUDA compute capability 8.9+), or emulated (CPU)
+    torch_version: str = ""  # torch.__version__ of the process ("" = unknown: no version-specific check)
+
+
+def _torch_older_than(version: str, major: int, minor: int) -> bool:
+    """Whether a torch.__version__ string such as "2.11.0+cu130" is below `major.minor` ("" is not)."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return found is not None and (int(found.group(1)), int(found.group(2))) < (major, minor)
 
 
 def _f(default: Any, doc: str, choices: Optional[Sequence] = None):
@@ -273,7 +280,9 @@ class TrainingConfig:
     compile: bool = _f(
         False, "torch.compile each transformer layer (regional compilation: one graph that every layer reuses, so "
                "compile time does not grow with depth), in the plain model and in the pipeline stages, with tp and "
-               "sequence parallelism (their collectives are traced into the graph), every recompute mode, ALiBi and "
+               "sequence parallelism (their collectives are traced into the graph; with sequence parallelism at tp > 1 "
+               "torch >= 2.12: 2.11's compiled backward loses its gradient all-gathers, so that is refused), every "
+               "recompute mode, ALiBi and "
                "every precision. Parameter names are unchanged: checkpoints move between compile on and off. The "
                "first iteration compiles (tens of seconds); that time is printed once and left out of the log line's "
                "time per iteration, samples/s and TFLOPs. Dropout masks differ from eager ones (same distribution "
@@ -678,6 +687,15 @@ class Config:
         if p.sequence_parallel and m.seq_length % tp:
             raise ConfigError(f"parallel.sequence_parallel needs model.seq_length ({m.seq_length}) to divide by "
                               f"tensor_model_parallel_size ({tp})")
+        if (t.compile and p.sequence_parallel and tp > 1 and accelerator is not None
+                and _torch_older_than(accelerator.torch_version, 2, 12)):
+            # torch 2.11's compiled backward of sequence parallelism's scatter and reduce-scatter (whose gradient is
+            # an all-gather) gathered zeros instead of the gradient, silently; 2.12.1 and 2.13 are right. Seen on
+            # CPU (gloo) with 2.11.0; refused on every device, as CUDA could not be checked.
+            raise ConfigError(f"training.compile=true with parallel.sequence_parallel=true at tp {tp} computes "
+                              f"wrong gradients under torch {accelerator.torch_version} (torch 2.11's compiled "
+                              "backward loses sequence parallelism's gradient all-gathers): install torch >= 2.12, "
+                              "or set training.compile=false or parallel.sequence_parallel=false")
 
         try:
             BatchSizeRampup.from_config(t, dp)  # the batch arithmetic's one home (gptpar.training.schedules)

@@ -27,12 +27,13 @@ def detect_accelerator() -> Accelerator:
     if torch.cuda.is_available():
         capability = torch.cuda.get_device_capability()
         return Accelerator(f"CUDA ({torch.cuda.get_device_name()}, compute capability {capability[0]}.{capability[1]})",
-                           fp16=True, fp8=capability >= (8, 9))
+                           fp16=True, fp8=capability >= (8, 9), torch_version=torch.__version__)
     acc = deepspeed_api.accelerator()
     fp16 = bool(acc.is_fp16_supported())
     # fp8 on a CPU runs torchao's emulation (gptpar.tensor_parallel.float8): exact float8 rounding, fp32 matmuls
     return Accelerator(f"DeepSpeed's {acc.device_name()} accelerator ({'reports' if fp16 else 'reports no'} fp16 "
-                       "support: oneDNN's fp16 kernels need AVX512-FP16 or AMX-FP16)", fp16=fp16, fp8=True)
+                       "support: oneDNN's fp16 kernels need AVX512-FP16 or AMX-FP16)", fp16=fp16, fp8=True,
+                       torch_version=torch.__version__)
 
 
 class ParallelStateMPU:
