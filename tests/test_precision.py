@@ -367,43 +367,56 @@ def test_foreach_norm_and_clip_equal_deepspeeds():
         assert float(global_grad_norm(broken)) == float(get_global_norm_of_tensors(broken)) == -1.0
 
 
-def _bf16_steps_with_and_without_foreach(tp):
-    """Three bf16 iterations at tp (a clip that engages: clip_grad 0.05) with gptpar's foreach norm and clip, and
-    the same from the same seed with DeepSpeed's own `step` (the instance's wrapper removed)."""
+def _bf16_steps_with_and_without_gptpars_step(tp):
+    """Three bf16 iterations at tp (a clip that engages: clip_grad 0.05) with gptpar's foreach norm and clip and
+    its single gradient clear per step, and the same from the same seed with DeepSpeed's own `step` and
+    `_take_model_step` (the instances' wrappers removed); how often each step zeroed the fp32 gradients (calls of
+    BF16_Optimizer.clear_hp_grads, counted at the class)."""
     from deepspeed.runtime import bf16_optimizer
 
     from gptpar.parallel import init_parallel
 
+    clears = []
+    clear_hp_grads = bf16_optimizer.BF16_Optimizer.clear_hp_grads
+    bf16_optimizer.BF16_Optimizer.clear_hp_grads = lambda self: clears.append(1) or clear_hp_grads(self)
     pstate = init_parallel(tp, 1, 1)
     runs = {}
-    for name in ("foreach", "deepspeed"):
+    for name in ("gptpar", "deepspeed"):
         cfg = _config("bf16", 1, micro_batches=2, clip_grad=0.05)
         engine = _engine(cfg, pstate)
         opt = engine.ds.optimizer
-        installed = "step" in vars(opt)
+        installed = "step" in vars(opt) and "_take_model_step" in vars(engine.ds)
         if name == "deepspeed":
-            del opt.step
-        losses, norms, carried = [], [], []
+            del opt.step, engine.ds._take_model_step
+        losses, norms, carried, cleared = [], [], [], []
         for k in range(3):
+            clears.clear()
             losses.append(engine.train_step(_batches(cfg, pstate, consumed=k * cfg.training.global_batch_size)))
+            cleared.append(len(clears))
             norms.append(engine.grad_norm)
             carried.append(getattr(engine.ds.get_global_grad_norm(), "host_scalar", None) is not None)
         restored = (bf16_optimizer.get_global_norm_of_tensors.__module__,
                     bf16_optimizer.clip_tensors_by_global_norm.__module__)
+        zero = all(not g.any() for g in opt.fp32_groups_gradients_flat)
         runs[name] = {"installed": installed, "losses": losses, "grad_norms": norms, "restored": restored,
-                      "master": [p.detach().clone() for p in opt.fp32_groups_flat_partition], "carried": carried}
+                      "master": [p.detach().clone() for p in opt.fp32_groups_flat_partition], "carried": carried,
+                      "cleared": cleared, "zero_after_step": zero}
     return runs
 
 
-def test_bf16_training_with_foreach_clip_equals_deepspeeds():
-    """The trainer's bf16 engine (BF16_Optimizer) steps with the foreach norm and clip installed, and trains
-    exactly as with DeepSpeed's own: losses, grad norms (summed over tp 2) and the fp32 master weights after
-    three clipped steps, bit for bit on a CPU; DeepSpeed's functions are back in their module after each step.
-    The norm the log line reads is gptpar's own tensor, the one carrying its copy for the host (read without
-    waiting for the optimizer step queued after it, `HostScalar`), and its value equals DeepSpeed's norm's."""
-    for rank in run_distributed(_bf16_steps_with_and_without_foreach, 2, (2,), timeout=300):
-        ours, theirs = rank["foreach"], rank["deepspeed"]
+def test_bf16_training_with_gptpars_step_equals_deepspeeds():
+    """The trainer's bf16 engine (BF16_Optimizer) steps with the foreach norm and clip installed and zeroes the
+    fp32 gradients once per step (DeepSpeed: twice, at the end of its step and in the zero_grad right after), and
+    trains exactly as with DeepSpeed's own: losses, grad norms (summed over tp 2) and the fp32 master weights
+    after three clipped steps, bit for bit on a CPU, the gradients zero after each step; DeepSpeed's functions are
+    back in their module after each step. The norm the log line reads is gptpar's own tensor, the one carrying
+    its copy for the host (read without waiting for the optimizer step queued after it, `HostScalar`), and its
+    value equals DeepSpeed's norm's."""
+    for rank in run_distributed(_bf16_steps_with_and_without_gptpars_step, 2, (2,), timeout=300):
+        ours, theirs = rank["gptpar"], rank["deepspeed"]
         assert ours["installed"] and theirs["installed"]
+        assert ours["cleared"] == [1] * 3 and theirs["cleared"] == [2] * 3
+        assert ours["zero_after_step"] and theirs["zero_after_step"]
         assert ours["carried"] == [True] * 3 and theirs["carried"] == [False] * 3
         assert ours["grad_norms"] == theirs["grad_norms"] and min(ours["grad_norms"]) > 0.05  # clipped
         assert ours["losses"] == theirs["losses"]

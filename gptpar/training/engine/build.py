@@ -132,6 +132,7 @@ def build_engine(model: torch.nn.Module, pstate, ds_config: dict, *, optimizer: 
     release_shm_buffer(pstate)
     deepspeed_api.fuse_fp32_grad_accumulation(engine)  # bf16: one kernel per gradient into its fp32 buffer
     deepspeed_api.foreach_norm_and_clip(engine)  # bf16: the step's norm and clip in a few kernels, no host sync
+    deepspeed_api.clear_fp32_grads_once_per_step(engine)  # bf16: one zeroing of the fp32 gradients per step, not two
     fusion = _install_gradient_accumulation_fusion(engine, model) if gradient_accumulation_fusion else None
     if pipelined and has_attention_mask:
         engine.set_has_attention_mask(True)  # the mask travels as the last tensor between stages
