@@ -27,7 +27,7 @@
 #   4. layer_bf16 / layer_fp8  bench/bench_layer.py: one configs/200b.json layer as a tp-8 GPU sees it, compiled,
 #                        bf16 and fp8 (weight casts cached, and not), forward + backward  (target: fp8 >= 1.3x bf16)
 #      cuda_checks       the int32 dropout hash under Triton, torchao's float8 GEMMs against their emulation, the
-#                        fused fp32 weight-gradient GEMM and embedding lookup against fp64
+#                        fused fp32 weight-gradient GEMM and embedding lookup against fp64, the batched fp32 adds
 #   5. trainer_eager     pretrain_gpt.py, training.compile=false (what the H100 measured at 0.90x)
 #   6. summary           bench/gpu_summary.py: tokens/s, TFLOPs and peak memory of each, the ratios, the checks
 # (STEPS="..." runs only the named steps; a step the budget cannot start is skipped and said in skipped.txt.)
@@ -161,11 +161,13 @@ speed() {
   step layer_bf16 90 $PY bench/bench_layer.py $layer --compile --dtype bf16 --json "$OUT/layer_bf16.json"
   step layer_fp8 90 $PY bench/bench_layer.py $layer --compile --dtype fp8 --json "$OUT/layer_fp8.json"
   # The CUDA forms of what the speed steps rely on: the int32 dropout hash under Triton equals the int64 formula,
-  # torchao's float8 GEMMs equal their emulation, the step's loss and norm are read without waiting for the
-  # optimizer step.
+  # torchao's float8 GEMMs equal their emulation, the fused fp32 gradient sums (the GEMM's, the embedding
+  # lookup's, the side stream's batched adds) equal fp64's or DeepSpeed's, the step's loss and norm are read
+  # without waiting for the optimizer step.
   [ "${GPU_CPU_SMOKE:-0}" = 1 ] || step cuda_checks 90 $PY -m pytest -q -p no:cacheprovider -k "cuda" \
       tests/test_compile.py::test_counter_dropout_int32_hash_is_the_int64_hash tests/test_float8.py \
-      tests/test_grad_accumulation_fusion.py tests/test_step_syncs.py
+      tests/test_grad_accumulation_fusion.py tests/test_step_syncs.py \
+      tests/test_precision.py::test_fused_accumulation_adds_small_gradients_together_at_the_end_of_backward
   echo "== 3. the trainer eager"
   step trainer_eager 120 "${run[@]}" --set training.compile=false --set logging.metrics_file="$OUT/trainer_eager.jsonl"
   step summary 60 $PY bench/gpu_summary.py --out "$OUT"

@@ -5,6 +5,7 @@ fp16 needs an accelerator with fp16 support: the ranks patch DeepSpeed's CPU acc
 (gptpar.training.engine.allow_fp16_on_cpu), so these tests do not depend on the CPU they run on.
 """
 import logging
+import math
 
 import pytest
 import torch
@@ -339,6 +340,60 @@ def test_fused_fp32_grad_accumulation_equals_deepspeeds():
     for a, b in zip(ours.fp32_groups_gradients[0], theirs.fp32_groups_gradients[0]):
         assert a.dtype == torch.float32 and torch.equal(a, b) and a.abs().sum() > 0
     assert ours.fp32_groups_has_gradients == theirs.fp32_groups_has_gradients == [[True, True]]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_fused_accumulation_adds_small_gradients_together_at_the_end_of_backward(device):
+    """Called from post-accumulate-grad hooks inside backward (as DeepSpeed's `immediate_grad_update` hooks call
+    it, dropping the bf16 gradient after), FusedGradAccumulation adds a gradient of BATCHED_NUMEL elements at
+    once and keeps smaller ones until the backward pass ends, then adds them together (on a GPU on its side
+    stream, joined at the end of the pass); after every pass (four micro-batches) the fp32 buffers equal
+    DeepSpeed's own `_update_hp_grad` sums bit for bit."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    from gptpar.training.engine.deepspeed_api import FusedGradAccumulation
+
+    shapes = [(5, 7), (FusedGradAccumulation.BATCHED_NUMEL,), (3,), (2, 4)]
+
+    def optimizer():
+        return SimpleNamespace(autoep_folding_tp_group=None, fp32_groups_has_gradients=[[False] * len(shapes)],
+                               fp32_groups_gradients=[[torch.zeros(math.prod(s), device=device) for s in shapes]])
+
+    ours, theirs = optimizer(), optimizer()
+    fused = FusedGradAccumulation(ours, torch.device(device))
+    leaves = [torch.zeros(s, dtype=torch.bfloat16, device=device, requires_grad=True) for s in shapes]
+    seen = {}
+
+    def hook(j):
+        def call(leaf):
+            fused(leaf, 0, j, False)
+            if device == "cuda":
+                torch.cuda.synchronize()  # the side stream's adds queued so far are done
+            seen[j] = ours.fp32_groups_gradients[0][j].clone()  # right after the call, still inside backward
+            leaf.grad = None
+        return call
+
+    for j, leaf in enumerate(leaves):
+        leaf.register_post_accumulate_grad_hook(hook(j))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        weights = [(torch.randn(s, generator=g) * 10.0 ** torch.randint(-3, 3, (), generator=g).item()).to(device)
+                   for s in shapes]
+        before = [b.clone() for b in ours.fp32_groups_gradients[0]]
+        sum((leaf.float() * w).sum() for leaf, w in zip(leaves, weights)).backward()
+        for j, w in enumerate(weights):  # DeepSpeed's add of the same bf16 gradient
+            lp = torch.zeros(shapes[j], dtype=torch.bfloat16, device=device)
+            lp.grad = w.to(torch.bfloat16)
+            BF16_Optimizer._update_hp_grad(theirs, lp, 0, j, False)
+            batched = shapes[j][0] < FusedGradAccumulation.BATCHED_NUMEL
+            assert torch.equal(seen[j], before[j]) == batched  # small: not yet added when its hook returned
+        for a, b in zip(ours.fp32_groups_gradients[0], theirs.fp32_groups_gradients[0]):
+            assert torch.equal(a, b)
+    assert all(b.abs().sum() > 0 for b in ours.fp32_groups_gradients[0])
+    assert ours.fp32_groups_has_gradients == [[True] * len(shapes)] and fused.batched == []
 
 
 # -- the optimizer step's norm and clip --------------------------------------------------------------

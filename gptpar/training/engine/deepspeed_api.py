@@ -75,6 +75,8 @@ uses them, and the test that breaks when one changes:
 """
 from __future__ import annotations
 
+import contextlib
+
 from typing import List, Optional, Tuple
 
 import torch
@@ -96,8 +98,9 @@ def fuse_fp32_grad_accumulation(engine) -> bool:
     soon as autograd produces it, as `hp.add_(lp.grad.to(fp32))`: a full fp32 temporary per parameter per
     micro-batch, ~23 bytes of memory traffic per parameter where the sum needs 10 (read 2 + 4, write 4), on the
     stream that runs backward. Replace that step with `FusedGradAccumulation`: the one-kernel mixed-dtype add
-    (the same fp32 sums bit for bit: the bf16 -> fp32 conversion is exact either way), on a CUDA device on a side
-    stream so that the adds (memory-bound) overlap the rest of backward (GEMMs) instead of queueing between them.
+    (the same fp32 sums bit for bit: the bf16 -> fp32 conversion is exact either way), the small gradients' adds
+    batched into a few multi-tensor kernels at the end of each backward pass, on a CUDA device on a side stream
+    so that the adds (memory-bound) overlap the rest of backward (GEMMs) instead of queueing between them.
     Returns whether it was installed: only on a BF16_Optimizer, and not where DeepSpeed corrects folded AutoEP
     gradients first (that branch stays DeepSpeed's)."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
@@ -162,17 +165,30 @@ class FusedGradAccumulation:
     """BF16_Optimizer._update_hp_grad of DeepSpeed 0.19.8 without the fp32 temporary, `(lp, group_idx, param_idx,
     clear_lp_grads)`, called from the parameters' post-accumulate-grad hooks during backward.
 
-    On a CUDA device the add runs on a side stream: it waits for the stream that produced the gradient, the
-    gradient is marked used by the side stream (the allocator keeps its memory until the add is done, though
-    DeepSpeed drops its reference right after this call), and the first add of each backward pass queues a
-    callback at the end of that pass that makes the backward's stream wait for the side stream. So every fp32 sum
-    is complete when backward returns - before DeepSpeed's reductions, the pipeline's tied-gradient all-reduce,
-    clipping or the step read it - and the next micro-batch's adds follow this one's on the side stream."""
+    A gradient of `BATCHED_NUMEL` elements or more is added at once (one mixed-dtype add); smaller ones (the
+    biases and LayerNorms, ~195 per micro-batch at 1.3B where gradient-accumulation fusion takes the GEMM weights)
+    are kept until the end of the backward pass and added together: one multi-tensor cast into fp32 staging and
+    one multi-tensor add, a few launches instead of one each (their memory, <1% of the model's, stays held until
+    then; a large gradient's is freed at once, as DeepSpeed's `immediate_grad_update` intends). The same fp32
+    sums bit for bit: the bf16 -> fp32 conversion is exact either way.
+
+    On a CUDA device the adds run on a side stream: it waits for the stream that produced the gradients, they are
+    marked used by the side stream (the allocator keeps their memory until the adds are done, though DeepSpeed
+    drops its reference right after this call), and the first call of each backward pass queues a callback at the
+    end of that pass that adds the batched gradients and makes the backward's stream wait for the side stream. So
+    every fp32 sum is complete when backward returns - before DeepSpeed's reductions, the pipeline's tied-gradient
+    all-reduce, clipping or the step read it - and the next micro-batch's adds follow this one's on the side
+    stream. Called outside a backward pass (nothing to wait for at its end), a call finishes its own adds; a call
+    from a new backward pass first finishes what an earlier one left (a nested pass, or one that raised)."""
+
+    BATCHED_NUMEL = 1 << 20
 
     def __init__(self, opt, device: torch.device):
         self.opt = opt
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.main = None  # the stream of the backward pass being joined
+        self.main = None  # the stream of the backward pass being joined (CUDA)
+        self.task = None  # the autograd graph task whose end has `finish` queued
+        self.batched = []  # (fp32 buffer, bf16 gradient) of small gradients, added at the end of the pass
 
     @torch.no_grad()
     def __call__(self, lp, group_idx, param_idx, clear_lp_grads):
@@ -181,32 +197,54 @@ class FusedGradAccumulation:
         opt = self.opt
         hp_grad = opt.fp32_groups_gradients[group_idx][param_idx]
         assert hp_grad is not None, f"high precision param has no gradient, lp param_id = {id(lp)}"
-        if self.stream is None:
-            hp_grad.add_(lp.grad.view(hp_grad.shape))
-            if clear_lp_grads:
-                lp.grad.zero_()
+        main = torch.cuda.current_stream(lp.grad.device) if self.stream is not None else None
+        task = torch._C._current_graph_task_id()  # -1 outside a backward pass
+        if task != self.task:  # the first call of a backward pass (or of a nested one, or after one that raised)
+            self.finish()
+            if task != -1:
+                torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+                self.task, self.main = task, main
+        grad = lp.grad.view(hp_grad.shape)
+        if lp.grad.numel() < self.BATCHED_NUMEL and not clear_lp_grads:
+            self.batched.append((hp_grad, grad))
         else:
-            main = torch.cuda.current_stream(lp.grad.device)
-            self.stream.wait_stream(main)
-            with torch.cuda.stream(self.stream):
-                hp_grad.add_(lp.grad.view(hp_grad.shape))
-                if clear_lp_grads:  # after the add, on its stream (the join orders the next backward after it)
-                    lp.grad.zero_()
-            lp.grad.record_stream(self.stream)
-            if self.main is None:
-                self.main = main
-                try:
-                    torch.autograd.Variable._execution_engine.queue_callback(self.join)
-                except RuntimeError:  # called outside a backward pass: nothing to wait for at its end
-                    self.join()
+            self._add([hp_grad], [grad], main, zero=lp.grad if clear_lp_grads else None)
         lp._hp_grad = hp_grad
         opt.fp32_groups_has_gradients[group_idx][param_idx] = True
+        if task == -1:  # called outside a backward pass: nothing to wait for at its end
+            self.main = main
+            self.finish()
 
-    def join(self) -> None:
-        """The backward pass's stream waits for every add queued on the side stream."""
+    def _add(self, hp_grads, grads, after, zero=None) -> None:
+        """hp_grads[i] += grads[i] (fp32 += bf16), on the side stream where there is one, after the work queued on
+        stream `after` (the gradients'); then `zero` zeroed."""
+        stream = self.stream
+        if stream is not None:
+            stream.wait_stream(after)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if len(grads) == 1:
+                hp_grads[0].add_(grads[0])
+            else:  # multi-tensor kernels need one dtype per pair: cast into fp32 staging first
+                staging = torch.empty(sum(g.numel() for g in grads), dtype=hp_grads[0].dtype, device=grads[0].device)
+                staged = [t.view(g.shape) for t, g in zip(staging.split([g.numel() for g in grads]), grads)]
+                torch._foreach_copy_(staged, list(grads))
+                torch._foreach_add_(list(hp_grads), staged)
+            if zero is not None:  # after the add, on its stream (the join orders the next backward after it)
+                zero.zero_()
+        if stream is not None:
+            for g in grads:
+                g.record_stream(stream)
+
+    def finish(self) -> None:
+        """End of a backward pass: the batched gradients added; the backward's stream waits for the side stream."""
+        if self.batched:
+            hp_grads, grads = zip(*self.batched)
+            self.batched = []
+            self._add(hp_grads, grads, self.main)
         if self.main is not None:
             self.main.wait_stream(self.stream)
             self.main = None
+        self.task = None
 
 
 def foreach_norm_and_clip(engine) -> bool:
