@@ -76,7 +76,6 @@ uses them, and the test that breaks when one changes:
 from __future__ import annotations
 
 import contextlib
-
 from typing import List, Optional, Tuple
 
 import torch
@@ -166,7 +165,7 @@ class FusedGradAccumulation:
     clear_lp_grads)`, called from the parameters' post-accumulate-grad hooks during backward.
 
     A gradient of `BATCHED_NUMEL` elements or more is added at once (one mixed-dtype add); smaller ones (the
-    biases and LayerNorms, ~195 per micro-batch at 1.3B where gradient-accumulation fusion takes the GEMM weights)
+    biases and LayerNorms, 194 per micro-batch at 1.3B where gradient-accumulation fusion takes the GEMM weights)
     are kept until the end of the backward pass and added together: one multi-tensor cast into fp32 staging and
     one multi-tensor add, a few launches instead of one each (their memory, <1% of the model's, stays held until
     then; a large gradient's is freed at once, as DeepSpeed's `immediate_grad_update` intends). The same fp32
