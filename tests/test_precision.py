@@ -422,11 +422,12 @@ def test_foreach_norm_and_clip_equal_deepspeeds():
         assert float(global_grad_norm(broken)) == float(get_global_norm_of_tensors(broken)) == -1.0
 
 
-def _bf16_steps_with_and_without_gptpars_step(tp):
+def _bf16_steps_with_and_without_gptpars_step(tp, poisoned=None):
     """Three bf16 iterations at tp (a clip that engages: clip_grad 0.05) with gptpar's foreach norm and clip and
     its single gradient clear per step, and the same from the same seed with DeepSpeed's own `step` and
     `_take_model_step` (the instances' wrappers removed); how often each step zeroed the fp32 gradients (calls of
-    BF16_Optimizer.clear_hp_grads, counted at the class)."""
+    BF16_Optimizer.clear_hp_grads, counted at the class). `poisoned`: the iteration whose summed fp32 gradients
+    get a NaN before the step."""
     from deepspeed.runtime import bf16_optimizer
 
     from gptpar.parallel import init_parallel
@@ -443,19 +444,24 @@ def _bf16_steps_with_and_without_gptpars_step(tp):
         installed = "step" in vars(opt) and "_take_model_step" in vars(engine.ds)
         if name == "deepspeed":
             del opt.step, engine.ds._take_model_step
-        losses, norms, carried, cleared = [], [], [], []
+        losses, norms, carried, cleared, applied, moved = [], [], [], [], [], []
         for k in range(3):
             clears.clear()
-            losses.append(engine.train_step(_batches(cfg, pstate, consumed=k * cfg.training.global_batch_size)))
+            before = [p.detach().clone() for p in opt.fp32_groups_flat_partition]
+            poison = (lambda: opt.fp32_groups_gradients[0][0].view(-1)[0].fill_(float("nan"))) if k == poisoned else None
+            losses.append(engine.train_step(_batches(cfg, pstate, consumed=k * cfg.training.global_batch_size),
+                                            prepare_next=poison))
             cleared.append(len(clears))
+            applied.append(engine.step_applied)
+            moved.append(any(not torch.equal(a, p) for a, p in zip(before, opt.fp32_groups_flat_partition)))
             norms.append(engine.grad_norm)
             carried.append(getattr(engine.ds.get_global_grad_norm(), "host_scalar", None) is not None)
-        restored = (bf16_optimizer.get_global_norm_of_tensors.__module__,
-                    bf16_optimizer.clip_tensors_by_global_norm.__module__)
+        restored = tuple(getattr(bf16_optimizer, f).__module__ for f in (
+            "get_global_norm_of_tensors", "clip_tensors_by_global_norm", "is_invalid_grad_norm"))
         zero = all(not g.any() for g in opt.fp32_groups_gradients_flat)
         runs[name] = {"installed": installed, "losses": losses, "grad_norms": norms, "restored": restored,
                       "master": [p.detach().clone() for p in opt.fp32_groups_flat_partition], "carried": carried,
-                      "cleared": cleared, "zero_after_step": zero}
+                      "cleared": cleared, "zero_after_step": zero, "applied": applied, "moved": moved}
     return runs
 
 
@@ -476,7 +482,21 @@ def test_bf16_training_with_gptpars_step_equals_deepspeeds():
         assert ours["grad_norms"] == theirs["grad_norms"] and min(ours["grad_norms"]) > 0.05  # clipped
         assert ours["losses"] == theirs["losses"]
         assert all(torch.equal(a, b) for a, b in zip(ours["master"], theirs["master"]))
-        assert ours["restored"] == theirs["restored"] == ("deepspeed.runtime.utils",) * 2
+        assert ours["restored"] == theirs["restored"] == ("deepspeed.runtime.utils",) * 3
+
+
+def test_nonfinite_gradient_skips_gptpars_bf16_step():
+    """A NaN in the summed gradients skips the step with gptpar's step as with DeepSpeed's (gptpar queues the
+    clip before the step reads the norm, so it multiplies gradients the skip then clears): the master weights
+    stay, the step is reported not applied, the gradients are zero after it, and the next step trains as
+    DeepSpeed's own does, bit for bit."""
+    for rank in run_distributed(_bf16_steps_with_and_without_gptpars_step, 1, (1, 1), timeout=300):
+        ours, theirs = rank["gptpar"], rank["deepspeed"]
+        for run in (ours, theirs):
+            assert run["applied"] == [True, False, True] and run["moved"] == [True, False, True]
+            assert run["zero_after_step"]
+        assert ours["losses"] == theirs["losses"] and ours["grad_norms"] == theirs["grad_norms"]
+        assert all(torch.equal(a, b) for a, b in zip(ours["master"], theirs["master"]))
 
 
 def _gradients_summed_and_stepped_on(comm):

@@ -33,6 +33,7 @@ each log line's memory in use, the largest over the ranks, goes to TensorBoard.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import math
 import os
 import signal
@@ -105,6 +106,16 @@ class StopSignals:
         self.received = signum
 
 
+def host_group(timeout_minutes: float):
+    """The gloo group over every rank (None for one rank) that the loop's per-iteration agreements use (the stop
+    flags, the compile seconds): host values all-reduced on the host. The same all-reduce of a device tensor over
+    NCCL, read back, makes the host wait for everything queued before it (the optimizer step), and the device then
+    idles while the host logs and queues the next forward. Collective: every rank calls it."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
 class CompileClock:
     """training.compile: the seconds torch.compile cost a block (`with clock:`, then `clock.spent`), and one line the
     first time it compiled. The trainer takes them out of the iteration's elapsed time, so the log line's time per
@@ -112,12 +123,16 @@ class CompileClock:
 
     Each rank compiles its own layers; a pipeline stage also waits while the others compile (forward down the stages,
     backward up), so the cost of a block is the sum over stages of their ranks' mean: the ranks' seconds summed (one
-    all-reduce per iteration of one number) over tp x dp."""
+    all-reduce per iteration of one number, over the trainer's host group: a device tensor would make the host wait
+    for the optimizer step queued before it, with the device then idle until the next forward is queued) over
+    tp x dp."""
 
-    def __init__(self, say, pstate):
+    def __init__(self, say, pstate, group=None):
+        """`group`: the host (gloo) group of every rank; None for one rank."""
         from gptpar.model.gpt import compile_stats
 
-        self.stats, self.say, self.pstate, self.spent, self.announced = compile_stats, say, pstate, 0.0, False
+        self.stats, self.say, self.pstate, self.group = compile_stats, say, pstate, group
+        self.spent, self.announced = 0.0, False
 
     def __enter__(self):
         self._before = self.stats()["seconds"]
@@ -126,10 +141,12 @@ class CompileClock:
         if exc_type is not None:  # the step failed: no collective that the other ranks may never reach
             return
         stats = self.stats()
-        spent = torch.tensor([stats["seconds"] - self._before], dtype=torch.float64, device=self.pstate.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(spent)
-        self.spent = spent.item() / (self.pstate.tp_size * self.pstate.dp_size)
+        spent = stats["seconds"] - self._before
+        if self.group is not None:
+            spent = torch.tensor([spent], dtype=torch.float64)
+            dist.all_reduce(spent, group=self.group)
+            spent = spent.item()
+        self.spent = spent / (self.pstate.tp_size * self.pstate.dp_size)
         if self.spent > 0 and not self.announced:
             self.announced = True
             self.say(f"training.compile: the transformer layers and the loss compiled in {self.spent:.1f} s during "
@@ -167,7 +184,9 @@ class Trainer:
         self.metrics = self.tensorboard = None
         if cfg.logging.timers:
             engine.time_phases()
-        self.compile_clock = CompileClock(self._say, pstate) if t.compile else contextlib.nullcontext()
+        self.host_group = host_group(cfg.parallel.distributed_timeout_minutes)
+        self.compile_clock = (CompileClock(self._say, pstate, self.host_group) if t.compile
+                              else contextlib.nullcontext())
         lg = cfg.logging
         self.profiler = (IterationProfiler(lg.profile, lg.profile_dir, pstate.rank, engine.device, self._say)
                          if lg.profile else None)
@@ -411,10 +430,10 @@ class Trainer:
         save_failed = self.checkpointer is not None and self.checkpointer.failed()  # an async save, seen here
         flags = [self.signals.received or 0, killed, t.exit_duration_in_mins is not None
                  and minutes > t.exit_duration_in_mins, self.signals.requested is not None, save_failed]
-        if dist.is_initialized() and dist.get_world_size() > 1:  # else no device tensor, no read back
-            flags = torch.tensor(flags, dtype=torch.float64, device=self.pstate.device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            flags = flags.tolist()  # one read of the device, not one per flag
+        if self.host_group is not None:  # on the host: no wait for the step queued on the device
+            flags = torch.tensor(flags, dtype=torch.float64)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.host_group)
+            flags = flags.tolist()
         if flags[4] > 0:  # every rank raises the save's CheckpointSaveError here, at this iteration
             self.checkpointer.wait()
             from gptpar.training.checkpoint import CheckpointSaveError
