@@ -155,9 +155,9 @@ def test_tied_embedding_accumulates_lookup_and_output_layer_gradients():
 def test_embedding_lookup_adds_repeated_ids_in_fp32(device):
     """The fused lookup's gradient is the fp32 sum of every position's bf16 gradient, however often an id repeats
     (a CPU's own bf16 embedding backward sums them in bf16: ~4% off for 2,000 repeats on the benchmark machine),
-    and the same bits when run again (on CUDA `add_rows_by_id_` sums each id's rows before its atomic add; a
-    CPU's index_add_ adds them in order; a CPU's accumulating index_put_ does not: with 2 threads here, 50 of 50
-    reruns differed from the first)."""
+    and the same bits when run again (CUDA's accumulating index_put_ sorts the ids; a CPU's index_add_ adds them
+    in order; a CPU's accumulating index_put_ does not: with 2 threads here, 50 of 50 reruns differed from the
+    first)."""
     from gptpar.tensor_parallel.grad_accumulation import embedding_into_main_grad
 
     g = torch.Generator().manual_seed(0)
@@ -178,43 +178,6 @@ def test_embedding_lookup_adds_repeated_ids_in_fp32(device):
     exact = torch.ones(4, HIDDEN, dtype=torch.float64, device=device).index_add_(0, ids, grad.double())
     assert float((sums[0].double() - exact).norm() / exact.norm()) < 1e-6
     assert torch.equal(sums[0], sums[1])
-
-
-@pytest.mark.parametrize("case", ["one_id_most_rows", "tp_zero_rows", "every_row", "one_row", "few_rows"])
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device"))])
-def test_add_rows_by_id_sums_each_id_once(device, case):
-    """The lookup's GPU path (`add_rows_by_id_`, also run on a CPU): the float64 sums of the rows by id within fp32
-    rounding, and the same bits whatever order its final atomic `index_add_` applies its table in (emulated by
-    permuting the table's rows: each target row receives its run's sum once and exact zeros otherwise). Cases: a
-    run over 60% of 8,192 rows (text's commonest token; more rows than the 3,072 where CUDA's embedding backward
-    changes kernels), tp > 1's other-rank ids (local row 0 with zero rows), every row of the table once, one row,
-    and a few rows."""
-    from gptpar.tensor_parallel.grad_accumulation import _summed_runs, add_rows_by_id_
-
-    g = torch.Generator().manual_seed(0)
-    vocab, n = {"one_id_most_rows": (50, 8192), "tp_zero_rows": (50, 4096), "every_row": (300, 300),
-                "one_row": (7, 1), "few_rows": (7, 40)}[case]
-    ids = torch.randint(0, vocab, (n,), generator=g)
-    rows = torch.randn(n, 24, generator=g)
-    if case == "one_id_most_rows":
-        ids[torch.rand(n, generator=g) < 0.6] = 17
-    elif case == "tp_zero_rows":
-        outside = torch.rand(n, generator=g) < 0.75
-        ids[outside], rows[outside] = 0, 0.0
-    elif case == "every_row":
-        ids = torch.randperm(vocab, generator=g)
-    target = torch.randn(vocab, 24, generator=g)
-    exact = target.double().index_add_(0, ids, rows.double()).to(device)
-    ids, rows, target = ids.to(device), rows.to(device), target.to(device)
-    added = target.clone()
-    add_rows_by_id_(added, ids, rows)
-    # 1e-5: fp32 rounding of ~5,000 summed rows (one row more or less is ~1e-2 here)
-    assert float((added.double() - exact).abs().max() / exact.abs().max()) < 1e-5
-    sorted_ids, sums = _summed_runs(ids, rows)
-    for _ in range(3):
-        order = torch.randperm(n, generator=g).to(device)
-        assert torch.equal(target.clone().index_add_(0, sorted_ids[order], sums[order]), added)
 
 
 def _tied_tp2():

@@ -15,7 +15,7 @@ check the plumbing (every micro-batch added once, nothing through autograd) and 
 
 The word embedding, tied to the output layer, has two gradients: the output layer's weight-gradient GEMM
 (`gptpar.tensor_parallel.cross_entropy`, the same fused GEMM) and the lookup's, which `embedding_into_main_grad`
-adds into the same buffer's rows by index (deterministically, on a GPU by `add_rows_by_id_`),
+adds into the same buffer's rows by index (deterministic: CUDA's accumulating `index_put_` sorts the ids),
 instead of a dense zero-filled (V/tp, h) bf16 gradient, its sum with the output layer's and the fp32 add of the
 result (~2 GB moved per micro-batch at the 1.3B shape).
 
@@ -82,47 +82,10 @@ class _EmbeddingIntoMainGrad(torch.autograd.Function):
         target, ids = main_grad.data, ids.reshape(-1)
         rows = grad.reshape(-1, grad.shape[-1]).to(target.dtype)
         if target.device.type == "cuda":
-            add_rows_by_id_(target, ids, rows)
+            target.index_put_((ids,), rows, accumulate=True)  # sorts the ids: deterministic (index_add_ has atomics)
         else:
             target.index_add_(0, ids, rows)  # a CPU's index_add_ is deterministic (its accumulating index_put_ not)
         return None, None, None
-
-
-def add_rows_by_id_(target: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
-    """`target[ids[i]] += rows[i]` for every i (target (V, h), ids (n,), rows (n, h) of target's dtype): on a GPU
-    deterministic and parallel however often an id repeats, without a host synchronization.
-
-    CUDA's deterministic alternative, the accumulating `index_put_`, sorts the ids and then walks each run of equal
-    ids with one warp, reading and writing the target row once per repeat: its time is the longest run times a
-    memory round trip. Runs are long here: in a micro-batch of text the commonest token repeats hundreds of times
-    (~800 of the demo data's 8,192 tokens; the H200 trace's lookup backward took 564 us per micro-batch, ~0.7 us
-    per repeat), and at tp > 1 every id of another rank's rows looks up local row 0 with a zero gradient
-    ((tp - 1) / tp of all ids). `index_add_` alone is parallel, but its atomics add repeats in a varying order.
-
-    Here the repeats are summed first, by PyTorch's embedding backward (`aten.embedding_dense_backward`,
-    F.embedding's: the sorted rows split into short partial sums, deterministic), into a table of one row per
-    position of the sorted ids, where each id's sum sits at its run's first position and every other row is zero;
-    `index_add_` then adds that table by the sorted ids. Each target row receives its sum once and exact zeros
-    otherwise, so the atomic adds give the same value in any order. fp32 rows give fp32 sums (the embedding
-    backward accumulates in fp32 and writes its input's dtype). Runs on any device; `embedding_into_main_grad`'s
-    CPU path uses `index_add_` alone (in order there)."""
-    if ids.numel():
-        sorted_ids, sums = _summed_runs(ids, rows)
-        target.index_add_(0, sorted_ids, sums)
-
-
-def _summed_runs(ids: torch.Tensor, rows: torch.Tensor):
-    """(sorted ids (n,), sums (n, h)): sums[p] = the sum of the rows of id sorted_ids[p] where p is the first
-    position of its run in sorted_ids, else zeros."""
-    n = ids.numel()
-    sorted_ids, order = torch.sort(ids)
-    positions = torch.arange(n, device=ids.device)
-    first = torch.ones(n, dtype=torch.bool, device=ids.device)
-    first[1:] = sorted_ids[1:] != sorted_ids[:-1]
-    # The sorted position where each run of equal ids starts (whatever their order within the run), then per row.
-    start = torch.where(first, positions, 0).cummax(0).values
-    slot = torch.empty_like(start).scatter_(0, order, start)  # `order` is a permutation: no index written twice
-    return sorted_ids, torch.ops.aten.embedding_dense_backward(rows, slot, n, -1, False)
 
 
 def embedding_into_main_grad(ids: torch.Tensor, weight: torch.Tensor, main_grad: torch.Tensor) -> torch.Tensor:
