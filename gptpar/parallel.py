@@ -142,6 +142,14 @@ def single_process_state(device: Optional[torch.device] = None) -> ParallelState
                          device=device or torch.device("cpu"))
 
 
+def host_group(timeout_minutes: float = 30.0):
+    """A new gloo group of every rank, for host values (CPU tensors) that the ranks agree on without touching a
+    device stream; None for one process. Collective: every rank calls it, in the same order."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
 def destroy_parallel() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -154,5 +162,5 @@ def is_collective_timeout(exc: BaseException) -> bool:
 
 
 __all__: List[str] = ["ParallelState", "init_parallel", "init_distributed", "single_process_state",
-                      "destroy_parallel", "is_collective_timeout", "rank_of", "coords_of", "group_ranks",
+                      "destroy_parallel", "host_group", "is_collective_timeout", "rank_of", "coords_of", "group_ranks",
                       "resolve_sizes", "check_topology_agrees"]

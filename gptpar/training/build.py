@@ -99,13 +99,9 @@ def saved_config(cfg: Config, pstate) -> Config:
 def checkpoint_group(pstate, timeout_minutes: float):
     """The gloo group a save's ranks agree over (None for one rank): its own, because an async save agrees from
     the writer thread while training's collectives run on theirs. Collective: every rank calls it."""
-    if pstate.world_size == 1:
-        return None
-    import datetime
+    from gptpar.parallel import host_group
 
-    import torch.distributed as dist
-
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
+    return None if pstate.world_size == 1 else host_group(timeout_minutes)
 
 
 def build_trainer(cfg: Config, pstate, log, load_target, init_from=None):

@@ -33,7 +33,6 @@ each log line's memory in use, the largest over the ranks, goes to TensorBoard.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import math
 import os
 import signal
@@ -45,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from gptpar.estimate.flops import tflops_per_gpu
+from gptpar.parallel import host_group
 from gptpar.training.engine import ZeroCounter
 from gptpar.training.logging import (IntervalStats, MetricsWriter, TensorBoardWriter, eval_record, format_eval_block,
                                      format_log_line, format_memory_line, format_timers_line, memory_usage)
@@ -104,16 +104,6 @@ class StopSignals:
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
-
-
-def host_group(timeout_minutes: float):
-    """The gloo group over every rank (None for one rank) that the loop's per-iteration agreements use (the stop
-    flags, the compile seconds): host values all-reduced on the host. The same all-reduce of a device tensor over
-    NCCL, read back, makes the host wait for everything queued before it (the optimizer step), and the device then
-    idles while the host logs and queues the next forward. Collective: every rank calls it."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return None
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
 class CompileClock:
@@ -184,6 +174,9 @@ class Trainer:
         self.metrics = self.tensorboard = None
         if cfg.logging.timers:
             engine.time_phases()
+        # The loop's per-iteration agreements (stop flags, compile seconds) go over a gloo group: the same all-reduce
+        # of a device tensor, read back, would make the host wait for the optimizer step queued before it, and the
+        # device then idle while the host logs and queues the next forward.
         self.host_group = host_group(cfg.parallel.distributed_timeout_minutes)
         self.compile_clock = (CompileClock(self._say, pstate, self.host_group) if t.compile
                               else contextlib.nullcontext())
