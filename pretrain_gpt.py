@@ -26,7 +26,7 @@ from gptpar.parallel import destroy_parallel, init_parallel, is_collective_timeo
 from gptpar.training.build import build_trainer, checkpoint_shape, dry_run, setup_environment
 from gptpar.training.checkpoint import CheckpointError, CheckpointSaveError
 from gptpar.training.cli import USAGE, parse
-from gptpar.training.config import ConfigError
+from gptpar.config import ConfigError
 from gptpar.training.launcher_watch import watch_launcher
 from gptpar.training.preflight import run_preflight
 from gptpar.training.trainer import NonFiniteError

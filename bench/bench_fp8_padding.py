@@ -26,7 +26,7 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gptpar.tensor_parallel.float8 import Float8Gemm, Float8Matmul, layer_float8_gemms  # noqa: E402
-from gptpar.training.config import load_config  # noqa: E402
+from gptpar.config import load_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VIEWS = {"view", "_unsafe_view", "t", "transpose", "slice", "as_strided", "detach", "alias", "_reshape_alias",

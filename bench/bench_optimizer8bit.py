@@ -34,7 +34,7 @@ def state_bytes(optimizer):
     from gptpar.parallel import init_parallel
     from gptpar.training.batches import SyntheticDataset, rank_micro_batches
     from gptpar.training.build import build_model, seed_everything
-    from gptpar.training.config import load_config
+    from gptpar.config import load_config
     from gptpar.training.engine import build_engine, deepspeed_config
 
     cfg = load_config(CONFIG, ["data.data_path=null", "data.synthetic=true", f"training.optimizer={optimizer}"])

@@ -45,7 +45,7 @@ ENV = {"DS_ACCELERATOR": "cpu"}
 
 def run_config(model: dict, tp: int, pp: int, dp: int, micro_batch: int, micro_batches: int):
     """The gptpar Config of one run: the DeepSpeed dict is generated from it, as the trainer does."""
-    from gptpar.training.config import config_from_dict
+    from gptpar.config import config_from_dict
 
     return config_from_dict({
         "model": model,

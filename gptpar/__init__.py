@@ -30,7 +30,7 @@ _EXPORTS = {
     "build_pipeline_model": "gptpar.model.pipeline",
     "partition_layers": "gptpar.model.partition",
     # training
-    "load_config": "gptpar.training.config",
+    "load_config": "gptpar.config",
     "build_engine": "gptpar.training.engine",
 }
 

@@ -7,7 +7,7 @@ import pytest
 
 from gptpar.data.gpt_dataset import parse_data_path, parse_split
 from gptpar.training.cli import cli_aliases, parse_args
-from gptpar.training.config import Accelerator, ConfigError, Config, config_from_dict, load_config, parse_override
+from gptpar.config import Accelerator, ConfigError, Config, config_from_dict, load_config, parse_override
 from gptpar.training.engine import deepspeed_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -306,8 +306,11 @@ def test_deepspeed_config_follows_rampup():
 
 def test_no_deepspeed_import():
     # config, schedules, logging and batches never import deepspeed (slow to import; the engine's business)
-    src = "".join(open(os.path.join(ROOT, "gptpar", "training", f)).read()
-                  for f in ("config.py", "schedules.py", "logging.py", "batches.py"))
+    files = [os.path.join(ROOT, "gptpar", "config", f) for f in os.listdir(os.path.join(ROOT, "gptpar", "config"))
+             if f.endswith(".py")]
+    files += [os.path.join(ROOT, "gptpar", *f) for f in (("schedules.py",), ("training", "logging.py"),
+                                                        ("training", "batches.py"))]
+    src = "".join(open(f).read() for f in files)
     assert "import deepspeed" not in src
 
 

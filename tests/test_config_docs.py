@@ -3,7 +3,7 @@ import importlib.util
 import os
 from dataclasses import fields
 
-from gptpar.training.config import SECTIONS
+from gptpar.config import SECTIONS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

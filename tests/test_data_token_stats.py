@@ -10,7 +10,7 @@ import pytest
 
 from gptpar.data.indexed import DataError, IndexedDataset, IndexedDatasetBuilder, merge_datasets
 from gptpar.data.token_stats import read_stats, stats_path, token_stats
-from gptpar.training.config import config_from_dict
+from gptpar.config import config_from_dict
 from test_data_indexed import ref_write
 
 LOG = []

@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from gptpar.testing import run_distributed
-from gptpar.training.config import ConfigError, config_from_dict, parse_override
+from gptpar.config import ConfigError, config_from_dict, parse_override
 from gptpar.training.engine.ds_config import deepspeed_config, merge_overrides
 from gptpar.training.logging import is_training_record
 from trainer_runs import TINY, read_jsonl

@@ -24,7 +24,7 @@ from gptpar.tensor_parallel import float8 as float8_module
 from gptpar.tensor_parallel.float8 import (Float8Gemm, Float8Matmul, describe_float8_gemms, float8_flags,
                                            layer_float8_gemms, plan_float8_gemm)
 from gptpar.testing import run_distributed
-from gptpar.training.config import ConfigError, config_from_dict, load_config
+from gptpar.config import ConfigError, config_from_dict, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = ("tensorwise", "rowwise")
@@ -147,7 +147,7 @@ def test_pretrain_refuses_before_starting(monkeypatch, capsys):
 
 
 def test_fp8_options_are_checked():
-    from gptpar.training.config import Accelerator, deepspeed_precision
+    from gptpar.config import Accelerator, deepspeed_precision
 
     assert _fp8_config().training.zero_stage == 1  # promoted, as bf16
     assert _fp8_config().training.zero_stage_note.startswith("training.zero_stage 0 -> 1 (fp8)")

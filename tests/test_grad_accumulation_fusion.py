@@ -227,7 +227,7 @@ def _steps(pstate, fusion):
     norms, the fp32 gradient the optimizer steps on at each step, the weights after, and what the engine says."""
     from gptpar.training.batches import SyntheticDataset, rank_micro_batches
     from gptpar.training.build import build_model, seed_everything
-    from gptpar.training.config import config_from_dict
+    from gptpar.config import config_from_dict
     from gptpar.training.engine import build_engine, deepspeed_config
 
     tp, pp = pstate.tp_size, pstate.pp_size

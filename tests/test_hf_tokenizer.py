@@ -10,7 +10,7 @@ import pytest
 from gptpar.data.indexed import DataError, IndexedDataset
 from gptpar.data.preprocess import preprocess
 from gptpar.data.tokenizer import load_tokenizer
-from gptpar.training.config import config_from_dict
+from gptpar.config import config_from_dict
 from tiny_tokenizer import source_texts, train_hf_tokenizer
 
 transformers = pytest.importorskip("transformers")

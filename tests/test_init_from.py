@@ -318,7 +318,7 @@ def test_convert_refuses_bad_layouts_and_existing_output(tmp_path, capsys):
 def _check(tmp_path, *, load=None, init_from=None, save=None, **model):
     """preflight's rank-0 decision for a (tp 2, pp 2) run: (load target, weights to start from, log lines)."""
     from gptpar.training.checkpoint import shape_of
-    from gptpar.training.config import load_config
+    from gptpar.config import load_config
     from gptpar.training.preflight import check_on_rank0
 
     path = write_config(tmp_path / "check.json", model={**MODEL, **model}, parallel=TP2_PP2,

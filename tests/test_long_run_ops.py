@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from gptpar.testing import run_distributed
-from gptpar.training.config import ConfigError, config_from_dict
+from gptpar.config import ConfigError, config_from_dict
 from trainer_runs import (TINY, cosine_lr, log_lines, megatron_rampup, read_jsonl, read_tensorboard,
                           run_mains, write_config)
 

@@ -9,7 +9,7 @@ from gptpar.estimate.flops import params_per_stage
 from gptpar.estimate.memory import (CUDA_CONTEXT_BYTES, GIB, activation_bytes, memory_per_gpu, model_state_bytes,
                            state_bytes_per_param)
 from gptpar.estimate.settings import memory_of, settings_of
-from gptpar.training.config import load_config
+from gptpar.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -13,7 +13,7 @@ from gptpar.data.gpt_dataset import parse_data_path, parse_split
 from gptpar.data.indexed import DataError
 from gptpar.estimate.flops import layer_params
 from gptpar.model.config import GPTConfig
-from gptpar.training.schedules import BatchSizeRampup, LearningRateSchedule
+from gptpar.schedules import BatchSizeRampup, LearningRateSchedule
 
 REAL_DATA = ["--set", "data.synthetic=false"]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gptpar.testing import run_distributed
-from gptpar.training.config import ConfigError, config_from_dict
+from gptpar.config import ConfigError, config_from_dict
 from trainer_runs import read_jsonl, run_mains, write_config
 
 bnb = pytest.importorskip("bitsandbytes", reason="training.optimizer=adamw8bit needs bitsandbytes")

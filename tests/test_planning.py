@@ -8,7 +8,7 @@ from gptpar.estimate.flops import exact_model_params, params_per_stage, tflops_p
 from gptpar.estimate.planner import Hardware, plan_topology, predict
 from gptpar.estimate.report import render_dry_run
 from gptpar.estimate.settings import settings_of
-from gptpar.training.config import load_config
+from gptpar.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

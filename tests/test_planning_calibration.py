@@ -9,7 +9,7 @@ import pytest
 from gptpar.estimate.flops import model_flops_per_iteration
 from gptpar.estimate.planner import Hardware, calibrated_hardware, compute_rate, load_calibration, predict_layout
 from gptpar.estimate.settings import settings_of
-from gptpar.training.config import load_config
+from gptpar.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_200B = os.path.join(ROOT, "configs", "200b.json")

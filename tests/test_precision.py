@@ -17,7 +17,7 @@ TINY = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_lengt
 
 
 def _config(precision, zero_stage, pp=1, dp=1, micro_batches=2, **training):
-    from gptpar.training.config import config_from_dict
+    from gptpar.config import config_from_dict
 
     t = dict(micro_batch_size=1, global_batch_size=micro_batches * dp, train_iters=3, precision=precision,
              zero_stage=zero_stage, initial_loss_scale=256, lr=1e-3)

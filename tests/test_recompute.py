@@ -12,7 +12,7 @@ from gptpar.model.config import GPTConfig, recompute_mode
 from gptpar.model.gpt import GPTModel, TransformerLayer
 from gptpar.tensor_parallel.random import model_parallel_seed
 from gptpar.testing import run_distributed
-from gptpar.training.config import ConfigError, TrainingConfig, config_from_dict
+from gptpar.config import ConfigError, TrainingConfig, config_from_dict
 
 CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64,
            hidden_dropout=0.2, attention_dropout=0.2)

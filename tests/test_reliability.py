@@ -390,7 +390,7 @@ def test_base_run_saves_a_complete_checkpoint(cases):
 
 
 def test_checkpoint_size_estimate_matches_a_real_checkpoint(cases):
-    from gptpar.training.config import load_config
+    from gptpar.config import load_config
     from gptpar.training.preflight import count_parameters
     from gptpar.training.save_folder import checkpoint_bytes
 

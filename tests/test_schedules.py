@@ -3,8 +3,8 @@ import math
 
 import pytest
 
-from gptpar.training.config import config_from_dict
-from gptpar.training.schedules import BatchSizeRampup, LearningRateSchedule, train_iters
+from gptpar.config import config_from_dict
+from gptpar.schedules import BatchSizeRampup, LearningRateSchedule, train_iters
 
 
 def training_cfg(**training):

@@ -21,7 +21,7 @@ def _synchronizations_per_step(timers_on: bool):
     from gptpar.parallel import init_parallel
     from gptpar.training.batches import SyntheticDataset, rank_micro_batches
     from gptpar.training.build import build_model, seed_everything
-    from gptpar.training.config import config_from_dict
+    from gptpar.config import config_from_dict
     from gptpar.training.engine import build_engine, deepspeed_config
     from gptpar.training.engine.deepspeed_api import accelerator
 

@@ -327,7 +327,7 @@ def test_elapsed_time_is_wall_clock_between_steps_less_eval_saves_and_skips(tmp_
     a skipped iteration are not. A fake clock that only the fake engine, checkpointer and log advance makes the
     expected times exact (no sleeps, no timing margins)."""
     import gptpar.training.trainer as trainer_module
-    from gptpar.training.config import config_from_dict
+    from gptpar.config import config_from_dict
 
     now = [0.0]
 
@@ -398,7 +398,7 @@ def test_the_next_batch_is_drawn_during_the_step_and_used_only_where_it_is_that_
     instead) nor after the last; a prefetch that fails leaves the step it ran in alone, and the batch is drawn
     again in its own iteration."""
     import gptpar.training.trainer as trainer_module
-    from gptpar.training.config import config_from_dict
+    from gptpar.config import config_from_dict
 
     draws, trained, failed_once = [], [], set()
 

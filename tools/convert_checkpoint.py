@@ -54,7 +54,7 @@ def main(argv=None):
     from gptpar.model.convert import (ConversionError, check_layout, check_weight_files, load_hf, read_weights,
                                       read_weights_config, save_hf, save_weights_only)
 
-    from gptpar.training.config import ConfigError, load_config
+    from gptpar.config import ConfigError, load_config
 
     try:
         model = load_config(args.config).model if args.config else None

@@ -1,11 +1,11 @@
 """The flags tools/model_size.py, tflops.py and memory.py share: the trainer's `--config FILE --set
-section.key=value` (read and checked by gptpar.training.config) and Megatron-style flags that override them or
+section.key=value` (read and checked by gptpar.config) and Megatron-style flags that override them or
 stand alone. A helper of the tools, not of the library: `python tools/X.py` finds it beside the script."""
 from __future__ import annotations
 
 from gptpar.estimate.settings import settings_of
 from gptpar.model.config import check_tp_divides
-from gptpar.training.config import Config, config_from_dict, load_config
+from gptpar.config import Config, config_from_dict, load_config
 
 
 def add_model_flags(parser) -> None:

@@ -25,7 +25,7 @@ from gptpar.estimate.planner import (Hardware, calibrated_hardware, calibration_
                                      plan_topology, predict_layout)
 from gptpar.estimate.settings import settings_of  # noqa: E402
 from gptpar.estimate.float8_gemms import describe_float8_gemms, layer_float8_gemms  # noqa: E402
-from gptpar.training.config import load_config  # noqa: E402
+from gptpar.config import load_config  # noqa: E402
 
 TOP = 20
 

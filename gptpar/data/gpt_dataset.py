@@ -38,7 +38,7 @@ def log(msg):
 def parse_data_path(data_path):
     """'A', ['A', 'B'], ['0.3', 'A', '0.7', 'B'] or '0.3 A 0.7 B' -> (prefixes, weights or None).
 
-    The one data-path grammar: the config check (gptpar.training.config) and the datasets both call it."""
+    The one data-path grammar: the config check (gptpar.config) and the datasets both call it."""
     items = data_path.split() if isinstance(data_path, str) else [str(x) for x in data_path]
     if not items:
         raise DataError("data_path is empty")

@@ -12,7 +12,7 @@ with the client AdamW gptpar passes (`training.optimizer=adamw`). Measured on CP
     bf16 (always 1)   2        4 fp32 accumulation           4 master + 8 Adam                        18
     fp16 (always 1)   2        2                             4 master + 8 Adam + 4 fp32 grad partition  20
 
-fp8 holds bf16's model states exactly (to DeepSpeed it is bf16: gptpar.training.config.deepspeed_precision) and the
+fp8 holds bf16's model states exactly (to DeepSpeed it is bf16: gptpar.config.deepspeed_precision) and the
 same activations (torchao's float8 GEMM keeps its bf16 input and weight for backward, as F.linear does, and a padded
 GEMM keeps only its padded input); its float8 casts are transient, one GEMM's at a time:
 `float8_casts` per stage = gptpar.estimate.float8_gemms.float8_cast_bytes of the layer's largest GEMM, plus, for
@@ -23,7 +23,7 @@ every GEMM and caches none.
 bf16 is DeepSpeed's BF16_Optimizer (`data_types.grad_accum_dtype = fp32`, `bf16.immediate_grad_update`): each
 bf16 gradient is added into a full fp32 buffer as autograd produces it and freed, so the 4 gradient bytes are
 not sharded - seed 000's 18 bytes at dp = 1. Mixed precision always runs at ZeRO-1 (a zero_stage of 0 is
-promoted, see gptpar.training.config); fp16 keeps its 2-byte gradients until the step, 2 more than the seed's
+promoted, see gptpar.config); fp16 keeps its 2-byte gradients until the step, 2 more than the seed's
 18. Between steps the gradients are freed (bf16 keeps its fp32 buffer): 4 (fp32) and 2 + 4/dp (fp16) less.
 
 `training.optimizer=adamw8bit` (bitsandbytes' AdamW8bit) replaces Adam's 8 bytes by its two uint8 moments and
@@ -53,7 +53,7 @@ from typing import Dict, Optional
 from gptpar.estimate.flops import params_per_stage, stage_layer_ranges
 from gptpar.model.config import pad_vocab_size, recompute_mode
 from gptpar.estimate.float8_gemms import float8_cast_bytes, float8_weight_cache_bytes, layer_float8_gemms
-from gptpar.training.config import PRECISIONS, deepspeed_precision
+from gptpar.config import PRECISIONS, deepspeed_precision
 
 GIB = 1024 ** 3
 # What `nvidia-smi` shows before any tensor exists: seed 000 measured 1271 MiB (V100) and 1573 MiB (A100 40GB).
@@ -79,7 +79,7 @@ def _states(precision: str, zero_stage: int, dp_size: int, optimizer: str = "ada
         raise ValueError(f"training.optimizer must be one of {sorted(MOMENT_BYTES)}, got {optimizer!r}")
     precision = deepspeed_precision(precision)  # fp8's model states are bf16's
     if precision != "fp32":
-        zero_stage = 1  # as the trainer runs mixed precision (gptpar.training.config)
+        zero_stage = 1  # as the trainer runs mixed precision (gptpar.config)
     weights, grads, sharded = _STATES[precision, zero_stage]
     moments = MOMENT_BYTES[optimizer]
     optimizer_bytes = (sharded + moments) / dp_size if zero_stage == 1 else moments

@@ -17,7 +17,7 @@ from gptpar.estimate.memory import GIB, memory_per_gpu
 from gptpar.estimate.settings import embedding_kind, require
 from gptpar.model.config import check_tp_divides, pad_vocab_size, recompute_mode
 from gptpar.estimate.float8_gemms import float8_flags, layer_float8_gemms
-from gptpar.training.schedules import rampup_split_problem
+from gptpar.schedules import rampup_split_problem
 
 
 # ---------------------------------------------------------------------------------------------

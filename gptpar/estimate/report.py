@@ -16,7 +16,7 @@ from gptpar.estimate.memory import GIB
 from gptpar.estimate.settings import embedding_kind, memory_of, settings_of
 from gptpar.model.config import pad_vocab_size
 from gptpar.estimate.float8_gemms import describe_float8_gemms, layer_float8_gemms
-from gptpar.training.config import Config
+from gptpar.config import Config
 
 
 def _fmt(n: float) -> str:

@@ -9,11 +9,11 @@ from typing import Optional
 
 from gptpar.estimate.memory import memory_per_gpu
 from gptpar.model.config import recompute_mode
-from gptpar.training.config import Config
+from gptpar.config import Config
 
 
 def settings_of(cfg: Config, dp_size: Optional[int] = None) -> dict:
-    """The keys the estimates read, from the trainer's `Config` (gptpar.training.config: the one config reader,
+    """The keys the estimates read, from the trainer's `Config` (gptpar.config: the one config reader,
     so precision, ZeRO stage and recompute default as they do for the run). `dp_size` overrides the config's
     data_parallel_size (None there = 1)."""
     m, p, t = cfg.model, cfg.parallel, cfg.training

@@ -45,7 +45,7 @@ import torch
 
 from gptpar.model.config import GPTConfig
 from gptpar.model.weight_files import file_problems, load_torch_file
-from gptpar.training.config import deepspeed_precision
+from gptpar.config import deepspeed_precision
 
 META = "gptpar_universal.json"
 OWNER = ".gptpar-owner.json"  # in a folder being converted: the job writing it (removed before the rename)
@@ -302,14 +302,14 @@ def _deepspeed_meta(directory: str, config: GPTConfig) -> dict:
 # whether they hold fp16's dynamic loss scaler). A checkpoint loads straight into a run of another precision only
 # when both write the same kind (gptpar.training.checkpoint.plan_load): bf16's BF16_Optimizer files are another
 # layout, and fp32's hold a static loss scale of 1 that DeepSpeed would put in place of fp16's dynamic one. fp8
-# keeps bf16's optimizer (gptpar.training.config.deepspeed_precision maps it), so fp8 <-> bf16 is no change.
+# keeps bf16's optimizer (gptpar.config.deepspeed_precision maps it), so fp8 <-> bf16 is no change.
 OPTIMIZER_FILES = {"fp32": ("", False), "fp16": ("", True), "bf16": ("bf16_", False)}
 CONVERTED_KINDS = (OPTIMIZER_FILES["fp32"], OPTIMIZER_FILES["bf16"])  # what the converter reads
 
 
 def optimizer_files(precision: str) -> Tuple[str, bool]:
     """The kind of optimizer files a run of `precision` writes at ZeRO-1 (see OPTIMIZER_FILES); fp8 is bf16 to
-    DeepSpeed (gptpar.training.config.deepspeed_precision) and writes bf16's files."""
+    DeepSpeed (gptpar.config.deepspeed_precision) and writes bf16's files."""
     return OPTIMIZER_FILES[deepspeed_precision(precision)]
 
 

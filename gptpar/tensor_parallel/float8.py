@@ -7,7 +7,7 @@ torchao's `Float8Linear`: the input and the weight are cast to float8 e4m3 and t
 the tensor itself, then multiplied by `torch._scaled_mm` on a CUDA GPU (compute capability 8.9+), or emulated
 without one (exact float8 rounding, fp32 matmuls: for tests and the CPU demo, not for speed). Everything else runs
 as precision bf16 does: bf16 weights and activations, DeepSpeed's BF16_Optimizer with fp32 gradient accumulation and
-fp32 master weights (to DeepSpeed fp8 is bf16: `gptpar.training.config.deepspeed_precision`), so checkpoints hold
+fp32 master weights (to DeepSpeed fp8 is bf16: `gptpar.config.deepspeed_precision`), so checkpoints hold
 what a bf16 run's hold. The output layer (tied to the word embedding) stays bf16, as torchtitan's filter leaves it:
 its (V/tp, h) weight is the embedding table, and its logits feed the loss directly.
 

@@ -13,7 +13,7 @@ import random
 import numpy as np
 import torch
 
-from gptpar.training.config import Config
+from gptpar.config import Config
 
 
 def share_cpu_threads() -> None:
@@ -111,7 +111,7 @@ def build_trainer(cfg: Config, pstate, log, load_target, init_from=None):
     from gptpar.training.checkpoint import Checkpointer
     from gptpar.training.data import build_sources
     from gptpar.training.engine import CheckpointWriter, build_engine, deepspeed_config
-    from gptpar.training.schedules import train_iters
+    from gptpar.schedules import train_iters
     from gptpar.training.trainer import Trainer
 
     t, ck = cfg.training, cfg.checkpoint

@@ -4,7 +4,7 @@
 
 Every config key also has a flag `--key-with-dashes VALUE` (e.g. `--micro-batch-size 4`) when its name is
 unique across sections; a few Megatron flags (`--fp16`, `--checkpoint-activations`, ...) map to values.
-All of them become `section.key=value` overrides applied by `gptpar.training.config.load_config`.
+All of them become `section.key=value` overrides applied by `gptpar.config.load_config`.
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import typing
 from dataclasses import fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from gptpar.training.config import SECTIONS, Config, ConfigError, _suggest, load_config, package_installed
+from gptpar.config import SECTIONS, Config, ConfigError, load_config, package_installed
+from gptpar.config.fields import suggest
 
 
 # Flags that are not `--<key-with-dashes>` of a unique key.
@@ -119,7 +120,7 @@ def parse_args(argv: Sequence[str]) -> Tuple[Optional[str], List[str], Dict[str,
             else:
                 overrides.append(f"{target}={value_of(flag, inline)}")
         else:
-            raise ConfigError(f"unknown option {flag}{_suggest(flag, list(aliases) + ['--config', '--set', '--dry-run'])}")
+            raise ConfigError(f"unknown option {flag}{suggest(flag, list(aliases) + ['--config', '--set', '--dry-run'])}")
     return config_path, overrides, flags
 
 

@@ -15,7 +15,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from gptpar.training.config import parse_range
+from gptpar.config import parse_range
 
 
 class IterationProfiler:

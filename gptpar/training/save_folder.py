@@ -32,7 +32,7 @@ from typing import Callable, Optional
 from gptpar.model.universal import META, OWNER
 from gptpar.training.checkpoint_files import (LATEST_TMP_PREFIX, LOCK, PROBE_PREFIX, CheckpointError,
                                               partial_checkpoints, read_latest, write_synced)
-from gptpar.training.config import deepspeed_precision
+from gptpar.config import deepspeed_precision
 from gptpar.training.launcher_watch import proc_stat
 
 

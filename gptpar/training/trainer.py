@@ -49,7 +49,7 @@ from gptpar.training.engine import ZeroCounter
 from gptpar.training.logging import (IntervalStats, MetricsWriter, TensorBoardWriter, eval_record, format_eval_block,
                                      format_log_line, format_memory_line, format_timers_line, memory_usage)
 from gptpar.training.profiling import IterationProfiler
-from gptpar.training.schedules import BatchSizeRampup, LearningRateSchedule, SkipRanges, train_iters
+from gptpar.schedules import BatchSizeRampup, LearningRateSchedule, SkipRanges, train_iters
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from gptpar.model.kernels import make_adamw
 from gptpar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from gptpar.training.config import OPTIMIZERS, Accelerator
+from gptpar.config import OPTIMIZERS, Accelerator
 import gptpar.training.engine.deepspeed_api as deepspeed_api
 from gptpar.training.engine.step import TrainEngine, clip_and_keep_norm
 

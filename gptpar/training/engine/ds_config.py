@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import math
 
-from gptpar.training.config import Config, ConfigError, _suggest, deepspeed_precision
-from gptpar.training.schedules import BatchSizeRampup
+from gptpar.config import Config, ConfigError, deepspeed_precision
+from gptpar.config.fields import suggest
+from gptpar.schedules import BatchSizeRampup
 
 # Top-level DeepSpeed keys the `deepspeed` section may set, each checked by DeepSpeed's own config model or
 # parser (deepspeed_api.check_deepspeed_key): what each does.
@@ -69,7 +70,7 @@ def check_deepspeed_overrides(overrides: dict) -> None:
         if key in OWNED_KEYS:
             raise ConfigError(f"deepspeed.{key} is set by gptpar from {OWNED_KEYS[key]}: set that instead")
         if key not in PASSED_THROUGH:
-            raise ConfigError(f"unknown key deepspeed.{key}{_suggest(key, [*PASSED_THROUGH, *OWNED_KEYS])}: the "
+            raise ConfigError(f"unknown key deepspeed.{key}{suggest(key, [*PASSED_THROUGH, *OWNED_KEYS])}: the "
                               f"deepspeed section passes {', '.join(PASSED_THROUGH)} through to DeepSpeed")
         owned = next((f"{key}.{k}" for k in (value if isinstance(value, dict) else ()) if f"{key}.{k}" in OWNED_KEYS),
                      None)
@@ -79,7 +80,7 @@ def check_deepspeed_overrides(overrides: dict) -> None:
         if problem is not None:
             path, message, known = problem
             where = f"deepspeed.{key}" + (f".{path}" if path else "")
-            hint = _suggest(path, known) if known and "." not in path and path not in known else ""
+            hint = suggest(path, known) if known and "." not in path and path not in known else ""
             raise ConfigError(f"{where}: {message}{hint} (DeepSpeed's check of its `{key}` config)")
 
 

@@ -1,44 +1,23 @@
-"""The one config source: JSON sections as validated dataclasses and `--set` overrides.
-
-    cfg = load_config("configs/cpu_tiny.json", ["training.micro_batch_size=4"])
-    tp, pp, dp = cfg.check(world_size)          # cross-section checks, before any process group
-    ds_config = gptpar.training.engine.deepspeed_config(cfg, dp)  # generated from it, in the DeepSpeed module
-
-Sections and keys use Megatron's names: `model` (gptpar.model.config.GPTConfig), `parallel`, `training`,
-`data`, `checkpoint`, `logging`. Each field's meaning lives in its `metadata["doc"]`; docs/config.md is
-generated from it by tools/gen_config_docs.py. Every error is a `ConfigError` naming `section.key` and the fix.
-A seventh section, `deepspeed`, is DeepSpeed's own keys merged into the generated DeepSpeed config: kept here
-as a JSON object, checked against DeepSpeed by gptpar.training.engine.ds_config (`check_deepspeed_overrides`,
-called by the command line before any process group).
-This module is pure: it never imports DeepSpeed and never touches torch.distributed.
-"""
+"""The run config's sections besides `model` (gptpar.model.config.GPTConfig): `parallel`, `training`, `data`,
+`checkpoint`, `logging`, each a dataclass whose fields carry their documentation (docs/config.md is generated from
+it by tools/gen_config_docs.py) and whose `__post_init__` checks what one section alone can check."""
 from __future__ import annotations
 
-import difflib
-import json
 import math
 import re
-import typing
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple, Union
 
+from gptpar.config.errors import ConfigError
+from gptpar.config.fields import check_fields as _check_fields
+from gptpar.config.fields import check_positive as _positive
+from gptpar.config.fields import doc_field as _f
 from gptpar.model.config import RECOMPUTE_MODES, GPTConfig, recompute_mode
-from gptpar.model.partition import partition_layers, resolve_partition_method
-from gptpar.topology import resolve_sizes
-from gptpar.training.schedules import BatchSizeRampup, LearningRateSchedule, SkipRanges
-from gptpar.training.schedules import train_iters as total_train_iters
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names `section.key` and how to fix it."""
-
+from gptpar.schedules import LearningRateSchedule, SkipRanges
 
 OPTIMIZERS = ("adamw", "adamw8bit")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's Float8LinearConfig.from_recipe_name names
-# The optional package an option needs and how to get it; imported only by the run that uses the option.
-OPTIONAL_PACKAGES = {("training", "optimizer", "adamw8bit"): ("bitsandbytes", "pip install bitsandbytes"),
-                     ("training", "precision", "fp8"): ("torchao", "pip install torchao==0.18.0")}
 
 
 def deepspeed_precision(precision: str) -> str:
@@ -64,118 +43,6 @@ def parse_range(spec: Optional[str]) -> Optional[Tuple[int, int]]:
                          "training.compile, so start after it)")
     return int(m.group(1)), int(m.group(2))
 
-
-def package_installed(name: str) -> bool:
-    """Whether `name` can be imported, found without importing it."""
-    import importlib.util
-
-    return importlib.util.find_spec(name) is not None
-
-
-@dataclass(frozen=True)
-class Accelerator:
-    """What `Config.check` needs to know of the device a run will use (filled in from DeepSpeed's accelerator by
-    `gptpar.training.engine.detect_accelerator`; tests build one by hand)."""
-
-    name: str    # says what it is and why, e.g. "DeepSpeed's CPU accelerator (oneDNN: no fp16 kernels)"
-    fp16: bool   # whether fp16 training (loss-scaled) runs on it
-    fp8: bool = True  # whether float8 matmuls run on it: natively (CUDA compute capability 8.9+), or emulated (CPU)
-    torch_version: str = ""  # torch.__version__ of the process ("" = unknown: no version-specific check)
-
-
-def _torch_older_than(version: str, major: int, minor: int) -> bool:
-    """Whether a torch.__version__ string such as "2.11.0+cu130" is below `major.minor` ("" is not)."""
-    found = re.match(r"(\d+)\.(\d+)", version)
-    return found is not None and (int(found.group(1)), int(found.group(2))) < (major, minor)
-
-
-def _f(default: Any, doc: str, choices: Optional[Sequence] = None):
-    """A dataclass field carrying its documentation (and allowed values) for checks and docs/config.md."""
-    meta = {"doc": doc}
-    if choices is not None:
-        meta["choices"] = tuple(choices)
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: json.loads(json.dumps(default)), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-# ---------------------------------------------------------------------------------------------
-# Type checks driven by the annotations (JSON gives int where a float is meant: accept and convert)
-# ---------------------------------------------------------------------------------------------
-
-def _type_ok(value: Any, tp: Any) -> bool:
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return True
-    if origin is Union:
-        return any(_type_ok(value, arg) for arg in typing.get_args(tp))
-    if tp is type(None):
-        return value is None
-    if origin in (list, List):
-        (item,) = typing.get_args(tp) or (Any,)
-        return isinstance(value, list) and all(_type_ok(v, item) for v in value)
-    if origin in (dict, Dict):
-        key, item = typing.get_args(tp) or (Any, Any)
-        return isinstance(value, dict) and all(_type_ok(k, key) and _type_ok(v, item) for k, v in value.items())
-    if tp is bool:
-        return isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if tp is str:
-        return isinstance(value, str)
-    raise TypeError(f"unsupported annotation {tp}")
-
-
-def _accepts(tp: Any, t: type) -> bool:
-    """Whether annotation `tp` names type `t` itself (not inside a list)."""
-    if typing.get_origin(tp) is Union:
-        return any(_accepts(a, t) for a in typing.get_args(tp))
-    return tp is t
-
-
-def _type_name(tp: Any) -> str:
-    if typing.get_origin(tp) is Union:
-        return " | ".join(_type_name(a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return "null"
-    if typing.get_origin(tp) in (list, List):
-        return f"list[{_type_name(typing.get_args(tp)[0])}]"
-    if typing.get_origin(tp) in (dict, Dict):
-        return "{" + " : ".join(_type_name(a) for a in typing.get_args(tp)) + "}"
-    return {bool: "bool", int: "int", float: "float", str: "string"}.get(tp, str(tp))
-
-
-def _check_fields(section: str, obj: Any) -> None:
-    """Type-check every field against its annotation and its `choices`; convert ints to floats."""
-    hints = typing.get_type_hints(type(obj))
-    for f in fields(obj):
-        value, tp = getattr(obj, f.name), hints[f.name]
-        if not _type_ok(value, tp):
-            raise ConfigError(f"{section}.{f.name} must be {_type_name(tp)}, got {value!r} "
-                              f"({type(value).__name__}): fix the value in the config or --set")
-        if type(value) is int and _accepts(tp, float) and not _accepts(tp, int):
-            setattr(obj, f.name, float(value))
-        choices = f.metadata.get("choices")
-        if choices is not None and value not in choices:
-            raise ConfigError(f"{section}.{f.name} must be one of {list(choices)}, got {value!r}")
-
-
-def _positive(section: str, obj: Any, *names: str, allow_none: bool = False, allow_zero: bool = False):
-    for name in names:
-        value = getattr(obj, name)
-        if value is None and allow_none:
-            continue
-        if value is None or value < 0 or (value == 0 and not allow_zero):
-            bound = ">= 0" if allow_zero else "> 0"
-            raise ConfigError(f"{section}.{name} must be {bound}"
-                              f"{' (or null)' if allow_none else ''}, got {value!r}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Sections
-# ---------------------------------------------------------------------------------------------
 
 @dataclass
 class ParallelConfig:
@@ -612,249 +479,11 @@ MODEL_DOCS = {
 SECTIONS = {"model": GPTConfig, "parallel": ParallelConfig, "training": TrainingConfig, "data": DataConfig,
             "checkpoint": CheckpointConfig, "logging": LoggingConfig}
 # The section of DeepSpeed config keys (nested objects, DeepSpeed's names), not a dataclass: see Config.deepspeed.
+# The section of DeepSpeed config keys (nested objects, DeepSpeed's names), not a dataclass: see Config.deepspeed.
 DEEPSPEED_SECTION = "deepspeed"
 ALL_SECTIONS = (*SECTIONS, DEEPSPEED_SECTION)
 
-# Keys gptpar had once: a config that still sets one is told what took its place.
-REMOVED_KEYS = {
-    ("logging", "wandb_project"): "the wandb writer was removed (nothing tested it); write TensorBoard events "
-                                  "(logging.tensorboard_dir), which W&B imports (`wandb sync DIR`, or "
-                                  "`wandb.init(sync_tensorboard=True)`)",
-}
 
-
-def _unknown_key(section: str, key: str, known: Sequence[str], where: str = "") -> ConfigError:
-    removed = REMOVED_KEYS.get((section, key))
-    if removed is not None:
-        return ConfigError(f"{section}.{key}{where} is no longer a config key: {removed}. Remove it")
-    return ConfigError(f"unknown key {section}.{key}{where}{_suggest(key, known)}")
-
-
-@dataclass
-class Config:
-    """All sections; `check(world_size)` adds the checks that need several sections or the world size."""
-
-    model: GPTConfig = field(default_factory=GPTConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    training: TrainingConfig = field(default_factory=lambda: TrainingConfig(train_iters=10))
-    data: DataConfig = field(default_factory=DataConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    # DeepSpeed's own keys, merged over the DeepSpeed config gptpar generates (nested objects merge key by key).
-    # gptpar.training.engine.ds_config.check_deepspeed_overrides decides what may be there.
-    deepspeed: Dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        """Plain JSON-able dict; `load_config` / `config_from_dict` of it gives an equal Config."""
-        return dict({name: asdict(getattr(self, name)) for name in SECTIONS},
-                    **{DEEPSPEED_SECTION: json.loads(json.dumps(self.deepspeed))})
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    def resolved_partition_method(self, pp_size: Optional[int] = None) -> str:
-        """The resolved pipeline partitioning, `balanced` or `transformer` (what `auto` means here)."""
-        pp = pp_size or self.parallel.pipeline_model_parallel_size
-        return resolve_partition_method(self.parallel.partition_method, self.model.num_layers, pp,
-                                        self.parallel.embedding_weight or 1)
-
-    def check(self, world_size: int, accelerator: Optional[Accelerator] = None,
-              installed: Optional[typing.Callable[[str], bool]] = None) -> Tuple[int, int, int]:
-        """Cross-section checks for a run on `world_size` ranks; returns (tp, pp, dp).
-
-        Pure: call it before creating any process group. `accelerator` describes the device the run will use
-        (its fp16 support decides whether precision fp16 can run); `installed(package)` says whether an optional
-        package an option needs is there (`package_installed`). None skips either check (dry runs, planning).
-        """
-        p, t, m = self.parallel, self.training, self.model
-        try:
-            tp, pp, dp = resolve_sizes(world_size, p.tensor_model_parallel_size,
-                                       p.pipeline_model_parallel_size, p.data_parallel_size)
-            m.check_parallel(tp, pp)
-        except ConfigError:
-            raise
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-
-        if pp > 1:
-            try:
-                partition_layers(m.num_layers, pp, p.partition_method, p.embedding_weight or 1)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-        if self.logging.timers and pp > 1:
-            raise ConfigError("logging.timers times the phases at pp = 1 only (DeepSpeed's pipeline engine "
-                              f"interleaves them across micro-batches), got pp = {pp}: set logging.timers=false")
-        if p.sequence_parallel and m.seq_length % tp:
-            raise ConfigError(f"parallel.sequence_parallel needs model.seq_length ({m.seq_length}) to divide by "
-                              f"tensor_model_parallel_size ({tp})")
-        if (t.compile and p.sequence_parallel and tp > 1 and accelerator is not None
-                and _torch_older_than(accelerator.torch_version, 2, 12)):
-            # torch 2.11's compiled backward of sequence parallelism's scatter and reduce-scatter (whose gradient is
-            # an all-gather) gathered zeros instead of the gradient, silently; 2.12.1 and 2.13 are right. Seen on
-            # CPU (gloo) with 2.11.0; refused on every device, as CUDA could not be checked.
-            raise ConfigError(f"training.compile=true with parallel.sequence_parallel=true at tp {tp} computes "
-                              f"wrong gradients under torch {accelerator.torch_version} (torch 2.11's compiled "
-                              "backward loses sequence parallelism's gradient all-gathers): install torch >= 2.12, "
-                              "or set training.compile=false or parallel.sequence_parallel=false")
-
-        try:
-            BatchSizeRampup.from_config(t, dp)  # the batch arithmetic's one home (gptpar.training.schedules)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        if self.logging.profile is not None:
-            last = parse_range(self.logging.profile)[1]
-            iterations = total_train_iters(t, dp)
-            if last > iterations:
-                raise ConfigError(f"logging.profile {self.logging.profile!r} ends after the run's last iteration "
-                                  f"({iterations}, from training.train_iters / train_samples): its report would "
-                                  f"never print; pick a range within 1-{iterations}")
-
-        if self.data.data_path is None and not self.data.synthetic:
-            raise ConfigError("data.data_path is not set: give a preprocessed dataset prefix, or set "
-                              "data.synthetic=true explicitly to train on synthetic tokens")
-        if t.precision == "fp16" and accelerator is not None and not accelerator.fp16:
-            raise ConfigError(f"training.precision fp16 is not supported here: {accelerator.name} has no fp16 "
-                              "support. Use training.precision=bf16 (or fp32), or run on a GPU")
-        if t.precision == "fp8" and accelerator is not None and not accelerator.fp8:
-            raise ConfigError(f"training.precision fp8 is not supported here: {accelerator.name} has no float8 "
-                              "matmuls (torch._scaled_mm needs compute capability 8.9+: H100, H200, L4, ...). Use "
-                              "training.precision=bf16")
-        if installed is not None:
-            self._check_optional_packages(installed)
-        return tp, pp, dp
-
-    def _check_optional_packages(self, installed) -> None:
-        for (section, key, value), (package, command) in OPTIONAL_PACKAGES.items():
-            if getattr(getattr(self, section), key) == value and not installed(package):
-                raise ConfigError(f"{section}.{key}={value} needs the {package} package, which is not installed: "
-                                  f"run `{command}` in this environment, or set {section}.{key} to another value")
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading, overrides
-# ---------------------------------------------------------------------------------------------
-
-def _suggest(name: str, options: Sequence[str]) -> str:
-    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
-    return f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(sorted(options))})"
-
-
-def _build_section(name: str, cls: type, values: dict):
-    known = [f.name for f in fields(cls)]
-    hints = typing.get_type_hints(cls)
-    for key, value in values.items():
-        if key not in known:
-            raise _unknown_key(name, key, known)
-        if not _type_ok(value, hints[key]):  # before __post_init__, which may compare it with numbers
-            raise ConfigError(f"{name}.{key} must be {_type_name(hints[key])}, got {value!r} "
-                              f"({type(value).__name__}): fix the value in the config or --set")
-    try:
-        return cls(**values)
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as e:  # GPTConfig raises ValueError naming model.<key>
-        raise ConfigError(str(e)) from None
-
-
-def config_from_dict(d: dict, overrides: Sequence[str] = ()) -> Config:
-    """Build a Config from a (JSON) dict, then apply `section.key=value` overrides in order."""
-    if not isinstance(d, dict):
-        raise ConfigError(f"a config is a JSON object of sections {sorted(SECTIONS)}, got {type(d).__name__}")
-    d = json.loads(json.dumps(d))  # a private deep copy
-    for section in d:
-        if section not in ALL_SECTIONS:
-            raise ConfigError(f"unknown config section {section!r}{_suggest(section, ALL_SECTIONS)}")
-        if not isinstance(d[section], dict):
-            raise ConfigError(f"config section {section!r} must be an object of keys")
-    for item in overrides:
-        section, key, value = parse_override(item)
-        if section == DEEPSPEED_SECTION:
-            _set_nested(d.setdefault(section, {}), key, value, item)
-        else:
-            d.setdefault(section, {})[key] = value
-    built = {name: _build_section(name, cls, d.get(name, {})) for name, cls in SECTIONS.items()}
-    return Config(**built, deepspeed=d.get(DEEPSPEED_SECTION, {}))
-
-
-def _set_nested(obj: dict, dotted: str, value: Any, item: str) -> None:
-    """obj[a][b][c] = value for `a.b.c` (the deepspeed section's nested keys), creating objects on the way."""
-    *path, last = dotted.split(".")
-    for i, key in enumerate(path):
-        obj = obj.setdefault(key, {})
-        if not isinstance(obj, dict):
-            raise ConfigError(f"override {item!r}: deepspeed.{'.'.join(path[:i + 1])} is {obj!r}, not an object "
-                              "of keys")
-    obj[last] = value
-
-
-def unique_keys(pairs: Sequence[Tuple[str, Any]]) -> dict:
-    """json's object_pairs_hook: a JSON object as a dict, refusing a key given twice, which a JSON reader would
-    otherwise collapse to its last value without a word (two validation sets under one name, for instance)."""
-    seen = set()
-    for key, _ in pairs:
-        if key in seen:
-            names = ", ".join(repr(k) for k, _ in pairs)
-            raise ConfigError(f"the key {key!r} appears twice in one JSON object (keys {names}): a JSON reader keeps "
-                              "only the last, so the other would be dropped without a word; give each key once "
-                              "(each data.valid_data_path set its own name)")
-        seen.add(key)
-    return dict(pairs)
-
-
-def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> Config:
-    """Read a JSON config (None = all defaults) and apply `section.key=value` overrides."""
-    d = {}
-    if path is not None:
-        try:
-            with open(path) as f:
-                d = json.load(f, object_pairs_hook=unique_keys)
-        except ConfigError as e:
-            raise ConfigError(f"config file {path}: {e}") from None
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} not found: pass --config configs/<name>.json") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
-    return config_from_dict(d, overrides)
-
-
-def parse_override(item: str) -> Tuple[str, str, Any]:
-    """`section.key=value` -> (section, key, value); value parsed as JSON where it can be, else a string.
-
-    A value that parses as JSON of a type the key does not take, while the key takes strings (e.g.
-    `data.split=100`), stays the raw string.
-    """
-    name, sep, raw = item.partition("=")
-    section, dot, key = name.strip().partition(".")
-    if not sep or not dot or not key:
-        raise ConfigError(f"override {item!r} must look like section.key=value, e.g. training.micro_batch_size=4")
-    if section not in ALL_SECTIONS:
-        raise ConfigError(f"unknown config section {section!r} in override {item!r}"
-                          f"{_suggest(section, ALL_SECTIONS)}")
-    if section == DEEPSPEED_SECTION:  # DeepSpeed's nested keys (`deepspeed.zero_optimization.reduce_bucket_size`)
-        if any(not part for part in key.split(".")):
-            raise ConfigError(f"override {item!r}: an empty key in {key!r}")
-        try:
-            return section, key, json.loads(raw)
-        except json.JSONDecodeError:
-            return section, key, raw
-    cls = SECTIONS[section]
-    known = [f.name for f in fields(cls)]
-    if key not in known:
-        raise _unknown_key(section, key, known, f" in override {item!r}")
-    try:
-        value = json.loads(raw, object_pairs_hook=unique_keys)
-    except ConfigError as e:
-        raise ConfigError(f"override {item!r}: {e}") from None
-    except json.JSONDecodeError:
-        return section, key, raw
-    tp = typing.get_type_hints(cls).get(key, Any)
-    if not _type_ok(value, tp) and _type_ok(raw, tp):
-        value = raw
-    return section, key, value
-
-
-__all__ = ["ConfigError", "Accelerator", "OPTIMIZERS", "PRECISIONS", "FP8_RECIPES", "deepspeed_precision",
-           "package_installed", "Config", "ParallelConfig",
-           "TrainingConfig", "DataConfig", "CheckpointConfig",
-           "LoggingConfig", "GPTConfig", "SECTIONS", "DEEPSPEED_SECTION", "ALL_SECTIONS", "REMOVED_KEYS",
-           "MODEL_DOCS", "load_config", "config_from_dict", "parse_override", "unique_keys"]
+__all__ = ["OPTIMIZERS", "PRECISIONS", "FP8_RECIPES", "deepspeed_precision", "parse_range", "ParallelConfig",
+           "TrainingConfig", "DataConfig", "CheckpointConfig", "LoggingConfig", "MODEL_DOCS", "SECTIONS",
+           "DEEPSPEED_SECTION", "ALL_SECTIONS"]
