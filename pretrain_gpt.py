@@ -24,7 +24,7 @@ from gptpar.data.indexed import DataError
 from gptpar.model.kernels import describe_kernels
 from gptpar.parallel import destroy_parallel, init_parallel, is_collective_timeout
 from gptpar.training.build import build_trainer, checkpoint_shape, dry_run, setup_environment
-from gptpar.training.checkpoint import CheckpointError, CheckpointSaveError
+from gptpar.checkpoint.checkpointer import CheckpointError, CheckpointSaveError
 from gptpar.training.cli import USAGE, parse
 from gptpar.config import ConfigError
 from gptpar.training.launcher_watch import watch_launcher

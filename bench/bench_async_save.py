@@ -56,8 +56,8 @@ def timed_run(argv, log_prefix):
     """On each rank: pretrain_gpt.main(argv) with its saves and the optimizer-step hook's waits timed; its output
     goes to `{log_prefix}.rank{R}.log`."""
     import pretrain_gpt
-    from gptpar.training.checkpoint import Checkpointer
-    from gptpar.training.engine.checkpoint_writer import CheckpointWriter
+    from gptpar.checkpoint.checkpointer import Checkpointer
+    from gptpar.checkpoint.writer import CheckpointWriter
     from gptpar.training.trainer import Trainer
 
     import gptpar.training.preflight as preflight

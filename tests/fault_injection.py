@@ -19,8 +19,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pretrain_gpt  # noqa: E402
-from gptpar.model import universal  # noqa: E402
-from gptpar.training.engine import checkpoint_writer  # noqa: E402
+from gptpar.checkpoint import universal  # noqa: E402
+from gptpar.checkpoint import writer as checkpoint_writer  # noqa: E402
 from gptpar.training.engine import TrainEngine  # noqa: E402
 
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from gptpar.testing import run_distributed
-from gptpar.training.checkpoint import read_latest
+from gptpar.checkpoint.checkpointer import read_latest
 from gptpar.training.logging import parse_log_line
 from trainer_runs import ROOT, finish_ranks, launch_ranks, log_lines, read_jsonl, run_mains, write_config
 
@@ -36,7 +36,7 @@ CASES = {"dp_fp32_zero1": dict(parallel=dict(data_parallel_size=2), training=dic
 def blocking_and_async_runs(d):
     """On each rank: every case saved blocking and async (6 iterations, a save every 2), the async snapshot copy
     held back 0.5 s and each async file's write 0.2 s."""
-    from gptpar.training.engine import checkpoint_writer
+    from gptpar.checkpoint import writer as checkpoint_writer
 
     real_copy, real_write = checkpoint_writer._Snapshot.copy, checkpoint_writer.write_file
 

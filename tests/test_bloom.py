@@ -189,7 +189,7 @@ def test_176b_bloom_dry_run_prints_bloom_parameter_count(capsys):
 
 
 def test_bad_architecture_options_are_clear_errors(tmp_path):
-    from gptpar.model.convert import ConversionError, load_hf, save_hf
+    from gptpar.checkpoint.weights import ConversionError, load_hf, save_hf
     from gptpar.config import ConfigError, config_from_dict
 
     with pytest.raises(ConfigError, match="model.position_embedding_type must be one of"):
@@ -204,7 +204,7 @@ def test_bad_architecture_options_are_clear_errors(tmp_path):
 
 def test_resume_refuses_another_position_embedding_type():
     """A checkpoint written before the two options existed counts as learned / no embedding LayerNorm."""
-    from gptpar.training.checkpoint import CheckpointError, check_shape
+    from gptpar.checkpoint.checkpointer import CheckpointError, check_shape
 
     def shape(**model):
         return {"model": dict(num_layers=2, **model), "parallel": {"tensor_model_parallel_size": 1}}

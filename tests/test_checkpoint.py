@@ -13,7 +13,7 @@ import time
 import pytest
 
 from gptpar.testing import free_port
-from gptpar.training.checkpoint import read_latest, tag_of, write_latest
+from gptpar.checkpoint.checkpointer import read_latest, tag_of, write_latest
 from gptpar.training.logging import parse_log_line
 from gptpar.training.trainer import StopSignals
 from trainer_runs import ROOT, finish_ranks as _finish, launch_ranks as _launch, log_lines, rank_env as _env, write_config
@@ -293,7 +293,8 @@ def test_the_launcher_watch_policy(tmp_path):
     script.write_text(f"""
 import subprocess, sys, time
 sys.path.insert(0, {ROOT!r})
-from gptpar.training.launcher_watch import LauncherWatch, proc_stat
+from gptpar.processes import proc_stat
+from gptpar.training.launcher_watch import LauncherWatch
 SLEEP = "import os, sys, time\\nwhile os.getppid() == int(sys.argv[1]): time.sleep(0.1)"  # until we end
 parent, runner = (subprocess.Popen([sys.executable, "-c", SLEEP, str(__import__("os").getpid())]) for _ in range(2))
 chain = [(p.pid, proc_stat(p.pid)[2], "stand-in") for p in (parent, runner)]

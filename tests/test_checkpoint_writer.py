@@ -8,8 +8,8 @@ import types
 
 import torch
 
-from gptpar.training.engine import checkpoint_writer
-from gptpar.training.engine.checkpoint_writer import CheckpointWriter
+from gptpar.checkpoint import writer as checkpoint_writer
+from gptpar.checkpoint.writer import CheckpointWriter
 
 
 def _state():

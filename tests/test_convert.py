@@ -73,7 +73,7 @@ def _hf_loss(model_dir, architecture="GPT2LMHeadModel"):
 def test_export_to_hf_and_universal(tmp_path, tp, pp):
     import convert_checkpoint
 
-    from gptpar.model.convert import read_weights
+    from gptpar.checkpoint.weights import read_weights
     from gptpar.model.gpt import GPTModel
     from gptpar.model.sharding import load_full_state_dict
 
@@ -118,7 +118,7 @@ def test_bloom_export_from_tp2_pp2_and_import(tmp_path):
     loss is the distributed model's, its logits the serial gptpar model's; importing it gives the tensors back."""
     import convert_checkpoint
 
-    from gptpar.model.convert import read_checkpoint_weights, read_weights
+    from gptpar.checkpoint.weights import read_checkpoint_weights, read_weights
     from gptpar.model.gpt import GPTModel
     from gptpar.model.sharding import load_full_state_dict
 

@@ -371,7 +371,7 @@ def test_output_holds_harness_json_and_provenance(runs):
 def test_bad_input_exits_2_before_reading_weights(runs, monkeypatch, capsys):
     import eval_harness
 
-    import gptpar.model.inference as inference
+    import gptpar.checkpoint.model_loading as inference
 
     def no_weights(*args, **kwargs):
         raise AssertionError("weights were read")
@@ -427,8 +427,8 @@ def test_demo_tasks_run_offline_from_the_repository(runs, monkeypatch):
 def test_universal_checkpoint_carries_provenance_and_tokenizer(runs, monkeypatch):
     """The trained checkpoint converted to its universal form: the tool reads the same counters and the run's
     tokenizer from it, and its model config without its weights."""
-    import gptpar.model.convert as convert
-    import gptpar.model.inference as inference
+    import gptpar.checkpoint.weights as convert
+    import gptpar.checkpoint.model_loading as inference
 
     universal_dir = str(runs["dir"] / "universal")
     _convert(["--load", str(runs["dir"] / "ck"), "--to", "universal", "--output", universal_dir])

@@ -160,7 +160,7 @@ def test_sampling_is_seeded_and_the_same_at_tp2(runs, model_name):
 @pytest.mark.parametrize("tp", ["tp1", "tp2"])
 @pytest.mark.parametrize("model_name", HF_MODELS)
 def test_eval_file_perplexity_equals_hugging_face(runs, model_name, tp):
-    from gptpar.model.convert import read_weights
+    from gptpar.checkpoint.weights import read_weights
 
     hf_dir = runs["hf_dirs"][model_name]
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
@@ -187,7 +187,7 @@ def test_trained_checkpoint_generates_from_its_tokenizer_at_another_tp(runs):
     """Trained at pp = 2 (tp = 1) on Hugging Face-tokenized data; generate.py at tp = 1 and tp = 2 (pp = 1) reads it
     through read_weights, encodes the prompt and decodes with the run's data.tokenizer_model."""
     from gptpar.data.tokenizer import load_tokenizer
-    from gptpar.model.convert import read_weights
+    from gptpar.checkpoint.weights import read_weights
     from gptpar.model.gpt import GPTModel
     from gptpar.model.sharding import load_full_state_dict
 

@@ -165,7 +165,7 @@ def test_init_from_a_megatron_deepspeed_bloom_universal_folder_at_tp2_gives_hf_l
 def test_megatron_universal_folder_reads_with_unpickling_disabled(runs, monkeypatch):
     """read_weights maps every name, drops the padding rows and reads nothing but weights_only files (the
     pickles DeepSpeed copies beside them are never opened); the tensors are HF's."""
-    from gptpar.model.convert import load_hf, read_weights
+    from gptpar.checkpoint.weights import load_hf, read_weights
 
     d, _, _ = runs
     reference, config = load_hf(str(d / "hf_bloom"))
@@ -187,7 +187,7 @@ def test_convert_exports_a_megatron_universal_folder_given_the_run_config(runs, 
     Hugging Face it holds the BLOOM tensors it was written from; without --config it is a clear error."""
     import convert_checkpoint
 
-    from gptpar.model.convert import load_hf
+    from gptpar.checkpoint.weights import load_hf
 
     d, _, _ = runs
     out = tmp_path / "hf"
@@ -207,7 +207,7 @@ def test_megatron_universal_folder_errors_name_the_file(runs, tmp_path):
     import argparse
     import shutil
 
-    from gptpar.training.checkpoint_files import CheckpointError
+    from gptpar.checkpoint.layout import CheckpointError
 
     d, _, _ = runs
     folder = tmp_path / "megatron_bloom"
@@ -247,7 +247,7 @@ def test_the_optimizer_started_from_the_loaded_weights(runs):
     2 AdamW steps at lr <= 1e-3 (at steps 1-2 with betas 0.9/0.95 the bias-corrected |m/sqrt(v)| is <= 1.0004, so
     each step moves a weight by <= lr, plus a decay of lr x 0.01 x |w|) the saved weights are within 2.2e-3 of
     HF's. A master copy made before the load would have trained the seeded initialisation instead."""
-    from gptpar.model.convert import load_hf, read_weights
+    from gptpar.checkpoint.weights import load_hf, read_weights
 
     d, hf, _ = runs
     saved, _ = read_weights(str(d / "a"))
@@ -269,8 +269,8 @@ def test_weights_only_checkpoint_as_load_starts_at_iteration_0(runs):
 def test_weights_only_checkpoint_layout_reads_back_hf_tensors(tmp_path):
     import convert_checkpoint
 
-    from gptpar.model.convert import load_hf, read_weights
-    from gptpar.training.checkpoint_files import MANIFEST, is_weights_only
+    from gptpar.checkpoint.weights import load_hf, read_weights
+    from gptpar.checkpoint.layout import MANIFEST, is_weights_only
 
     hf = _make_hf(tmp_path / "hf")
     out = tmp_path / "w22"
@@ -317,7 +317,7 @@ def test_convert_refuses_bad_layouts_and_existing_output(tmp_path, capsys):
 
 def _check(tmp_path, *, load=None, init_from=None, save=None, **model):
     """preflight's rank-0 decision for a (tp 2, pp 2) run: (load target, weights to start from, log lines)."""
-    from gptpar.training.checkpoint import shape_of
+    from gptpar.checkpoint.checkpointer import shape_of
     from gptpar.config import load_config
     from gptpar.training.preflight import check_on_rank0
 
@@ -331,7 +331,7 @@ def _check(tmp_path, *, load=None, init_from=None, save=None, **model):
 
 
 def test_weights_of_another_shape_are_refused_naming_the_field(tmp_path):
-    from gptpar.training.checkpoint_files import CheckpointError
+    from gptpar.checkpoint.layout import CheckpointError
 
     hf = _make_hf(tmp_path / "hf", vocab=VOCAB + 10, hidden=64)
     with pytest.raises(CheckpointError) as e:
@@ -350,7 +350,7 @@ def test_weights_of_another_shape_are_refused_naming_the_field(tmp_path):
 
 
 def test_a_checkpoint_to_resume_wins_over_init_from(runs, tmp_path):
-    from gptpar.training.checkpoint_files import CheckpointError
+    from gptpar.checkpoint.layout import CheckpointError
 
     d, hf, _ = runs
     target, init, lines = _check(tmp_path, load=str(d / "a"), init_from=hf)

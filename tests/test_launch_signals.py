@@ -5,7 +5,7 @@ import subprocess
 import sys
 import time
 
-from gptpar.training.checkpoint_files import read_latest
+from gptpar.checkpoint.layout import read_latest
 from trainer_runs import ROOT, write_config
 
 

@@ -131,7 +131,7 @@ def test_pretrain_refuses_before_starting(monkeypatch, capsys):
 
 
 def test_checkpoints_from_before_the_option_hold_adamw_state():
-    from gptpar.training.checkpoint import CheckpointError, check_shape
+    from gptpar.checkpoint.checkpointer import CheckpointError, check_shape
 
     old = {"model": {"hidden_size": 64}, "parallel": {"zero_stage": 1}}   # saved without a "training" section
     check_shape(old, dict(old, training={"optimizer": "adamw"}), "iter_0000003")

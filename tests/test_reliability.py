@@ -20,13 +20,13 @@ import pytest
 import torch
 
 from gptpar.testing import run_distributed
-from gptpar.training.checkpoint import read_latest
+from gptpar.checkpoint.checkpointer import read_latest
 from gptpar.training.trainer import Trainer
 from trainer_runs import ROOT, log_lines, write_config
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))  # the tools' own main(), as tests/test_convert.py calls them
 
-# The checkpoint folder's documented layout (gptpar.training.checkpoint_files), spelled out.
+# The checkpoint folder's documented layout (gptpar.checkpoint.layout), spelled out.
 SHARD = "mp_rank_00_model_states.pt"
 OPTIM_1 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
 MANIFEST = "gptpar_manifest.json"
@@ -267,8 +267,8 @@ def run_cases(d, live_pid, only=None):
     out["out_of_vocab_built"] = (len(built), "", None)
 
     # -- resuming at another shape or precision; universal copies (issue 22) ------------------------------
-    from gptpar.model import universal
-    from gptpar.training.checkpoint_files import write_manifest
+    from gptpar.checkpoint import universal
+    from gptpar.checkpoint.layout import write_manifest
 
     dd, e = str(d / "D"), str(d / "E")
     # parallel.data_parallel_size left at its default (null: what the world size leaves)
@@ -392,7 +392,7 @@ def test_base_run_saves_a_complete_checkpoint(cases):
 def test_checkpoint_size_estimate_matches_a_real_checkpoint(cases):
     from gptpar.config import load_config
     from gptpar.training.preflight import count_parameters
-    from gptpar.training.save_folder import checkpoint_bytes
+    from gptpar.checkpoint.save_folder import checkpoint_bytes
 
     d, _ = cases
     cfg = load_config(str(d / "two.json"))
@@ -560,7 +560,7 @@ def _trained(text):
 def _old_style_copy(src, dst):
     """Checkpoint folder `src` copied as gptpar wrote it before the resolved dp was recorded: config.json's
     parallel.data_parallel_size null (the config's default), the manifest matching."""
-    from gptpar.training.checkpoint_files import write_manifest
+    from gptpar.checkpoint.layout import write_manifest
 
     shutil.copytree(src, dst)
     with open(os.path.join(dst, "config.json")) as f:
@@ -605,8 +605,8 @@ def test_a_universal_copy_is_rebuilt_after_its_checkpoint_was_rewritten(cases):
     """After the rollback (iter_0000001 resumed, iteration 2 skipped, iter_0000002 saved again in place, so it
     holds iter_0000001's weights), the copy converted from the old iter_0000002 is rebuilt, in one line, and
     holds the new weights (DeepSpeed's own model files are the reference); unchanged files reuse it."""
-    from gptpar.model import universal
-    from gptpar.model.convert import read_checkpoint_weights
+    from gptpar.checkpoint import universal
+    from gptpar.checkpoint.weights import read_checkpoint_weights
 
     d, _ = cases
     copy_dir = d / "D_universal" / "iter_0000002"
@@ -625,7 +625,7 @@ def test_a_universal_copy_is_rebuilt_after_its_checkpoint_was_rewritten(cases):
 def test_a_precision_change_at_the_same_shape(cases):
     """fp32 -> bf16 at the same (tp, pp, dp) goes through the universal form (their optimizer files differ: the
     rule's file names are the ones each checkpoint holds); fp32 -> fp16 is refused naming the field."""
-    from gptpar.model import universal
+    from gptpar.checkpoint import universal
 
     d, _ = cases
     out = _expect(cases, "bf16", 0, f"checkpoint {d}/D/iter_0000002 was saved with training.precision=fp32, whose "

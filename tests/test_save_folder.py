@@ -11,9 +11,10 @@ import time
 
 import pytest
 
-from gptpar.training import save_folder
-from gptpar.training.launcher_watch import gone, launcher_chain, proc_stat
-from gptpar.training.save_folder import JobLock, SaveFolderError, lock_state
+from gptpar.checkpoint import save_folder
+from gptpar.processes import proc_stat
+from gptpar.training.launcher_watch import gone, launcher_chain
+from gptpar.checkpoint.save_folder import JobLock, SaveFolderError, lock_state
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux /proc")
 

@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from gptpar.model import universal
+from gptpar.checkpoint import universal
 from gptpar.testing import run_distributed
 from trainer_runs import ROOT, read_jsonl, run_mains, write_config
 
@@ -288,7 +288,7 @@ def _model_config():
 def test_universal_checkpoint_loads_with_unpickling_disabled(runs, monkeypatch):
     """Every file of the universal copy is tensors and plain values: read_weights (the reader the tools and
     init_from share) works with torch.load refusing anything but weights_only=True, and gives the fp32 model."""
-    from gptpar.model.convert import read_checkpoint_weights, read_weights
+    from gptpar.checkpoint.weights import read_checkpoint_weights, read_weights
 
     d, _ = runs
     udir = d / "fp32_ref_ck_universal" / "iter_0000004"

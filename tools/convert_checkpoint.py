@@ -9,10 +9,10 @@ and Hugging Face (GPT-2 or BLOOM) -> a weights-only gptpar checkpoint.
 
 The universal checkpoint (a folder; layout in docs/checkpoints.md) holds every parameter's full fp32 master
 weight and Adam moments and the run's counters: `checkpoint.load` resumes it at any (tp, pp, dp), and
-`gptpar.model.convert.read_weights` reads its weights. It streams: one pipeline stage's shard files mapped,
+`gptpar.checkpoint.weights.read_weights` reads its weights. It streams: one pipeline stage's shard files mapped,
 one full parameter in memory at a time (the peak RSS is printed at the end).
 A weights-only gptpar checkpoint (`--to gptpar`) is a checkpoint folder laid out for (--tp, --pp) without optimizer
-state (gptpar.model.convert.save_weights_only): `checkpoint.load` or `checkpoint.init_from` starts a run from it
+state (gptpar.checkpoint.weights.save_weights_only): `checkpoint.load` or `checkpoint.init_from` starts a run from it
 at iteration 0, at any tp x pp.
 """
 import argparse
@@ -51,7 +51,7 @@ def main(argv=None):
         parser.error("--to universal needs --load: a universal checkpoint carries a training run's optimizer state, "
                      "which a Hugging Face model does not have")
 
-    from gptpar.model.convert import (ConversionError, check_layout, check_weight_files, load_hf, read_weights,
+    from gptpar.checkpoint.weights import (ConversionError, check_layout, check_weight_files, load_hf, read_weights,
                                       read_weights_config, save_hf, save_weights_only)
 
     from gptpar.config import ConfigError, load_config
@@ -102,7 +102,7 @@ def blocking_file(path: str):
 def write_failed(output: str, error: BaseException) -> int:
     """One line for a write that failed (a full disk, an I/O error), as pretrain_gpt.py's failed save: exit 1.
     Anything else is a bug, re-raised with its traceback."""
-    from gptpar.training.checkpoint_files import describe_write_failure, is_write_failure
+    from gptpar.checkpoint.layout import describe_write_failure, is_write_failure
 
     if not is_write_failure(error):
         raise error
@@ -113,10 +113,10 @@ def write_failed(output: str, error: BaseException) -> int:
 
 def to_universal(load: str, tag, output: str, start: float) -> int:
     """The universal form of the checkpoint `load` (and `tag`) names, written to `output` (outside it)."""
-    from gptpar.model import universal
-    from gptpar.model.convert import ConversionError, resolve_checkpoint_dir
-    from gptpar.training.checkpoint import CheckpointError, carried_counters, read_rank_state
-    from gptpar.training.checkpoint_files import LoadTarget, damaged, fingerprint, state_file, verify_digests
+    from gptpar.checkpoint import universal
+    from gptpar.checkpoint.weights import ConversionError, resolve_checkpoint_dir
+    from gptpar.checkpoint.checkpointer import CheckpointError, carried_counters, read_rank_state
+    from gptpar.checkpoint.layout import LoadTarget, damaged, fingerprint, state_file, verify_digests
 
     try:
         ckpt = resolve_checkpoint_dir(load, tag)

@@ -6,7 +6,7 @@
 
 --load takes what tools/generate.py takes: a gptpar checkpoint saved at any tp x pp (a checkpoint directory, or the
 save directory holding `latest`), a universal checkpoint, or a local Hugging Face GPT-2 / BLOOM directory
-(gptpar.model.inference); each rank keeps its tensor-parallel blocks (pp = 1), so a 176B checkpoint is evaluated
+(gptpar.checkpoint.model_loading); each rank keeps its tensor-parallel blocks (pp = 1), so a 176B checkpoint is evaluated
 where it was trained, without converting it. Text is encoded with --tokenizer, else the checkpoint's own (the
 run's data.tokenizer_model, a SentencePiece model or a Hugging Face tokenizer; or the Hugging Face directory's),
 without special tokens, as gptpar's preprocessing encodes the training data.
@@ -110,7 +110,7 @@ def check_args(args):
 def load_tokenizer(args):
     """(tokenizer, its path) of --tokenizer or the checkpoint; raises UsageError."""
     from gptpar.data.tokenizer import load_tokenizer as load
-    from gptpar.model.inference import tokenizer_path
+    from gptpar.checkpoint.model_loading import tokenizer_path
 
     try:
         path = tokenizer_path(args.load, args.tag, args.tokenizer)
@@ -123,9 +123,9 @@ def load_tokenizer(args):
 
 def check_model(args, tokenizer):
     """The model's config, read without its weights and checked against the tokenizer and --tp; every weight file
-    there and whole (gptpar.model.convert.check_weight_files)."""
-    from gptpar.model.convert import check_weight_files, read_weights_config
-    from gptpar.model.inference import check_tokenizer_fits
+    there and whole (gptpar.checkpoint.weights.check_weight_files)."""
+    from gptpar.checkpoint.weights import check_weight_files, read_weights_config
+    from gptpar.checkpoint.model_loading import check_tokenizer_fits
 
     check_weight_files(args.load, args.tag)
     config = read_weights_config(args.load, args.tag)
@@ -452,7 +452,7 @@ def report(args, results, provenance, log):
 def run(args, seeds, tokenizer, tokenizer_path, config, log):
     import torch.distributed as dist
 
-    from gptpar.model.inference import checkpoint_provenance, load_model
+    from gptpar.checkpoint.model_loading import checkpoint_provenance, load_model
     from gptpar.model.pipeline import model_parameter_count
     from gptpar.parallel import init_parallel
     from gptpar.training.build import share_cpu_threads
@@ -499,9 +499,9 @@ def main(argv=None):
     import torch.distributed as dist
 
     from gptpar.data.indexed import DataError
-    from gptpar.model.convert import ConversionError
+    from gptpar.checkpoint.weights import ConversionError
     from gptpar.parallel import destroy_parallel
-    from gptpar.training.checkpoint_files import CheckpointError
+    from gptpar.checkpoint.layout import CheckpointError
 
     owns_process_group = not dist.is_initialized()  # a test harness may have made it
     rank = int(os.environ.get("RANK", "0"))

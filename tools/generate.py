@@ -6,7 +6,7 @@
     python tools/generate.py --load CKPT --eval-file held_out.jsonl          # perplexity of the `text` fields
 
 --load takes a gptpar checkpoint saved at any tp x pp (a checkpoint directory, or the save directory holding
-`latest`), a universal checkpoint or a local Hugging Face model directory: gptpar.model.inference.load_model reads
+`latest`), a universal checkpoint or a local Hugging Face model directory: gptpar.checkpoint.model_loading.load_model reads
 the full weights, and each rank keeps its tensor-parallel blocks. Text is encoded and decoded with --tokenizer,
 else the checkpoint's own (the run's data.tokenizer_model, or the Hugging Face directory's tokenizer.json).
 
@@ -75,8 +75,8 @@ def load_inputs(args):
     """(tokenizer or None, prompt ids or None, eval documents or None) from the arguments; raises UsageError."""
     from gptpar.data.jsonl import iter_texts
     from gptpar.data.tokenizer import load_tokenizer
-    from gptpar.model.convert import check_weight_files
-    from gptpar.model.inference import tokenizer_path
+    from gptpar.checkpoint.weights import check_weight_files
+    from gptpar.checkpoint.model_loading import tokenizer_path
 
     check_weight_files(args.load, args.tag)  # every weight file there and whole, before anything is built
     try:
@@ -108,9 +108,9 @@ def check_against_model(args, tokenizer, prompt_ids):
     """The model's shape, read without its weights, against the tokenizer, the prompt, --max-new-tokens and --tp:
     ids the model has no embedding for, a sequence longer than its positions and a tp that does not split it are
     refused, naming the field."""
-    from gptpar.model.convert import read_weights_config
+    from gptpar.checkpoint.weights import read_weights_config
     from gptpar.model.generation import check_length
-    from gptpar.model.inference import check_tokenizer_fits
+    from gptpar.checkpoint.model_loading import check_tokenizer_fits
 
     config = read_weights_config(args.load, args.tag)
     try:
@@ -128,7 +128,7 @@ def check_against_model(args, tokenizer, prompt_ids):
 
 def run(args, sampling, tokenizer, prompt_ids, documents, log):
     from gptpar.model.generation import generate, mean_token_loss
-    from gptpar.model.inference import load_model
+    from gptpar.checkpoint.model_loading import load_model
     from gptpar.parallel import init_parallel
     from gptpar.training.build import share_cpu_threads
 
@@ -153,8 +153,8 @@ def main(argv=None):
     import torch.distributed as dist
 
     from gptpar.data.indexed import DataError
-    from gptpar.model.convert import ConversionError
-    from gptpar.model.universal import UniversalCheckpointError
+    from gptpar.checkpoint.weights import ConversionError
+    from gptpar.checkpoint.universal import UniversalCheckpointError
     from gptpar.parallel import destroy_parallel
 
     owns_process_group = not dist.is_initialized()  # a test harness may have made it

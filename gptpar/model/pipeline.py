@@ -65,7 +65,7 @@ def gpt_layer_prefixes(num_layers: int, embedding_weight: int = 1) -> Dict[int, 
     tied output embedding at 2w + L shares the input embedding's weights (DeepSpeed writes no file for it).
 
     The one home of these indices: DeepSpeed names each stage's parameters `{index}.{name}` and its checkpoint
-    files `layer_{index:02d}-model_{tp:02d}-model_states.pt` by them (gptpar.model.convert reads and writes those
+    files `layer_{index:02d}-model_{tp:02d}-model_states.pt` by them (gptpar.checkpoint.weights reads and writes those
     files; `gpt_parameter_name` maps a stage's parameters)."""
     w, L = embedding_weight, num_layers
     return {0: "embedding.", **{w + i: f"layers.{i}." for i in range(L)}, w + L: "final_layernorm."}

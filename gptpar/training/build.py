@@ -83,8 +83,8 @@ def build_model(cfg: Config, pstate, tracker):
 
 
 def checkpoint_shape(cfg: Config, pstate) -> dict:
-    """What a checkpoint must share with this run to be resumed (gptpar.training.checkpoint.shape_of)."""
-    from gptpar.training.checkpoint import shape_of
+    """What a checkpoint must share with this run to be resumed (gptpar.checkpoint.checkpointer.shape_of)."""
+    from gptpar.checkpoint.checkpointer import shape_of
 
     return shape_of(cfg.to_dict(), pstate.tp_size, pstate.pp_size, pstate.dp_size,
                     cfg.model.padded_vocab_size(pstate.tp_size), cfg.resolved_partition_method(pstate.pp_size))
@@ -106,11 +106,12 @@ def checkpoint_group(pstate, timeout_minutes: float):
 
 def build_trainer(cfg: Config, pstate, log, load_target, init_from=None):
     """Seeds, model, data sources, DeepSpeed engine and checkpointer, under one `Trainer`. `init_from`: weights
-    to start from (gptpar.training.init_weights), put into the model before the engine copies them."""
-    from gptpar.model.universal import deepspeed_universal_info, gpt_parameter_name
-    from gptpar.training.checkpoint import Checkpointer
+    to start from (gptpar.checkpoint.init_weights), put into the model before the engine copies them."""
+    from gptpar.checkpoint.universal import deepspeed_universal_info, gpt_parameter_name
+    from gptpar.checkpoint.checkpointer import Checkpointer
     from gptpar.training.data import build_sources
-    from gptpar.training.engine import CheckpointWriter, build_engine, deepspeed_config
+    from gptpar.checkpoint.writer import CheckpointWriter
+    from gptpar.training.engine import build_engine, deepspeed_config
     from gptpar.schedules import train_iters
     from gptpar.training.trainer import Trainer
 
@@ -118,7 +119,7 @@ def build_trainer(cfg: Config, pstate, log, load_target, init_from=None):
     tracker = seed_everything(t.seed, pstate)
     model = build_model(cfg, pstate, tracker)
     if init_from is not None:
-        from gptpar.training.init_weights import load_initial_weights
+        from gptpar.checkpoint.init_weights import load_initial_weights
 
         load_initial_weights(model, cfg, pstate, init_from)
     train_source, valid_sources = build_sources(

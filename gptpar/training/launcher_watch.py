@@ -41,18 +41,10 @@ import threading
 import time
 from typing import Callable, List, Optional, Tuple
 
+from gptpar.processes import proc_stat
+
 TORCHRUN_MARKERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch", "torch/distributed/run.py")
 DEEPSPEED_LAUNCH_MARKERS = ("deepspeed.launcher.launch", "deepspeed/launcher/launch.py")
-
-
-def proc_stat(pid: int) -> Optional[Tuple[str, int, int]]:
-    """(state, ppid, start ticks) from /proc/PID/stat; None when there is no such process (or no /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return fields[0], int(fields[1]), int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def _cmdline(pid: int) -> str:
@@ -162,4 +154,4 @@ def watch_launcher(label: str = "rank", save_seconds: float = 1800.0) -> Launche
     return LauncherWatch(launcher_chain(), label=label, save_seconds=save_seconds).start()
 
 
-__all__ = ["LauncherWatch", "watch_launcher", "launcher_chain", "gone", "proc_stat"]
+__all__ = ["LauncherWatch", "watch_launcher", "launcher_chain", "gone"]

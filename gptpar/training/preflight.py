@@ -6,22 +6,22 @@ a large dataset may take longer than parallel.distributed_timeout_minutes.
 
 Order, so that a refused run changes nothing in checkpoint.save (not even a modification time):
     0. training.kill_switch_path exists?                 -> stop: exit 0 before anything is built
-    1. another live job holds checkpoint.save?          (read-only)  gptpar.training.save_folder.peek_lock
-    2. checkpoint.load resolved and verified             (read-only)  gptpar.training.checkpoint_files; a universal
+    1. another live job holds checkpoint.save?          (read-only)  gptpar.checkpoint.save_folder.peek_lock
+    2. checkpoint.load resolved and verified             (read-only)  gptpar.checkpoint.layout; a universal
        folder's files checked; at another parallel shape or kind of optimizer files, its universal copy planned
-       (gptpar.training.checkpoint.plan_load: an existing copy of exactly these files is reused, else one is
+       (gptpar.checkpoint.checkpointer.plan_load: an existing copy of exactly these files is reused, else one is
        written in step 7, after every file it is converted from passed its checksum); or, without a checkpoint
        to resume, checkpoint.init_from (or a weights-only checkpoint.load) checked against the model's shape,
-       every file it will read whole                     (read-only)  gptpar.training.init_weights
+       every file it will read whole                     (read-only)  gptpar.checkpoint.init_weights
     3. checkpoint.save holding another run's checkpoints (read-only)
     4. every dataset's largest token id (data_path's and valid_data_path's) and the tokenizer's vocabulary
        < model.vocab_size (caches beside the data, gptpar.data.token_stats)
     -- broadcast --
     5. at the same shape, every rank hashes the files of the checkpoint it wrote and all agree (`verify_own_files`,
        checkpoint.checksums)                             (read-only)
-    6. checkpoint.save: lock, probe, leftovers, free space (rank 0)   gptpar.training.save_folder
+    6. checkpoint.save: lock, probe, leftovers, free space (rank 0)   gptpar.checkpoint.save_folder
     7. with the lock held: killed conversions' temporary folders removed from the universal folder, and the
-       universal copy written (gptpar.training.checkpoint.write_universal_copy), so that two jobs on one save
+       universal copy written (gptpar.checkpoint.checkpointer.write_universal_copy), so that two jobs on one save
        folder never convert at once
     -- broadcast --
 """
@@ -37,11 +37,11 @@ import torch
 import torch.distributed as dist
 
 from gptpar.data.indexed import DataError
-from gptpar.training.checkpoint import plan_load, write_universal_copy
-from gptpar.training.checkpoint_files import (CheckpointError, LoadTarget, complete_checkpoints, damaged,
+from gptpar.checkpoint.checkpointer import plan_load, write_universal_copy
+from gptpar.checkpoint.layout import (CheckpointError, LoadTarget, complete_checkpoints, damaged,
                                               has_digests, read_latest, resolve_load, verify_digests)
-from gptpar.training.init_weights import check_weights_fit, choose_start
-from gptpar.training.save_folder import (JobLock, check_free_space, checkpoint_bytes, clean_conversion_leftovers,
+from gptpar.checkpoint.init_weights import check_weights_fit, choose_start
+from gptpar.checkpoint.save_folder import (JobLock, check_free_space, checkpoint_bytes, clean_conversion_leftovers,
                                          clean_leftovers, peek_lock, probe_writable, this_job)
 
 

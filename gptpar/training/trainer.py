@@ -12,7 +12,7 @@ which all ranks agree through one all-reduce per iteration. An iteration in trai
 draws its global batch and discards it: the counters (LR inputs included) advance as if it had trained, and it
 writes no log line (a `skipped_data` record instead); evaluation, saves and exit checks run as usual.
 
-With checkpoint.async_save a save returns once its snapshot is planned (gptpar.training.checkpoint): the loop then
+With checkpoint.async_save a save returns once its snapshot is planned (gptpar.checkpoint.checkpointer): the loop then
 says when it was written (`Checkpointer.poll`), stops every rank at the same iteration if it failed (a flag in
 the stop all-reduce), and the end of the run waits for it.
 
@@ -429,7 +429,7 @@ class Trainer:
             flags = flags.tolist()
         if flags[4] > 0:  # every rank raises the save's CheckpointSaveError here, at this iteration
             self.checkpointer.wait()
-            from gptpar.training.checkpoint import CheckpointSaveError
+            from gptpar.checkpoint.checkpointer import CheckpointSaveError
 
             raise CheckpointSaveError("another rank's checkpoint writer failed (its message says why); `latest` "
                                       "was not moved")
@@ -483,7 +483,7 @@ class Trainer:
         return flag.item() == 0
 
     def _latest_note(self) -> str:
-        from gptpar.training.checkpoint import CheckpointError, read_latest
+        from gptpar.checkpoint.checkpointer import CheckpointError, read_latest
 
         save = self.cfg.checkpoint.save
         if not save:

@@ -9,8 +9,6 @@ fp32/bf16/fp16), split by what changes together:
     ds_config.py        deepspeed_config: the DeepSpeed config dict generated from gptpar's run config, with the run
                         config's `deepspeed` section merged over it (check_deepspeed_overrides: what may be there)
     checkpointing.py    DeepSpeed's checkpoint files of one tag (save, load, the fp16 loss scale saved in them)
-    checkpoint_writer.py  CheckpointWriter: the engine's checkpoint engine, hashing every file as written, and
-                        writing it in a background thread from a host snapshot with checkpoint.async_save
     optimizer_state.py  one parameter's full optimizer state (universal checkpoints), the precision plan, bytes held
     host_scalar.py      HostScalar: the step's loss and grad norm read without waiting for the optimizer step
 
@@ -20,12 +18,11 @@ checkpointer talk to `TrainEngine`, never to the DeepSpeed engine it holds.
 """
 from gptpar.training.engine.build import (ParallelStateMPU, build_engine, detect_accelerator, make_optimizer,
                                           optimizer_param_groups, release_shm_buffer, shm_buffer_path)
-from gptpar.training.engine.checkpoint_writer import CheckpointWriter
 from gptpar.training.engine.checkpointing import checkpoint_loss_scale
 from gptpar.training.engine.deepspeed_api import allow_fp16_on_cpu, quiet_deepspeed_log
 from gptpar.training.engine.ds_config import deepspeed_config
 from gptpar.training.engine.step import TrainEngine, ZeroCounter, fp16_loss_scale, to_device
 
-__all__ = ["CheckpointWriter", "ParallelStateMPU", "TrainEngine", "ZeroCounter", "allow_fp16_on_cpu", "build_engine",
+__all__ = ["ParallelStateMPU", "TrainEngine", "ZeroCounter", "allow_fp16_on_cpu", "build_engine",
            "checkpoint_loss_scale", "deepspeed_config", "detect_accelerator", "fp16_loss_scale", "make_optimizer",
            "optimizer_param_groups", "quiet_deepspeed_log", "release_shm_buffer", "shm_buffer_path", "to_device"]

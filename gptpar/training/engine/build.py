@@ -121,7 +121,7 @@ def build_engine(model: torch.nn.Module, pstate, ds_config: dict, *, optimizer: 
     into its fp32 buffers inside their backward (gptpar.tensor_parallel.grad_accumulation); the precision plan
     line says how many, or why none.
 
-    `universal_checkpoint_info` (gptpar.model.universal.deepspeed_universal_info) is saved into every
+    `universal_checkpoint_info` (gptpar.checkpoint.universal.deepspeed_universal_info) is saved into every
     checkpoint, where DeepSpeed's ds_to_universal.py reads how the tp slices merge."""
     if universal_checkpoint_info is not None:
         deepspeed_api.attach_universal_info(model, universal_checkpoint_info)

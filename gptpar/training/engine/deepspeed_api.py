@@ -35,7 +35,7 @@ uses them, and the test that breaks when one changes:
       state` (optimizer_state.py: `set_full_state`, `full_state`)
     the ZeRO-1 / BF16_Optimizer shard files' `param_shapes`,             test_universal_checkpoint.py (every reshape), test_convert.py
       `param_slice_mappings`, `single_partition_of_fp32_groups`,
-      `base_optimizer_state` (read by gptpar.model.universal)
+      `base_optimizer_state` (read by gptpar.checkpoint.universal)
     `zero_allow_untested_optimizer` lets ZeRO-1 and BF16_Optimizer      test_optimizer8bit.py (resume equals uninterrupted),
       wrap bitsandbytes' AdamW8bit, whose state_dict they save          test_precision.py (its bytes)
       (ds_config.py)
@@ -54,7 +54,7 @@ uses them, and the test that breaks when one changes:
       `save_checkpoint` writes and `load_checkpoint` reads (the           ones), test_reliability.py (corrupted files refused,
       pipeline engine passes it to `PipelineModule.save_state_dict`),     a full disk during a save)
       replaced by gptpar's CheckpointWriter after `initialize`
-      (checkpointing.py: `install_writer`; checkpoint_writer.py)
+      (checkpointing.py: `install_writer`; gptpar/checkpoint/writer.py)
     BF16_Optimizer's `_update_hp_grad(lp, group_idx, param_idx,        test_precision.py::test_fused_fp32_grad_accumulation_equals_deepspeeds,
       clear_lp_grads)`, called by its `immediate_grad_update` hooks      ::test_bf16_first_step_gradient_is_close_to_fp32
       during backward, and its `fp32_groups_gradients` /

@@ -150,7 +150,7 @@ class TrainEngine:
         checkpointing.save(self.ds, save_dir, tag, client_state)
 
     def install_checkpoint_writer(self, writer) -> None:
-        """Route every checkpoint file through `writer` (checkpoint_writer.CheckpointWriter: checksums, async)."""
+        """Route every checkpoint file through `writer` (gptpar.checkpoint.writer.CheckpointWriter: checksums, async)."""
         checkpointing.install_writer(self.ds, writer)
         self.checkpoint_writer = writer
 

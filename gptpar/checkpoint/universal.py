@@ -44,7 +44,7 @@ from typing import Callable, Dict, Iterable, Iterator, Optional, Tuple
 import torch
 
 from gptpar.model.config import GPTConfig
-from gptpar.model.weight_files import file_problems, load_torch_file
+from gptpar.checkpoint.weight_files import file_problems, load_torch_file
 from gptpar.config import deepspeed_precision
 
 META = "gptpar_universal.json"
@@ -300,7 +300,7 @@ def _deepspeed_meta(directory: str, config: GPTConfig) -> dict:
 
 # Which optimizer files DeepSpeed 0.19.8 writes at ZeRO-1 for each training.precision: (the file names' prefix,
 # whether they hold fp16's dynamic loss scaler). A checkpoint loads straight into a run of another precision only
-# when both write the same kind (gptpar.training.checkpoint.plan_load): bf16's BF16_Optimizer files are another
+# when both write the same kind (gptpar.checkpoint.checkpointer.plan_load): bf16's BF16_Optimizer files are another
 # layout, and fp32's hold a static loss scale of 1 that DeepSpeed would put in place of fp16's dynamic one. fp8
 # keeps bf16's optimizer (gptpar.config.deepspeed_precision maps it), so fp8 <-> bf16 is no change.
 OPTIMIZER_FILES = {"fp32": ("", False), "fp16": ("", True), "bf16": ("bf16_", False)}
@@ -442,11 +442,11 @@ def convert_deepspeed_checkpoint(ckpt: str, out_dir: str, log: Callable[[str], N
     """Write the universal form of gptpar checkpoint folder `ckpt` (any tp x pp x dp, ZeRO-1 in fp32 or bf16)
     to `out_dir` (must not exist; written under `{out_dir}.tmp-PID`, renamed when whole). Returns its metadata.
 
-    `counters`: the run's counters and client state to carry (gptpar.training.checkpoint reads them).
-    `source_files`: what identifies the exact files converted (gptpar.training.checkpoint_files.fingerprint),
+    `counters`: the run's counters and client state to carry (gptpar.checkpoint.checkpointer reads them).
+    `source_files`: what identifies the exact files converted (gptpar.checkpoint.layout.fingerprint),
     kept in the metadata so that a copy is never reused once its checkpoint was rewritten in place. `owner`:
     the job converting (pid, host, start time), written first into the temporary folder as OWNER, so that the
-    next start can tell a killed conversion's leftover from a live one's (gptpar.training.save_folder)."""
+    next start can tell a killed conversion's leftover from a live one's (gptpar.checkpoint.save_folder)."""
     source = read_source(ckpt)
     config, tp, pp, weight = source.model, source.tp, source.pp, source.embedding_weight
     tags = parameter_tags(config)

@@ -6,7 +6,7 @@ whether a checkpoint is complete.
     {dir}/iter_0000300/gptpar_manifest.json   every file of the checkpoint: its size, its sha256 (unless
                                       checkpoint.checksums is off) and the rank that wrote it; written by rank 0
                                       after every rank's files are whole and before `latest` moves
-    {dir}/.gptpar.lock                the job writing this folder (gptpar.training.save_folder)
+    {dir}/.gptpar.lock                the job writing this folder (gptpar.checkpoint.save_folder)
     {dir}/.gptpar-probe-PID, .latest.tmp-PID   short-lived files of a write probe and of the pointer update
 
 gptpar's own entries are the lock, probe and temporary files, the recovery scripts DeepSpeed copies
@@ -23,8 +23,8 @@ import shutil
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from gptpar.model.universal import is_deepspeed_universal, is_universal
-from gptpar.model.weight_files import file_problem
+from gptpar.checkpoint.universal import is_deepspeed_universal, is_universal
+from gptpar.checkpoint.weight_files import file_problem
 
 LATEST = "latest"
 TAG_RE = re.compile(r"^iter_(\d{7,})$")
@@ -196,7 +196,7 @@ def complete_checkpoints(directory: str) -> List[str]:
 @dataclass(frozen=True)
 class LoadTarget:
     """The checkpoint to resume: folder `tag` inside `directory` (DeepSpeed's (load_dir, tag)); `universal`, when
-    set, the universal checkpoint folder to load instead (gptpar.model.universal; the checkpoint's own copy
+    set, the universal checkpoint folder to load instead (gptpar.checkpoint.universal; the checkpoint's own copy
     at another parallel shape, or what checkpoint.load points at)."""
 
     directory: str

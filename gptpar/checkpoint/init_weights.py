@@ -5,7 +5,7 @@ schedule, ramp-up and counters.
 The weights may be a gptpar training checkpoint of any tp x pp (a checkpoint folder, or the save folder holding
 `latest`), a weights-only gptpar checkpoint (tools/convert_checkpoint.py --to gptpar), a universal checkpoint
 (gptpar's, or one DeepSpeed's ds_to_universal.py wrote from a gptpar or Megatron-DeepSpeed GPT/BLOOM run, whose
-model shape is this run's config) or a local Hugging Face model directory: `gptpar.model.convert.read_weights`
+model shape is this run's config) or a local Hugging Face model directory: `gptpar.checkpoint.weights.read_weights`
 reads each into one full (tp = 1) state dict, and every rank takes its blocks by the parameters' own tags (gptpar.model.sharding), a pipeline stage
 naming its parameters through gptpar.model.pipeline.gpt_parameter_name. They go into the model before
 DeepSpeed's engine is built, so the fp32 master weights (ZeRO-1, bf16's optimizer) start from them too.
@@ -17,7 +17,7 @@ Which wins (decided on rank 0 before anything is built, gptpar.training.prefligh
                                                 checkpoint.load = checkpoint.save resumes itself.
   checkpoint.load is a weights-only checkpoint  the run starts from its weights (one line says so)
   otherwise                                     the run starts from checkpoint.init_from, if set
-The source's model shape must be this config's (gptpar.training.checkpoint.MODEL_SHAPE_KEYS; its vocabulary may
+The source's model shape must be this config's (gptpar.checkpoint.checkpointer.MODEL_SHAPE_KEYS; its vocabulary may
 be smaller than model.vocab_size, the missing rows start at zero): anything else is an error naming the field.
 """
 from __future__ import annotations
@@ -27,8 +27,8 @@ import os
 from typing import Optional, Tuple
 
 from gptpar.model.config import GPTConfig
-from gptpar.training.checkpoint import MODEL_SHAPE_KEYS
-from gptpar.training.checkpoint_files import CheckpointError, LoadTarget, is_weights_only, verify_checkpoint
+from gptpar.checkpoint.checkpointer import MODEL_SHAPE_KEYS
+from gptpar.checkpoint.layout import CheckpointError, LoadTarget, is_weights_only, verify_checkpoint
 
 FRESH = "iteration 0, a fresh optimizer, LR schedule and counters"
 
@@ -52,8 +52,8 @@ def choose_start(init_from: Optional[str], target: Optional[LoadTarget],
 
 def check_weights_fit(path: str, model: GPTConfig, field: str = "checkpoint.init_from") -> None:
     """CheckpointError unless the weights at `path` exist, have `model`'s shape (every differing field named) and
-    every file that will be read is whole (gptpar.model.convert.check_weight_files): before anything is built."""
-    from gptpar.model.convert import ConversionError, check_weight_files, read_weights_config
+    every file that will be read is whole (gptpar.checkpoint.weights.check_weight_files): before anything is built."""
+    from gptpar.checkpoint.weights import ConversionError, check_weight_files, read_weights_config
 
     if not os.path.exists(path):
         raise CheckpointError(f"{field} {path} does not exist: give a gptpar checkpoint (its save folder or an "
@@ -79,7 +79,7 @@ def check_weights_fit(path: str, model: GPTConfig, field: str = "checkpoint.init
 
 def load_initial_weights(model, cfg, pstate, path: str) -> None:
     """Put the weights at `path` into this rank's model (a GPTModel, or its PipelineModule stage for pp > 1)."""
-    from gptpar.model.convert import read_weights
+    from gptpar.checkpoint.weights import read_weights
     from gptpar.model.pipeline import gpt_parameter_name
     from gptpar.model.sharding import load_full_state_dict
 

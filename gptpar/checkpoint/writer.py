@@ -21,7 +21,7 @@ too, so one object sees every byte of a checkpoint:
   stream after the work queued before the save.
 
 The writer neither agrees between ranks nor writes the manifest and `latest`: it runs the job it is given
-(gptpar.training.checkpoint.Checkpointer's) with the files' records, once they are written. At most one save is
+(gptpar.checkpoint.checkpointer.Checkpointer's) with the files' records, once they are written. At most one save is
 in flight: `wait` returns its outcome.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from gptpar.training.checkpoint_files import DIGEST
+from gptpar.checkpoint.layout import DIGEST
 
 # What a written file records: {"size": bytes, DIGEST: hex digest (with checksums)}.
 FileRecord = Dict[str, object]

@@ -11,16 +11,16 @@ Layout of one checkpoint (tag `iter_{N:07d}`):
     {save}/iter_0000300/config.json     the resolved config of the run that saved it
     {save}/iter_0000300/gptpar_manifest.json   every file of the checkpoint: its size, sha256 and writing rank;
                                         written last, so a folder without it is partial
-                                        (gptpar.training.checkpoint_files)
+                                        (gptpar.checkpoint.layout)
 
-Every file goes through the engine's CheckpointWriter (gptpar.training.engine.checkpoint_writer), which hashes
+Every file goes through the engine's CheckpointWriter (gptpar.checkpoint.writer), which hashes
 it as it is written and, with `checkpoint.async_save`, writes it from a host snapshot in a background thread
 while training goes on. Once every rank's files are whole the ranks agree (over their own gloo group, from the
 writer thread when async) and rank 0 writes config.json, the manifest and `latest` (`_agree_and_commit`). At
 most one save is in flight: the next save and the end of the run wait for it (`wait`).
 
 A save killed half-way leaves `latest` on the previous complete checkpoint, so a resume never reads a
-partial one; the next start deletes the partial folder (gptpar.training.save_folder). `keep_last` deletes
+partial one; the next start deletes the partial folder (gptpar.checkpoint.save_folder). `keep_last` deletes
 the oldest complete checkpoints after `latest` moved on. A save that fails (a full disk, an I/O error)
 raises CheckpointSaveError naming the folder and the cause, on every rank; `latest` stays where it was.
 
@@ -29,8 +29,8 @@ resolve_load / verify_checkpoint, then `plan_load`; each rank checks the sha256 
 gptpar.training.preflight.verify_own_files); the model shape stored with it must equal the current
 config's (a clear error naming the key otherwise); every other key (LR, intervals, exit conditions, ...)
 comes from the current config. A checkpoint of another parallel shape (tp, pp, dp, partitioning at pp > 1),
-or saved with a precision whose optimizer files this run's does not load (gptpar.model.universal.
-optimizer_files), is resumed through its universal form (gptpar.model.universal, docs/checkpoints.md): rank 0
+or saved with a precision whose optimizer files this run's does not load (gptpar.checkpoint.universal.
+optimizer_files), is resumed through its universal form (gptpar.checkpoint.universal, docs/checkpoints.md): rank 0
 converts it once into `checkpoint.universal_dir` (default: `{load folder}_universal/`, never inside the load
 folder), with the save folder's lock held, or reuses the copy already there when it was converted from exactly
 these files (`checkpoint_files.fingerprint`; else it is rebuilt, in one line), and every rank takes its slices
@@ -56,11 +56,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gptpar.model import universal
+from gptpar.checkpoint import universal
 from gptpar.model.config import GPTConfig
 from gptpar.model.sharding import shard_tensor
-from gptpar.model.weight_files import load_torch_file
-from gptpar.training.checkpoint_files import (CONFIG, LATEST, TAG_RE, CheckpointError, LoadTarget,
+from gptpar.checkpoint.weight_files import load_torch_file
+from gptpar.checkpoint.layout import (CONFIG, LATEST, TAG_RE, CheckpointError, LoadTarget,
                                               complete_checkpoints, damaged, describe_write_failure, fingerprint,
                                               is_write_failure, read_latest, saved_world_size, state_file, tag_of,
                                               verify_checkpoint, verify_digests, write_latest, write_manifest,
@@ -192,7 +192,7 @@ def plan_load(target: LoadTarget, shape: dict, world_size: int, universal_dir: O
     """What this run loads for `target` (rank 0, before the model is built; reads, never writes): (the target to
     load, the universal copy still to write or None). The checkpoint itself when its files fit this run: the
     same model, parallel layout (tp, pp, dp, partitioning, ZeRO stage) and kind of optimizer files
-    (gptpar.model.universal.optimizer_files of training.precision); else its universal copy in `universal_dir`
+    (gptpar.checkpoint.universal.optimizer_files of training.precision); else its universal copy in `universal_dir`
     (default `{target.directory}_universal`) under the checkpoint's tag: the one there when it was converted
     from exactly these files (checkpoint_files.fingerprint), else one to write. Raises CheckpointError for
     another model shape, a checkpoint that cannot be converted, or a universal copy that cannot be used; never
@@ -267,7 +267,7 @@ def write_universal_copy(copy: UniversalCopy, log: Callable[[str], None], owner:
     """Convert `copy.source` into `copy.out` (rank 0, after plan_load, with the save folder's lock held),
     replacing a stale copy first. A write that fails (a full disk) raises CheckpointError saying so, as a
     failed save does; nothing is left behind (the converter removes its temporary folder). `owner`: the job,
-    recorded in the temporary folder while it is written (gptpar.model.universal.convert_deepspeed_checkpoint)."""
+    recorded in the temporary folder while it is written (gptpar.checkpoint.universal.convert_deepspeed_checkpoint)."""
     parent = os.path.dirname(os.path.abspath(copy.out))
     try:
         if copy.stale:
@@ -336,7 +336,7 @@ class Checkpointer:
     device: object = "cpu"  # where the all-reduces' flag lives (a GPU under NCCL)
     tp_rank: int = 0
     tp_size: int = 1
-    # GPTModel's name of each of the engine's parameter names (gptpar.model.universal.gpt_parameter_name)
+    # GPTModel's name of each of the engine's parameter names (gptpar.checkpoint.universal.gpt_parameter_name)
     parameter_name: Callable[[str], str] = field(default=lambda name: name)
     model_config: Optional[GPTConfig] = None  # the model of a universal folder DeepSpeed wrote (it has none)
 

@@ -29,14 +29,14 @@ import socket
 import time
 from typing import Callable, Optional
 
-from gptpar.model.universal import META, OWNER
-from gptpar.training.checkpoint_files import (LATEST_TMP_PREFIX, LOCK, PROBE_PREFIX, CheckpointError,
+from gptpar.checkpoint.universal import META, OWNER
+from gptpar.checkpoint.layout import (LATEST_TMP_PREFIX, LOCK, PROBE_PREFIX, CheckpointError,
                                               partial_checkpoints, read_latest, write_synced)
 from gptpar.config import deepspeed_precision
-from gptpar.training.launcher_watch import proc_stat
+from gptpar.processes import pid_alive, process_start_ticks
 
 
-# A universal copy is written as `{universal_dir}/{tag}.tmp-PID` first (gptpar.model.universal)
+# A universal copy is written as `{universal_dir}/{tag}.tmp-PID` first (gptpar.checkpoint.universal)
 CONVERSION_TMP_RE = re.compile(r"^iter_\d{7,}\.tmp-(\d+)$")
 
 
@@ -63,27 +63,6 @@ def checkpoint_bytes(num_params: int, precision: str, zero_stage: int, world_siz
 # ---------------------------------------------------------------------------------------------
 # The lock
 # ---------------------------------------------------------------------------------------------
-
-def process_start_ticks(pid: int) -> Optional[int]:
-    """When `pid` started (clock ticks since boot); None if unknown or no such process."""
-    st = proc_stat(pid)
-    return st[2] if st is not None else None
-
-
-def pid_alive(pid: int, start_ticks: Optional[int] = None) -> bool:
-    """A process `pid` exists (and started at `start_ticks`, when both are known)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        pass
-    if start_ticks is not None:
-        now = process_start_ticks(pid)
-        if now is not None and now != start_ticks:
-            return False  # the pid was reused by another process
-    return True
-
 
 def this_job() -> dict:
     pid = os.getpid()
@@ -251,7 +230,7 @@ def clean_leftovers(directory: str, log: Callable[[str], None]) -> None:
 
 def clean_conversion_leftovers(directory: str, log: Callable[[str], None]) -> None:
     """Delete what killed universal conversions left in `directory` (checkpoint.universal_dir): `{tag}.tmp-PID`
-    folders, as large as a copy, whose job is gone on this host (gptpar.model.universal.OWNER inside says which
+    folders, as large as a copy, whose job is gone on this host (gptpar.checkpoint.universal.OWNER inside says which
     job wrote it; without it, a folder holding nothing but a universal copy's entries counts as the PID of its
     name on this host). One of a live job is left alone, one from another host (its process cannot be checked
     from here) is named with the fix."""
@@ -290,6 +269,6 @@ def check_free_space(directory: str, need: int, log: Callable[[str], None]) -> N
             "one is deleted)")
 
 
-__all__ = ["SaveFolderError", "JobLock", "peek_lock", "read_lock", "read_job", "lock_state", "pid_alive", "this_job",
+__all__ = ["SaveFolderError", "JobLock", "peek_lock", "read_lock", "read_job", "lock_state", "this_job",
            "checkpoint_bytes", "make_folder", "probe_writable", "clean_leftovers", "clean_conversion_leftovers",
            "check_free_space"]

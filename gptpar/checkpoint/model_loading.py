@@ -1,7 +1,7 @@
 """A trained model made ready for inference at any tensor-parallel size: the one loader behind tools/generate.py
 and tools/eval_harness.py.
 
-What the tools accept as `load` (gptpar.model.convert.read_weights reads each): a gptpar checkpoint saved at any
+What the tools accept as `load` (gptpar.checkpoint.weights.read_weights reads each): a gptpar checkpoint saved at any
 tp x pp (a checkpoint directory, or the save directory holding `latest`), a universal checkpoint, or a local
 Hugging Face GPT-2 / BLOOM directory. Everything a bad argument could contradict (the model's shape, its
 vocabulary, the tokenizer it came with) is read here without the weights, so a tool refuses it before reading
@@ -15,9 +15,9 @@ from typing import Optional
 
 import torch
 
-from gptpar.model import universal
+from gptpar.checkpoint import universal
 from gptpar.model.config import GPTConfig
-from gptpar.model.convert import is_hf_model_dir, read_weights, resolve_checkpoint_dir
+from gptpar.checkpoint.weights import is_hf_model_dir, read_weights, resolve_checkpoint_dir
 
 
 def _run_config(load: str, tag: Optional[str]) -> Optional[dict]:
@@ -69,8 +69,8 @@ def checkpoint_provenance(load: str, tag: Optional[str] = None) -> dict:
     elif os.path.isdir(load) and (is_hf_model_dir(load) or universal.is_deepspeed_universal(load)):
         path = load
     else:
-        from gptpar.training.checkpoint import read_rank_state
-        from gptpar.training.checkpoint_files import state_file
+        from gptpar.checkpoint.checkpointer import read_rank_state
+        from gptpar.checkpoint.layout import state_file
 
         path = resolve_checkpoint_dir(load, tag)
         if os.path.isfile(os.path.join(path, state_file(0))):

@@ -4,7 +4,7 @@ and from there to a Hugging Face GPT-2 or BLOOM (gptpar.model.hf.hf_architecture
 The full form is `GPTModel`'s state dict at tp = 1 with the word embedding trimmed to the real
 vocabulary: padding rows depend on tp (Megatron pads the vocab to a multiple of 128 x tp), so they are
 dropped here and re-added by `gptpar.model.sharding.load_full_state_dict` for the target tp. (Universal
-checkpoints, with the optimizer state, are gptpar.model.universal's.)
+checkpoints, with the optimizer state, are gptpar.checkpoint.universal's.)
 
 Which files DeepSpeed writes (one checkpoint directory, e.g. {save}/iter_0000300):
   pp = 1   mp_rank_{tp:02d}_model_states.pt                 key 'module': GPTModel's state dict
@@ -28,11 +28,11 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from gptpar.model import universal
+from gptpar.checkpoint import universal
 from gptpar.model.config import GPTConfig
 from gptpar.model.partition import partition_layers
 from gptpar.model.pipeline import gpt_layer_prefixes
-from gptpar.model.weight_files import HF_WEIGHT_FILES, file_problems, hf_weight_files, load_torch_file
+from gptpar.checkpoint.weight_files import HF_WEIGHT_FILES, file_problems, hf_weight_files, load_torch_file
 
 StateDict = Dict[str, torch.Tensor]
 
@@ -251,7 +251,7 @@ def save_weights_only(state: StateDict, config: GPTConfig, out_dir: str, tp: int
     from gptpar.model.gpt import GPTModel
     from gptpar.model.pipeline import padded_config
     from gptpar.model.sharding import split_tensor
-    from gptpar.training.checkpoint_files import write_manifest
+    from gptpar.checkpoint.layout import write_manifest
 
     check_layout(config, tp, pp)
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
