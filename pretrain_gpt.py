@@ -24,7 +24,8 @@ from gptpar.data.indexed import DataError
 from gptpar.model.kernels import describe_kernels
 from gptpar.parallel import destroy_parallel, init_parallel, is_collective_timeout
 from gptpar.training.build import build_trainer, checkpoint_shape, dry_run, setup_environment
-from gptpar.checkpoint.checkpointer import CheckpointError, CheckpointSaveError
+from gptpar.checkpoint.checkpointer import NonFiniteWeightsError
+from gptpar.checkpoint.errors import CheckpointError, CheckpointSaveError
 from gptpar.training.cli import USAGE, parse
 from gptpar.config import ConfigError
 from gptpar.training.launcher_watch import watch_launcher
@@ -33,7 +34,8 @@ from gptpar.training.trainer import NonFiniteError
 
 # What ends a run early, its exit code and the start of its one-line message: 1 = the run's own failure,
 # 2 = refused before anything was changed.
-FAILURES = ((CheckpointSaveError, 1, "checkpoint save failed: "),  # a full disk or an I/O error while saving
+FAILURES = ((NonFiniteWeightsError, 1, ""),  # the last save refused: the weights hold NaN/Inf
+            (CheckpointSaveError, 1, "checkpoint save failed: "),  # a full disk or an I/O error while saving
             (NonFiniteError, 1, ""),
             (CheckpointError, 2, "checkpoint error: "),  # load, save folder or shape refused
             (DataError, 2, "data error: "))

@@ -8,12 +8,15 @@ seq 32, one micro-batch of 1 per rank) on 2 gloo ranks (dp = 2, ZeRO-1 BF16_Opti
 weights and its half of the fp32 master weights and Adam moments, ~1.2 GB, rank 1 its half, ~0.9 GB), `--iters`
 iterations (default 9) with a save every `--every` (default 3), trained by pretrain_gpt.py four times, each in its own 2 processes:
 without saves, with blocking saves (with and without checksums), with async saves; then the blocking run's last
-checkpoint resumed for one iteration (checksum verification and DeepSpeed's load, timed per rank). Per save and
-rank it records the time training is stopped:
+checkpoint resumed for one iteration twice, with and without the checksum verification (done in the pass that
+loads each file, so its cost is the difference of the two loads, timed per rank). Per save and rank it records the
+time training is stopped:
 the save call itself (for async: the snapshot plan, plus any wait for the save before it) and every wait of the
 later steps for the snapshot copy (the optimizer-step hook, `CheckpointWriter.wait_for_snapshot`); the save's
-stall is the larger of the two ranks'. Also each run's total training time (the end's wait for the last async
-save included) and the peak RSS per rank (async keeps a host copy of the rank's checkpoint files).
+stall is the larger of the two ranks'. It also records the time each save spent in fsync (every file, the new
+folder, the save folder, `latest`: the durable write), in the caller for a blocking save and in the writer thread
+for an async one. Also each run's total training time (the end's wait for the last async save included) and the
+peak RSS per rank (async keeps a host copy of the rank's checkpoint files).
 
 Prints the figures and writes summary.json and each rank's log under --out (the checkpoints go to --out/ck_*,
 deleted after).
@@ -41,13 +44,14 @@ TINY = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_lengt
 
 
 def overrides(model: dict, iters: int, every=None, async_save=False, save_dir=None, checksums=True,
-              load_dir=None) -> list:
+              load_dir=None, verify=True) -> list:
     sets = {f"model.{k}": v for k, v in model.items()}
     sets.update({"parallel.tensor_model_parallel_size": 1, "parallel.data_parallel_size": 2,
                  "training.precision": "bf16", "training.micro_batch_size": 1, "training.global_batch_size": 2,
                  "training.train_iters": iters, "training.lr_warmup_iters": 0, "training.eval_interval": None,
                  "logging.log_interval": 1, "checkpoint.save": save_dir, "checkpoint.save_interval": every,
                  "checkpoint.async_save": async_save, "checkpoint.checksums": checksums, "checkpoint.load": load_dir,
+                 "checkpoint.verify_checksums": verify,
                  "checkpoint.keep_last": 1 if save_dir else None})
     return [arg for key, value in sets.items() for arg in ("--set", f"{key}={json.dumps(value)}")]
 
@@ -60,18 +64,26 @@ def timed_run(argv, log_prefix):
     from gptpar.checkpoint.writer import CheckpointWriter
     from gptpar.training.trainer import Trainer
 
-    import gptpar.training.preflight as preflight
-
     saves, train = [], {}
-    real_save, real_hook, real_train = Checkpointer.save, CheckpointWriter.wait_for_snapshot, Trainer.train
-    real_verify, real_load = preflight.verify_own_files, Checkpointer.load
+    real_save, real_hook, real_train = Checkpointer._save, CheckpointWriter.wait_for_snapshot, Trainer.train
+    real_load, real_fsync = Checkpointer.load, os.fsync
 
     def save(self, *args, **kwargs):
+        saves.append({"save_s": 0.0, "hook_s": 0.0, "fsync_s": 0.0, "fsyncs": 0})
         start = time.perf_counter()
         try:
             return real_save(self, *args, **kwargs)
         finally:
-            saves.append({"save_s": time.perf_counter() - start, "hook_s": 0.0})
+            saves[-1]["save_s"] = time.perf_counter() - start
+
+    def fsync(fd):  # one save at a time: its fsyncs, in the caller or the writer thread, are the last save's
+        start = time.perf_counter()
+        try:
+            return real_fsync(fd)
+        finally:
+            if saves:
+                saves[-1]["fsync_s"] += time.perf_counter() - start
+                saves[-1]["fsyncs"] += 1
 
     def hook(self):
         start = time.perf_counter()
@@ -95,15 +107,14 @@ def timed_run(argv, log_prefix):
                 train[name] = time.perf_counter() - start
         return call
 
-    Checkpointer.save, CheckpointWriter.wait_for_snapshot, Trainer.train = save, hook, timed_train
-    preflight.verify_own_files, Checkpointer.load = timed("verify_s", real_verify), timed("load_s", real_load)
+    Checkpointer._save, CheckpointWriter.wait_for_snapshot, Trainer.train = save, hook, timed_train
+    Checkpointer.load, os.fsync = timed("load_s", real_load), fsync
     import torch.distributed as dist
 
     with open(f"{log_prefix}.rank{dist.get_rank()}.log", "w") as log, contextlib.redirect_stdout(log), \
             contextlib.redirect_stderr(log):
         code = pretrain_gpt.main(["--config", os.path.join(ROOT, "configs", "cpu_tiny.json")] + argv)
-    return {"exit": code, "saves": saves, "total_s": train.get("total_s"), "verify_s": train.get("verify_s"),
-            "load_s": train.get("load_s"), "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}
+    return {"exit": code, "saves": saves, "total_s": train.get("total_s"), "load_s": train.get("load_s"), "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}
 
 
 def run(label: str, argv: list, out: str) -> dict:
@@ -118,8 +129,9 @@ def run(label: str, argv: list, out: str) -> dict:
     out = {"total_s": max(r["total_s"] for r in ranks), "stall_per_save_s": stalls,
            "save_call_s": [max(r["saves"][i]["save_s"] for r in ranks) for i in range(len(stalls))],
            "step_hook_wait_s": [max(r["saves"][i]["hook_s"] for r in ranks) for i in range(len(stalls))],
-           "peak_rss_gib": [r["peak_rss_gib"] for r in ranks],
-           "verify_s": [r["verify_s"] for r in ranks], "load_s": [r["load_s"] for r in ranks]}
+           "fsync_per_save_s": [max(r["saves"][i]["fsync_s"] for r in ranks) for i in range(len(stalls))],
+           "fsyncs_per_save": [[r["saves"][i]["fsyncs"] for r in ranks] for i in range(len(stalls))],
+           "peak_rss_gib": [r["peak_rss_gib"] for r in ranks], "load_s": [r["load_s"] for r in ranks]}
     print(f"   total {out['total_s']:.1f} s; stall per save {', '.join(f'{s:.2f}' for s in stalls) or '-'} s; "
           f"peak RSS {' / '.join(f'{g:.2f}' for g in out['peak_rss_gib'])} GiB", flush=True)
     return out
@@ -142,18 +154,21 @@ def main():
     for label, async_save, checksums in (("blocking", False, True), ("blocking_no_checksums", False, False),
                                          ("async", True, True)):
         results[label] = run(label, overrides(model, args.iters, args.every, async_save, ck[label], checksums), out)
-    # Resuming the blocking run's last checkpoint (one more iteration): each rank's checksum verification beside
-    # DeepSpeed's load. The files were just written, so both read from the page cache.
+    # Resuming the blocking run's last checkpoint (one more iteration), with and without the verification done in
+    # the pass that loads each file. The files were just written, so both read from the page cache.
     results["resume"] = run("resume", overrides(model, args.iters + 1, load_dir=ck["blocking"]), out)
+    results["resume_unverified"] = run("resume_unverified", overrides(model, args.iters + 1, load_dir=ck["blocking"],
+                                                                      verify=False), out)
     for folder in ck.values():
         shutil.rmtree(folder, ignore_errors=True)
-    mean = {label: statistics.mean(results[label]["stall_per_save_s"])
-            for label in ("blocking", "blocking_no_checksums", "async")}
+    labels = ("blocking", "blocking_no_checksums", "async")
+    mean = {label: statistics.mean(results[label]["stall_per_save_s"]) for label in labels}
+    fsync = {label: statistics.mean(results[label]["fsync_per_save_s"]) for label in labels}
     summary = {"model": model, "iters": args.iters, "save_every": args.every, "runs": results,
                "mean_stall_s": mean, "async_stall_fraction": mean["async"] / mean["blocking"],
                "checksum_save_cost_fraction": mean["blocking"] / mean["blocking_no_checksums"] - 1,
-               "verify_s": max(results["resume"]["verify_s"]), "load_s": max(results["resume"]["load_s"]),
-               "load_average": os.getloadavg()}
+               "mean_fsync_per_save_s": fsync, "load_s": max(results["resume"]["load_s"]),
+               "load_unverified_s": max(results["resume_unverified"]["load_s"]), "load_average": os.getloadavg()}
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(f"summary: stall per save: blocking {mean['blocking']:.2f} s (without checksums "
@@ -161,8 +176,9 @@ def main():
           f"({100 * summary['async_stall_fraction']:.1f}% of blocking); {args.iters} iterations, a save every "
           f"{args.every}: " + ", ".join(f"{k} {results[k]['total_s']:.1f} s" for k in
                                         ("no saves", "blocking", "blocking_no_checksums", "async"))
-          + f"; resume: checksums verified in {summary['verify_s']:.2f} s, DeepSpeed's load "
-          f"{summary['load_s']:.2f} s; load average {summary['load_average'][0]:.1f}")
+          + "; fsync per save: " + ", ".join(f"{k} {v:.3f} s" for k, v in fsync.items())
+          + f"; resume: load verified {summary['load_s']:.2f} s, unverified {summary['load_unverified_s']:.2f} s; "
+          f"load average {summary['load_average'][0]:.1f}")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ Ranks are fresh interpreters (multiprocessing's spawn) unless `fork_ranks_from_s
 they are forked from one server process that imported `preload` (torch, DeepSpeed) once, instead of each spending
 seconds on those imports (the test suite does this in tests/conftest.py).
 
+`flip_a_byte_inside_a_tensor` damages a checkpoint file the way a disk or a copy does (same size, still a whole zip
+archive), for the tests of the verification on read.
+
 `LiveTensorBytes` counts the bytes of tensors created inside a block that are alive at once (a peak-memory count
 that needs no CUDA and does not depend on the allocator: tests and bench/bench_loss_memory.py use it).
 """
@@ -19,8 +22,10 @@ from __future__ import annotations
 import io
 import os
 import queue
+import struct
 import sys
 import time
+import zipfile
 import traceback
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -144,6 +149,20 @@ class LiveTensorBytes(TorchDispatchMode):
             self._counted.discard(key)
             self.current -= key[1]
         self._before.discard(key)
+
+
+def flip_a_byte_inside_a_tensor(path: str) -> None:
+    """Change one byte in the middle of the largest record of a torch file (a tensor's storage): the file keeps
+    its size and still opens as a zip archive."""
+    with zipfile.ZipFile(path) as z:
+        record = max(z.infolist(), key=lambda info: info.file_size)
+    with open(path, "r+b") as f:
+        f.seek(record.header_offset + 26)  # the local header: 30 bytes, then the name and the extra field
+        name_length, extra_length = struct.unpack("<HH", f.read(4))
+        f.seek(record.header_offset + 30 + name_length + extra_length + record.file_size // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x5A]))
 
 
 def run_distributed(fn: Callable, world_size: int, args: Sequence = (), *, timeout: float = 300.0,

@@ -144,19 +144,21 @@ def test_a_job_killed_mid_save_resumes_from_the_previous_checkpoint(tmp_path):
     seen = []
     try:
         _read_until(procs[0], " iteration       14/", seen)  # iteration 13's metrics record is written
-        in_flight = sorted(os.listdir(os.path.join(ck, "iter_0000010")))
+        (staged,) = [name for name in os.listdir(ck) if name.startswith("iter_0000010.tmp-")]
+        in_flight = sorted(os.listdir(os.path.join(ck, staged)))
         latest = read_latest(ck)
     finally:
         os.killpg(procs[0].pid, signal.SIGKILL)
         finish_ranks(procs)
     assert latest == "iter_0000005", "".join(seen)
     assert in_flight and MANIFEST not in in_flight  # a save in flight: files begun, no manifest
+    assert not os.path.exists(os.path.join(ck, "iter_0000010"))  # its temporary folder only
     assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2
 
     codes, outs = finish_ranks(launch_ranks(2, ["--config", cfg, "--set", "training.exit_interval=13", "--set",
                                                 f"logging.metrics_file={tmp_path / 'resumed.jsonl'}"]))
     assert codes == [0, 0], outs[0] + outs[1]
-    assert f"removing partial checkpoint {os.path.join(ck, 'iter_0000010')}" in outs[0]
+    assert f"removing partial checkpoint {os.path.join(ck, staged)}" in outs[0]
     assert f"resumed from {os.path.join(ck, 'iter_0000005')}: iteration 5" in outs[0]
     killed = {r["iteration"]: r for r in read_jsonl(tmp_path / "killed.jsonl")}
     resumed = read_jsonl(tmp_path / "resumed.jsonl")

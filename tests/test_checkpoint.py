@@ -13,7 +13,8 @@ import time
 import pytest
 
 from gptpar.testing import free_port
-from gptpar.checkpoint.checkpointer import read_latest, tag_of, write_latest
+from gptpar.checkpoint.durable import publish_latest
+from gptpar.checkpoint.layout import read_latest, tag_of
 from gptpar.training.logging import parse_log_line
 from gptpar.training.trainer import StopSignals
 from trainer_runs import ROOT, finish_ranks as _finish, launch_ranks as _launch, log_lines, rank_env as _env, write_config
@@ -23,8 +24,8 @@ FAULTS = os.path.join(ROOT, "tests", "fault_injection.py")  # pretrain_gpt.py wi
 
 
 def test_latest_pointer_is_replaced_atomically(tmp_path):
-    write_latest(str(tmp_path), tag_of(3))
-    write_latest(str(tmp_path), tag_of(6))
+    publish_latest(str(tmp_path), tag_of(3))
+    publish_latest(str(tmp_path), tag_of(6))
     assert read_latest(str(tmp_path)) == "iter_0000006"
     assert os.listdir(tmp_path) == ["latest"]  # no temporary left behind
     assert read_latest(str(tmp_path / "missing")) is None
@@ -80,13 +81,16 @@ def test_save_killed_half_way_leaves_latest_on_the_previous_checkpoint(tmp_path)
     codes, outs = _finish(_launch(1, ["--config", cfg], FAULTS, GPTPAR_TEST_KILL_IN_SAVE="4"))
     assert codes == [-signal.SIGKILL], outs[0]
     assert read_latest(ck) == "iter_0000002"
-    partial = os.listdir(os.path.join(ck, "iter_0000004"))  # DeepSpeed's files, not gptpar's
+    assert not os.path.exists(os.path.join(ck, "iter_0000004"))  # written under a temporary name, never renamed
+    (staged,) = [name for name in os.listdir(ck) if name.startswith("iter_0000004.tmp-")]
+    partial = os.listdir(os.path.join(ck, staged))  # DeepSpeed's files, not gptpar's
     assert partial and "gptpar_rank_00000.pt" not in partial
 
     codes, outs = _finish(_launch(1, ["--config", cfg]))
     assert codes == [0], outs[0]
+    assert f"removing partial checkpoint {os.path.join(ck, staged)}" in outs[0]
     assert f"resumed from {os.path.join(ck, 'iter_0000002')}" in outs[0]
-    assert read_latest(ck) == "iter_0000006"
+    assert read_latest(ck) == "iter_0000006" and not os.path.exists(os.path.join(ck, staged))
 
 
 def _until_iteration(proc, iteration, seen):

@@ -68,6 +68,14 @@ def test_without_overrides_deepspeed_keeps_its_defaults():
     assert deepspeed_config(with_overrides, 2)["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 1000000}
 
 
+def test_an_override_that_changes_the_numerics_is_said():
+    from gptpar.training.engine.ds_config import TUNING_KEYS, describe_overrides
+
+    assert describe_overrides({"zero_optimization": {key: 1 for key in TUNING_KEYS}}) == []
+    (line,) = describe_overrides({"communication_data_type": "bf16"})
+    assert line.startswith("deepspeed.communication_data_type=bf16: gradients are reduced over dp in that dtype")
+
+
 def test_merge_is_key_by_key_and_config_round_trips():
     merged = merge_overrides({"a": {"b": 1, "c": 2}, "d": 3}, {"a": {"c": 5, "e": 6}, "d": {"x": 1}})
     assert merged == {"a": {"b": 1, "c": 5, "e": 6}, "d": {"x": 1}}
@@ -99,6 +107,17 @@ REFUSED = [
     ({"zero_optimization": {"reduce_bucket_size": "big"}}, [],
      "deepspeed.zero_optimization.reduce_bucket_size: Input should be a valid integer"),
     ({"zero_optimization": 1}, [], "deepspeed.zero_optimization: must be an object of keys, got 1 (int)"),
+    # keys DeepSpeed takes but that change what is trained or resumed, or that gptpar does not support
+    ({"zero_optimization": {"load_from_fp32_weights": False}}, [],
+     "deepspeed.zero_optimization.load_from_fp32_weights is refused: false restores the fp32 master weights"),
+    ({}, ["--set", "deepspeed.zero_optimization.offload_optimizer.device=cpu"],
+     "deepspeed.zero_optimization.offload_optimizer is refused: gptpar does not support offloading"),
+    ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, [],
+     "deepspeed.zero_optimization.offload_param is refused: gptpar does not support offloading"),
+    ({"zero_optimization": {"elastic_checkpoint": True}}, [],
+     "deepspeed.zero_optimization.elastic_checkpoint is refused: it changes the layout of the optimizer files"),
+    ({"zero_optimization": {"sub_group_size": 1000}}, [],
+     "deepspeed.zero_optimization.sub_group_size is refused: it is not one of the keys gptpar passes through"),
 ]
 
 

@@ -165,7 +165,8 @@ def test_init_from_a_megatron_deepspeed_bloom_universal_folder_at_tp2_gives_hf_l
 def test_megatron_universal_folder_reads_with_unpickling_disabled(runs, monkeypatch):
     """read_weights maps every name, drops the padding rows and reads nothing but weights_only files (the
     pickles DeepSpeed copies beside them are never opened); the tensors are HF's."""
-    from gptpar.checkpoint.weights import load_hf, read_weights
+    from gptpar.checkpoint.huggingface import load_hf
+    from gptpar.checkpoint.weights import read_weights
 
     d, _, _ = runs
     reference, config = load_hf(str(d / "hf_bloom"))
@@ -187,7 +188,7 @@ def test_convert_exports_a_megatron_universal_folder_given_the_run_config(runs, 
     Hugging Face it holds the BLOOM tensors it was written from; without --config it is a clear error."""
     import convert_checkpoint
 
-    from gptpar.checkpoint.weights import load_hf
+    from gptpar.checkpoint.huggingface import load_hf
 
     d, _, _ = runs
     out = tmp_path / "hf"
@@ -247,7 +248,8 @@ def test_the_optimizer_started_from_the_loaded_weights(runs):
     2 AdamW steps at lr <= 1e-3 (at steps 1-2 with betas 0.9/0.95 the bias-corrected |m/sqrt(v)| is <= 1.0004, so
     each step moves a weight by <= lr, plus a decay of lr x 0.01 x |w|) the saved weights are within 2.2e-3 of
     HF's. A master copy made before the load would have trained the seeded initialisation instead."""
-    from gptpar.checkpoint.weights import load_hf, read_weights
+    from gptpar.checkpoint.huggingface import load_hf
+    from gptpar.checkpoint.weights import read_weights
 
     d, hf, _ = runs
     saved, _ = read_weights(str(d / "a"))
@@ -269,8 +271,10 @@ def test_weights_only_checkpoint_as_load_starts_at_iteration_0(runs):
 def test_weights_only_checkpoint_layout_reads_back_hf_tensors(tmp_path):
     import convert_checkpoint
 
-    from gptpar.checkpoint.weights import load_hf, read_weights
-    from gptpar.checkpoint.layout import MANIFEST, is_weights_only
+    from gptpar.checkpoint.huggingface import load_hf
+    from gptpar.checkpoint.weights import read_weights
+    from gptpar.checkpoint.layout import MANIFEST
+    from gptpar.checkpoint.manifest import MARK
 
     hf = _make_hf(tmp_path / "hf")
     out = tmp_path / "w22"
@@ -280,10 +284,11 @@ def test_weights_only_checkpoint_layout_reads_back_hf_tensors(tmp_path):
     # DeepSpeed's names for 2 layers at pp > 1: embedding 0, layers 1-2, final LayerNorm 3; per tp rank
     expected = {f"layer_{i:02d}-model_{t:02d}-model_states.pt" for i in range(4) for t in range(2)}
     assert set(os.listdir(out)) == expected | {"config.json", MANIFEST}
-    assert is_weights_only(str(out)) and sorted(json.load(open(out / MANIFEST))["files"]) == sorted(
-        expected | {"config.json"})
-    for name in expected:  # plain tensors: no unpickling of arbitrary objects needed
-        assert all(isinstance(t, torch.Tensor) for t in torch.load(out / name, weights_only=True).values())
+    manifest = json.load(open(out / MANIFEST))
+    assert manifest["kind"] == "weights-only" and sorted(manifest["files"]) == sorted(expected | {"config.json"})
+    for name in expected:  # plain tensors (and gptpar's mark): no unpickling of arbitrary objects needed
+        layer = torch.load(out / name, weights_only=True)
+        assert layer.pop(MARK) is True and all(isinstance(t, torch.Tensor) for t in layer.values())
     state, config = read_weights(str(out))
     reference, ref_config = load_hf(hf)
     assert config == ref_config and sorted(state) == sorted(reference)
@@ -317,7 +322,7 @@ def test_convert_refuses_bad_layouts_and_existing_output(tmp_path, capsys):
 
 def _check(tmp_path, *, load=None, init_from=None, save=None, **model):
     """preflight's rank-0 decision for a (tp 2, pp 2) run: (load target, weights to start from, log lines)."""
-    from gptpar.checkpoint.checkpointer import shape_of
+    from gptpar.checkpoint.resume import shape_of
     from gptpar.config import load_config
     from gptpar.training.preflight import check_on_rank0
 
@@ -343,7 +348,7 @@ def test_weights_of_another_shape_are_refused_naming_the_field(tmp_path):
     with pytest.raises(CheckpointError, match="checkpoint.init_from .*/nowhere does not exist"):
         _check(tmp_path, init_from=str(tmp_path / "nowhere"))
     os.makedirs(tmp_path / "junk")
-    with pytest.raises(CheckpointError, match="junk cannot be read as model weights: .* holds no config.json"):
+    with pytest.raises(CheckpointError, match="junk cannot be read as model weights: .* holds no checkpoint .*is empty"):
         _check(tmp_path, init_from=str(tmp_path / "junk"))
     # a smaller vocabulary fits (the rows it lacks start at zero)
     assert _check(tmp_path, init_from=hf, hidden_size=64, vocab_size=VOCAB + 100)[1] == hf

@@ -94,3 +94,17 @@ def test_optional_packages_are_imported_only_where_used():
     offenders = {os.path.relpath(path, ROOT): sorted(m for m in import_time_modules(path)
                                                      if m.split(".")[0] in OPTIONAL) for path in files}
     assert {rel: mods for rel, mods in offenders.items() if mods} == {}
+
+
+# The layers, lowest first: tensor_parallel -> model -> config -> checkpoint -> training. A package never imports
+# one above it (function-local imports included).
+LAYERS = {"gptpar/model/": ("gptpar.training", "gptpar.checkpoint"),
+          "gptpar/config/": ("gptpar.training", "gptpar.checkpoint"),
+          "gptpar/checkpoint/": ("gptpar.training",)}
+
+
+def test_no_package_imports_a_layer_above_it():
+    offenders = {rel: sorted({m for m in imported_modules(path) if m.startswith(above)})
+                 for rel, path in package_files() for folder, above in LAYERS.items() if rel.startswith(folder)}
+    assert {rel: mods for rel, mods in offenders.items() if mods} == {}
+    assert any(rel.startswith("gptpar/checkpoint/") for rel, _ in package_files())  # the rule has files to check

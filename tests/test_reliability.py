@@ -208,8 +208,8 @@ def run_cases(d, live_pid, only=None):
 
     def own_files_only():
         g = d / "G"
-        os.makedirs(g / "iter_0000005")  # a partial checkpoint: no manifest
-        (g / "iter_0000005" / SHARD).write_bytes(b"partial")
+        os.makedirs(g / "iter_0000005.tmp-99999")  # what a killed save leaves: its temporary folder
+        (g / "iter_0000005.tmp-99999" / SHARD).write_bytes(b"partial")
         (g / ".latest.tmp-99999").write_text("iter_0000005\n")
         _write_lock(str(g), pid=DEAD_PID, host=socket.gethostname(), started="earlier")
     g = str(d / "G")
@@ -268,7 +268,7 @@ def run_cases(d, live_pid, only=None):
 
     # -- resuming at another shape or precision; universal copies (issue 22) ------------------------------
     from gptpar.checkpoint import universal
-    from gptpar.checkpoint.layout import write_manifest
+    from gptpar.checkpoint.durable import write_manifest
 
     dd, e = str(d / "D"), str(d / "E")
     # parallel.data_parallel_size left at its default (null: what the world size leaves)
@@ -293,7 +293,7 @@ def run_cases(d, live_pid, only=None):
         saved["parallel"]["data_parallel_size"] = None
         with open(os.path.join(ck, "config.json"), "w") as f:
             json.dump(saved, f)
-        write_manifest(ck, 2, 2)
+        write_manifest(ck, "checkpoint", iteration=2, world_size=2)
         # killed conversions' temporary folders (one recording its job, one of an older gptpar without that record)
         # and one of a live job
         u = d / "D_universal"
@@ -325,7 +325,8 @@ def run_cases(d, live_pid, only=None):
     f = str(d / "F")
 
     def convert_on_full_disk(obj, file, *args, **kwargs):
-        if isinstance(file, str) and file.startswith(f):
+        name = file if isinstance(file, str) else getattr(file, "name", "")  # a path, or gptpar's writer's file
+        if name.startswith(f):
             return real_save(obj, "/dev/full")  # the kernel's ENOSPC, as torch reports it
         return real_save(obj, file, *args, **kwargs)
     run("convert_full", unset, *tp2, *no_save, "--set", f"checkpoint.universal_dir={f}",
@@ -381,6 +382,12 @@ def _unchanged(cases, name):
     assert before and after == before
 
 
+def _files_unchanged(cases, name):
+    d, out = cases
+    before, after = out[0][name][2]
+    assert before and {k: v for k, v in after.items() if k != "."} == {k: v for k, v in before.items() if k != "."}
+
+
 def test_base_run_saves_a_complete_checkpoint(cases):
     d, _ = cases
     _expect(cases, "base", 0, "no checkpoint to load: ", "starting from scratch")
@@ -403,7 +410,7 @@ def test_checkpoint_size_estimate_matches_a_real_checkpoint(cases):
 
 @pytest.mark.parametrize("name,message", [
     ("empty_latest", "latest is empty: write the tag"),
-    ("truncated", f"{SHARD} has "),
+    ("truncated", f"{SHARD} is not a whole torch file"),
     ("missing", f"{OPTIM_1} is missing"),
     ("no_latest", "holds checkpoints (iter_0000002) but no `latest` pointer: point checkpoint.load at"),
 ])
@@ -426,8 +433,8 @@ def test_a_corrupted_file_of_the_same_size_is_refused_naming_it(cases, name):
     (_, out1, _) = _case(cases, name)[1]
     assert f"{OPTIM_1} does not match its sha256" in out1  # rank 1 found it, rank 0 reports it too
     assert not log_lines(out)
-    _unchanged(cases, name)
-    assert not os.path.exists(d / f"{name}_universal")
+    _files_unchanged(cases, name)  # found while loading: the lock was taken and released (the folder's mtime)
+    assert not os.path.exists(d / f"{name}_universal") or not os.listdir(d / f"{name}_universal")
 
 
 def test_the_offline_universal_conversion_refuses_a_corrupted_file(cases):
@@ -498,8 +505,9 @@ def test_full_disk_during_a_save_names_the_folder_and_is_cleaned_up(cases):
                   f"could not save checkpoint iter_0000004 in {h}: RuntimeError", "usually a full disk",
                   "`latest` still points at iter_0000002")
     assert out.count("Traceback") == 0
-    out = _expect(cases, "after_disk_full", 0, f"removing partial checkpoint {h}/iter_0000004",
-                  f"removing stale temporary file {h}/.latest.tmp-4242", f"resumed from {h}/iter_0000002")
+    out = _expect(cases, "after_disk_full", 0, f"removing stale temporary file {h}/.latest.tmp-4242",
+                  f"resumed from {h}/iter_0000002")
+    assert "removing partial checkpoint" not in out  # the failed save's folder went when it failed
     assert read_latest(str(h)) == "iter_0000004" and os.path.isfile(h / "iter_0000004" / MANIFEST)
 
 
@@ -560,7 +568,7 @@ def _trained(text):
 def _old_style_copy(src, dst):
     """Checkpoint folder `src` copied as gptpar wrote it before the resolved dp was recorded: config.json's
     parallel.data_parallel_size null (the config's default), the manifest matching."""
-    from gptpar.checkpoint.layout import write_manifest
+    from gptpar.checkpoint.durable import write_manifest
 
     shutil.copytree(src, dst)
     with open(os.path.join(dst, "config.json")) as f:
@@ -568,7 +576,7 @@ def _old_style_copy(src, dst):
     saved["parallel"]["data_parallel_size"] = None
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(saved, f)
-    write_manifest(str(dst), 1, 2)
+    write_manifest(str(dst), "checkpoint", iteration=1, world_size=2)
 
 
 def test_reshape_with_data_parallel_size_unset(cases, tmp_path):
@@ -665,8 +673,8 @@ def test_partition_method_at_pp1_is_no_new_shape(cases):
 
 def test_unreadable_files_name_themselves_before_the_model_is_built(cases):
     d, out = cases
-    for name, message in (("init_truncated", f"checkpoint.init_from {d}/bad_init: unreadable weights: "
-                                             f"{d}/bad_init/{SHARD} is not a whole torch file"),
+    for name, message in (("init_truncated", f"checkpoint.init_from {d}/bad_init cannot be read as model weights: "
+                                             f"{d}/bad_init is damaged: {d}/bad_init/{SHARD} is not a whole torch file"),
                           ("universal_truncated", f"{d}/bad_u/zero/layers.0.dense.weight/exp_avg.pt is not a whole "
                                                   "torch file"),
                           ("hf_without_weights", f"{d}/hf_config_only holds a Hugging Face config.json but no "

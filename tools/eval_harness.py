@@ -61,6 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--log-samples", action="store_true", help="add every document's requests and responses to "
                                                               "--output")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size = the number of ranks (torchrun)")
+    p.add_argument("--no-verify", action="store_true", help="do not check the weight files against the sha256 their "
+                                                            "manifest records (checked by default, as they are read)")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on a GPU, float32 on a CPU")
     p.add_argument("--max-length", type=int, help="longest sequence fed to the model (default: as HFLM resolves it)")
     p.add_argument("--tokenizer", help="tokenizer path (default: the checkpoint's)")
@@ -474,7 +476,8 @@ def run(args, seeds, tokenizer, tokenizer_path, config, log):
         raise UsageError(verdict[0])
 
     dtype = default_dtype(args.dtype, pstate.device)
-    model = load_model(args.load, args.tag, pstate, dtype)
+    model = load_model(args.load, args.tag, pstate, dtype, log=lambda line: print(line, file=sys.stderr)
+                       if pstate.rank == 0 else None, verify=not args.no_verify)
     server = ModelServer(model, tokenizer, pstate)
     if pstate.rank != 0:
         server.serve()
@@ -499,9 +502,8 @@ def main(argv=None):
     import torch.distributed as dist
 
     from gptpar.data.indexed import DataError
-    from gptpar.checkpoint.weights import ConversionError
     from gptpar.parallel import destroy_parallel
-    from gptpar.checkpoint.layout import CheckpointError
+    from gptpar.checkpoint.errors import CheckpointError
 
     owns_process_group = not dist.is_initialized()  # a test harness may have made it
     rank = int(os.environ.get("RANK", "0"))
@@ -510,7 +512,7 @@ def main(argv=None):
         tokenizer, tokenizer_path = load_tokenizer(args)
         config = check_model(args, tokenizer)
         run(args, seeds, tokenizer, tokenizer_path, config, log=print if rank == 0 else (lambda *a: None))
-    except (UsageError, DataError, ConversionError, CheckpointError, RequestError) as e:
+    except (UsageError, DataError, CheckpointError, RequestError) as e:
         if rank == 0:  # every rank finds the same: one message
             print(f"eval_harness.py: error: {e}", file=sys.stderr, flush=True)
         return 2

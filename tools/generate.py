@@ -43,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--stop-at-eod", action="store_true", help="stop after the tokenizer's end-of-document token")
     p.add_argument("--print-ids", action="store_true", help="also print the new ids: `ids: a,b,c`")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step (no KV cache)")
+    p.add_argument("--no-verify", action="store_true", help="do not check the weight files against the sha256 their "
+                                                            "manifest records (checked by default, as they are read)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size = the number of ranks (torchrun)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size: only 1 (any pp checkpoint loads)")
     return p.parse_args(argv)
@@ -134,7 +136,7 @@ def run(args, sampling, tokenizer, prompt_ids, documents, log):
 
     share_cpu_threads()
     pstate = init_parallel(tp=args.tp, pp=1, dp=1)
-    model = load_model(args.load, args.tag, pstate)
+    model = load_model(args.load, args.tag, pstate, log=log, verify=not args.no_verify)
     if documents is not None:
         loss, tokens = mean_token_loss(model, documents, model.config.seq_length)
         log(f"eval: {args.eval_file}: {len(documents)} documents, {tokens} tokens, loss {loss:.9g}, "
@@ -153,8 +155,7 @@ def main(argv=None):
     import torch.distributed as dist
 
     from gptpar.data.indexed import DataError
-    from gptpar.checkpoint.weights import ConversionError
-    from gptpar.checkpoint.universal import UniversalCheckpointError
+    from gptpar.checkpoint.errors import CheckpointError
     from gptpar.parallel import destroy_parallel
 
     owns_process_group = not dist.is_initialized()  # a test harness may have made it
@@ -164,7 +165,7 @@ def main(argv=None):
         check_against_model(args, tokenizer, prompt_ids)
         rank = int(os.environ.get("RANK", "0"))
         run(args, sampling, tokenizer, prompt_ids, documents, log=print if rank == 0 else (lambda *a: None))
-    except (UsageError, DataError, ConversionError, UniversalCheckpointError) as e:
+    except (UsageError, DataError, CheckpointError) as e:
         print(f"generate.py: error: {e}", file=sys.stderr, flush=True)
         return 2
     finally:

@@ -26,9 +26,10 @@ import functools
 import os
 from typing import Optional, Tuple
 
+from gptpar.checkpoint.errors import CheckpointError
+from gptpar.checkpoint.layout import LoadTarget
+from gptpar.checkpoint.resume import MODEL_SHAPE_KEYS, weights_only_target
 from gptpar.model.config import GPTConfig
-from gptpar.checkpoint.checkpointer import MODEL_SHAPE_KEYS
-from gptpar.checkpoint.layout import CheckpointError, LoadTarget, is_weights_only, verify_checkpoint
 
 FRESH = "iteration 0, a fresh optimizer, LR schedule and counters"
 
@@ -36,9 +37,8 @@ FRESH = "iteration 0, a fresh optimizer, LR schedule and counters"
 def choose_start(init_from: Optional[str], target: Optional[LoadTarget],
                  note: Optional[str] = None) -> Tuple[Optional[LoadTarget], Optional[str], Optional[str]]:
     """(the checkpoint to resume, the weights to start from, the one line that says which): at most one of the
-    first two is set. `target` and `note` are what checkpoint.load resolved to (checkpoint_files.resolve_load)."""
-    if target is not None and is_weights_only(target.path):
-        verify_checkpoint(target, world_size=0)  # its manifest's files; it has no per-rank state
+    first two is set. `target` and `note` are what checkpoint.load resolved to (gptpar.checkpoint.layout.resolve_load)."""
+    if target is not None and weights_only_target(target):
         ignored = f" (checkpoint.init_from {init_from} ignored)" if init_from else ""
         return None, target.path, (f"checkpoint.load {target.path} is a weights-only checkpoint: starting from its "
                                    f"weights at {FRESH}{ignored}")
@@ -53,7 +53,7 @@ def choose_start(init_from: Optional[str], target: Optional[LoadTarget],
 def check_weights_fit(path: str, model: GPTConfig, field: str = "checkpoint.init_from") -> None:
     """CheckpointError unless the weights at `path` exist, have `model`'s shape (every differing field named) and
     every file that will be read is whole (gptpar.checkpoint.weights.check_weight_files): before anything is built."""
-    from gptpar.checkpoint.weights import ConversionError, check_weight_files, read_weights_config
+    from gptpar.checkpoint.weights import check_weight_files, read_weights_config
 
     if not os.path.exists(path):
         raise CheckpointError(f"{field} {path} does not exist: give a gptpar checkpoint (its save folder or an "
@@ -61,7 +61,7 @@ def check_weights_fit(path: str, model: GPTConfig, field: str = "checkpoint.init
                               "model directory")
     try:
         source = read_weights_config(path, config=model)
-    except (ConversionError, OSError, ValueError, KeyError, TypeError) as e:
+    except (CheckpointError, OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{field} {path} cannot be read as model weights: {e}") from None
     diffs = [f"model.{key}: {field} has {getattr(source, key)!r}, the config {getattr(model, key)!r}"
              for key in MODEL_SHAPE_KEYS if key != "vocab_size" and getattr(source, key) != getattr(model, key)]
@@ -73,17 +73,22 @@ def check_weights_fit(path: str, model: GPTConfig, field: str = "checkpoint.init
                               + "\nset these model fields to the weights' values, or start from other weights")
     try:
         check_weight_files(path, config=model)
-    except ConversionError as e:
+    except CheckpointError as e:
         raise CheckpointError(f"{field} {path}: {e}") from None
 
 
-def load_initial_weights(model, cfg, pstate, path: str) -> None:
-    """Put the weights at `path` into this rank's model (a GPTModel, or its PipelineModule stage for pp > 1)."""
+def load_initial_weights(model, cfg, pstate, path: str, log=print) -> None:
+    """Put the weights at `path` into this rank's model (a GPTModel, or its PipelineModule stage for pp > 1), every
+    file verified as it is read (checkpoint.verify_checksums)."""
     from gptpar.checkpoint.weights import read_weights
     from gptpar.model.pipeline import gpt_parameter_name
     from gptpar.model.sharding import load_full_state_dict
 
-    state, _ = read_weights(path, config=cfg.model)
+    try:
+        state, _ = read_weights(path, config=cfg.model, log=log, verify=cfg.checkpoint.verify_checksums)
+    except CheckpointError as e:
+        raise CheckpointError(f"{'checkpoint.init_from' if path == cfg.checkpoint.init_from else 'checkpoint.load'} "
+                              f"{path}: {e}") from None
     full_name = None
     if pstate.pp_size > 1:
         full_name = functools.partial(gpt_parameter_name, num_layers=cfg.model.num_layers,

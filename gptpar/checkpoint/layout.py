@@ -1,30 +1,28 @@
-"""The checkpoint folder's layout, read without modifying anything: what `checkpoint.load` points at, and
-whether a checkpoint is complete.
+"""The on-disk names of everything gptpar writes, and the save folder's layout, read without changing anything:
+which checkpoints are complete, what `latest` points at, what `checkpoint.load` means.
 
-    {dir}/latest                      the tag of the newest complete checkpoint ("iter_0000300")
-    {dir}/iter_0000300/               one checkpoint; complete once gptpar_manifest.json exists
-    {dir}/iter_0000300/gptpar_manifest.json   every file of the checkpoint: its size, its sha256 (unless
-                                      checkpoint.checksums is off) and the rank that wrote it; written by rank 0
-                                      after every rank's files are whole and before `latest` moves
-    {dir}/.gptpar.lock                the job writing this folder (gptpar.checkpoint.save_folder)
-    {dir}/.gptpar-probe-PID, .latest.tmp-PID   short-lived files of a write probe and of the pointer update
+    {save}/latest                         the tag of the newest complete checkpoint ("iter_0000300")
+    {save}/iter_0000300/                  one checkpoint; complete once its manifest exists (gptpar.checkpoint.manifest)
+    {save}/iter_0000300/gptpar_manifest.json   every file of the folder: size, sha256, the rank that wrote it;
+                                          written last, inside the temporary folder, before the rename
+    {save}/iter_0000300.tmp-PID/          a checkpoint being written (gptpar.checkpoint.durable.StagedFolder)
+    {save}/iter_0000300.old-PID/          the previous folder of a tag being re-saved, during the swap
+    {save}/.gptpar.lock                   the job writing this folder (gptpar.checkpoint.save_folder)
+    {save}/.gptpar-probe-PID, .latest.tmp-PID   short-lived files of a write probe and of the pointer update
 
-gptpar's own entries are the lock, probe and temporary files, the recovery scripts DeepSpeed copies
-beside its checkpoints, and *partial* checkpoints (an `iter_N` without manifest or config.json: the save
-that wrote it was killed). A folder holding nothing else has no checkpoint: loading from it starts fresh.
+gptpar's own entries are the lock, probe and temporary files and folders, and the recovery scripts DeepSpeed copies
+beside its checkpoints. A folder holding nothing else has no checkpoint: loading from it starts fresh. An `iter_N`
+folder without a manifest is never gptpar's doing (saves are written under a temporary name and renamed whole): it
+is refused, never taken for a fresh start or for a checkpoint.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from gptpar.checkpoint.universal import is_deepspeed_universal, is_universal
-from gptpar.checkpoint.weight_files import file_problem
+from gptpar.checkpoint.errors import CheckpointError
 
 LATEST = "latest"
 TAG_RE = re.compile(r"^iter_(\d{7,})$")
@@ -33,13 +31,13 @@ CONFIG = "config.json"
 LOCK = ".gptpar.lock"
 PROBE_PREFIX = ".gptpar-probe-"
 LATEST_TMP_PREFIX = f".{LATEST}.tmp-"
+# A folder being written beside its target (`{target}.tmp-TOKEN`), and a re-saved tag's previous folder during the
+# swap (`{target}.old-TOKEN`): gptpar.checkpoint.durable.
+STAGED_RE = re.compile(r"^(?P<target>.+)\.(?P<what>tmp|old)-(?P<token>[0-9A-Za-z_-]+)$")
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # DeepSpeed copies them next to the checkpoints
-DIGEST = "sha256"  # of each file's bytes, in the manifest: `sha256sum FILE` prints the same
-MANIFEST_VERSION = 2  # 1: {file: size}; 2: {file: {"size", "sha256", "rank"}}
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used as asked; the message names the path and the fix."""
+STATE_FILE_RE = re.compile(r"^gptpar_rank_\d{5}\.pt$")
+UNIVERSAL_META = "gptpar_universal.json"  # a universal copy's metadata (gptpar.checkpoint.universal)
+OWNER = ".gptpar-owner.json"  # in a universal copy being converted: the job writing it
 
 
 def tag_of(iteration: int) -> str:
@@ -47,7 +45,24 @@ def tag_of(iteration: int) -> str:
 
 
 def state_file(rank: int) -> str:
+    """gptpar's own file of `rank` in a training checkpoint: counters, RNG states, the run's shape."""
     return f"gptpar_rank_{rank:05d}.pt"
+
+
+def model_states_file(tp_rank: int) -> str:
+    """DeepSpeed's model-states file of tp rank `tp_rank` at pp = 1 (key 'module': GPTModel's state dict)."""
+    return f"mp_rank_{tp_rank:02d}_model_states.pt"
+
+
+def layer_file(index: int, tp_rank: int) -> str:
+    """DeepSpeed's file of pipeline layer spec `index` (gptpar.model.pipeline.gpt_layer_prefixes) of tp rank
+    `tp_rank` at pp > 1: that layer's state dict."""
+    return f"layer_{index:02d}-model_{tp_rank:02d}-model_states.pt"
+
+
+def staged(name: str) -> Optional[re.Match]:
+    """The match of a temporary (`.tmp-`) or swapped-out (`.old-`) folder's name, else None."""
+    return STAGED_RE.match(name)
 
 
 def read_latest(directory: Optional[str]) -> Optional[str]:
@@ -69,21 +84,6 @@ def read_latest(directory: Optional[str]) -> Optional[str]:
     return tag
 
 
-def write_synced(path: str, text: str) -> None:
-    """Write `text` to `path` and fsync it (callers write a temporary name, then move it into place)."""
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def write_latest(directory: str, tag: str) -> None:
-    """Point `latest` at `tag` atomically: a reader sees the old or the new pointer, never a partial one."""
-    tmp = os.path.join(directory, f"{LATEST_TMP_PREFIX}{os.getpid()}")
-    write_synced(tmp, tag + "\n")
-    os.replace(tmp, os.path.join(directory, LATEST))
-
-
 def list_files(path: str) -> Dict[str, int]:
     """{relative path: size} of every file under `path`."""
     out = {}
@@ -97,10 +97,8 @@ def list_files(path: str) -> Dict[str, int]:
 def fingerprint(path: str) -> Dict[str, List[int]]:
     """{relative path: [size, modification time (ns), inode number]} of every file under checkpoint `path`:
     what a universal copy records of the files it was converted from, to tell whether they were rewritten since
-    (a checkpoint re-saved in place after a rollback). Stat calls only, however large the checkpoint: the
-    manifest is written under a temporary name and renamed over the old one at every save, so it gets a new
-    inode number even where the clock is too coarse to change a modification time, and any file DeepSpeed
-    rewrote gets a new modification time."""
+    (a checkpoint re-saved after a rollback is a new folder swapped in: new inode numbers). Stat calls only,
+    however large the checkpoint."""
     out = {}
     for rel in sorted(list_files(path)):
         st = os.stat(os.path.join(path, rel))
@@ -108,89 +106,34 @@ def fingerprint(path: str) -> Dict[str, List[int]]:
     return out
 
 
-def file_digest(path: str) -> str:
-    """The hex DIGEST of a file's bytes."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, DIGEST).hexdigest()
-
-
-def write_manifest(path: str, iteration: int, world_size: int, weights_only: bool = False,
-                   records: Optional[Dict[str, dict]] = None, checksums: bool = True) -> None:
-    """Record every file of the finished checkpoint `path` (call after all ranks wrote theirs). `records`:
-    {relative path: {"size", DIGEST, "rank"}} of the files the ranks wrote (hashed as they were written);
-    every other file there (config.json, DeepSpeed's recovery scripts) is recorded now, as rank 0's, hashed
-    here with `checksums`. `weights_only` marks a checkpoint of model weights alone
-    (tools/convert_checkpoint.py --to gptpar): no optimizer, no counters, no per-rank state; loading it starts
-    a run at iteration 0."""
-    files = dict(records or {})
-    for rel, size in list_files(path).items():
-        if rel != MANIFEST and rel not in files:
-            files[rel] = {"size": size, "rank": 0}
-            if checksums:
-                files[rel][DIGEST] = file_digest(os.path.join(path, rel))
-    tmp = os.path.join(path, f".{MANIFEST}.tmp-{os.getpid()}")
-    manifest = {"version": MANIFEST_VERSION, "iteration": iteration, "world_size": world_size,
-                "files": dict(sorted(files.items()))}
-    if weights_only:
-        manifest["weights_only"] = True
-    write_synced(tmp, json.dumps(manifest, indent=1))
-    os.replace(tmp, os.path.join(path, MANIFEST))
-
-
-def manifest_files(path: str) -> Dict[str, dict]:
-    """{relative path: {"size"[, DIGEST, "rank"]}} from checkpoint `path`'s manifest (either version); raises
-    OSError, ValueError, KeyError or TypeError when it is missing or unreadable."""
-    with open(os.path.join(path, MANIFEST)) as f:
-        files = json.load(f)["files"]
-    return {rel: {"size": int(rec)} if isinstance(rec, int) else dict(rec, size=int(rec["size"]))
-            for rel, rec in files.items()}
-
-
-def is_weights_only(path: str) -> bool:
-    """A checkpoint folder whose manifest marks it weights-only (see `write_manifest`)."""
-    try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            return json.load(f).get("weights_only") is True
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def is_complete(path: str) -> bool:
-    """A finished checkpoint: it has a manifest, or (saved before manifests existed) its config.json."""
-    return os.path.isfile(os.path.join(path, MANIFEST)) or os.path.isfile(os.path.join(path, CONFIG))
+    """A finished checkpoint folder: its manifest exists (written last, before the folder got its name)."""
+    return os.path.isfile(os.path.join(path, MANIFEST))
 
 
 def is_own_entry(directory: str, name: str) -> bool:
     """An entry gptpar may find in a folder without it holding a checkpoint (see the module docstring)."""
     if name.startswith((LOCK, PROBE_PREFIX, LATEST_TMP_PREFIX)) or name in RECOVERY_SCRIPTS:
         return True
-    path = os.path.join(directory, name)
-    return bool(TAG_RE.match(name)) and os.path.isdir(path) and not is_complete(path)
+    return staged(name) is not None and os.path.isdir(os.path.join(directory, name))
 
 
-def partial_checkpoints(directory: str, latest: Optional[str]) -> List[str]:
-    """Tags of the partial checkpoints in `directory` that a cleanup may delete: no manifest and no config.json,
-    and newer than `latest` (an older incomplete folder is left alone: gptpar never wrote one)."""
+def checkpoint_tags(directory: str) -> List[str]:
+    """Tags of the `iter_N` folders in `directory` (complete or not), oldest iteration first."""
     if not os.path.isdir(directory):
         return []
-    newest = int(TAG_RE.match(latest).group(1)) if latest else -1
-    return sorted(name for name in os.listdir(directory)
-                  if TAG_RE.match(name) and int(TAG_RE.match(name).group(1)) > newest
-                  and os.path.isdir(os.path.join(directory, name))
-                  and not is_complete(os.path.join(directory, name)))
+    return sorted((name for name in os.listdir(directory)
+                   if TAG_RE.match(name) and os.path.isdir(os.path.join(directory, name))),
+                  key=lambda name: int(TAG_RE.match(name).group(1)))
 
 
 def complete_checkpoints(directory: str) -> List[str]:
     """Tags of the complete checkpoints in `directory`, oldest iteration first."""
-    if not os.path.isdir(directory):
-        return []
-    return sorted((name for name in os.listdir(directory)
-                   if TAG_RE.match(name) and is_complete(os.path.join(directory, name))),
-                  key=lambda name: int(TAG_RE.match(name).group(1)))
+    return [tag for tag in checkpoint_tags(directory) if is_complete(os.path.join(directory, tag))]
 
 
 # ---------------------------------------------------------------------------------------------
-# What checkpoint.load means
+# What checkpoint.load (or a tool's --load) means
 # ---------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -208,15 +151,20 @@ class LoadTarget:
         return os.path.join(self.directory, self.tag)
 
 
+def is_universal_folder(path: str) -> bool:
+    """A universal checkpoint folder: gptpar's (its metadata file) or one DeepSpeed's ds_to_universal.py wrote (its
+    `zero/{name}/*.pt` files)."""
+    return os.path.isfile(os.path.join(path, UNIVERSAL_META)) or os.path.isdir(os.path.join(path, "zero"))
+
+
 def resolve_load(load: Optional[str]) -> Tuple[Optional[LoadTarget], Optional[str]]:
     """(the checkpoint to load or None for a fresh start, the line that says so); reads, never writes.
 
-    A missing folder, or one holding only gptpar's own lock/probe/partial files, is a fresh start. A folder
-    with a `latest` pointer loads what it points at; an `iter_N` folder, a universal checkpoint folder, or any
-    folder holding a manifest (a weights-only checkpoint written by tools/convert_checkpoint.py) given
-    directly is loaded itself.
-    Anything else (a file, an empty or garbled `latest`, checkpoints without a `latest`, a folder of
-    unknown files) raises CheckpointError: a wrong path must never start a run from scratch.
+    A missing folder, or one holding only gptpar's own lock/probe/temporary entries, is a fresh start. A folder
+    with a `latest` pointer loads what it points at, which must exist and be complete; an `iter_N` folder, a
+    universal checkpoint folder (`is_universal_folder`), or any folder holding a manifest (a weights-only checkpoint)
+    given directly is loaded itself. Anything else (a file, an empty or garbled `latest`, checkpoints without a
+    `latest`, a folder of unknown files) raises CheckpointError: a wrong path must never start a run from scratch.
     """
     if load is None:
         return None, None
@@ -227,7 +175,7 @@ def resolve_load(load: Optional[str]) -> Tuple[Optional[LoadTarget], Optional[st
                               "checkpoint.save wrote (it holds `latest`) or one of its iter_N folders")
     load = os.path.normpath(load)
     name = os.path.basename(load)
-    if is_universal(load) or is_deepspeed_universal(load):
+    if is_universal_folder(load):
         return LoadTarget(os.path.dirname(load), name, universal=load), None
     if (TAG_RE.match(name) or os.path.isfile(os.path.join(load, MANIFEST))) and \
             not os.path.exists(os.path.join(load, LATEST)):
@@ -239,94 +187,46 @@ def resolve_load(load: Optional[str]) -> Tuple[Optional[LoadTarget], Optional[st
         if not others:
             what = "is empty" if not entries else "holds no checkpoint yet (only " + ", ".join(entries[:5]) + ")"
             return None, f"no checkpoint to load: {load} {what}; starting from scratch"
-        complete = [e for e in others if TAG_RE.match(e)]
-        if complete:
-            raise CheckpointError(f"{load} holds checkpoints ({', '.join(complete[-3:])}) but no `{LATEST}` "
-                                  f"pointer: point checkpoint.load at {os.path.join(load, complete[-1])} to resume "
-                                  f"from it (or write its tag into {os.path.join(load, LATEST)})")
-        raise CheckpointError(f"checkpoint.load {load} has no `{LATEST}` pointer and holds files that are not a "
-                              f"gptpar checkpoint ({', '.join(others[:5])}): point checkpoint.load at the folder "
-                              "checkpoint.save wrote, or at a new or empty folder for a fresh start")
+        if any(TAG_RE.match(e) for e in others):
+            raise CheckpointError(_no_latest(load))
+        raise CheckpointError(f"{load} has no `{LATEST}` pointer and holds files that are not a gptpar checkpoint "
+                              f"({', '.join(others[:5])}): give the folder checkpoint.save wrote, or a new or empty "
+                              "folder for a fresh start")
     target = LoadTarget(load, tag)
     if not os.path.isdir(target.path):
         raise CheckpointError(f"{os.path.join(load, LATEST)} points at {tag}, but {target.path} does not exist: "
-                              f"write the tag of an existing checkpoint into it ({_choices(load)})")
+                              f"{_newest_complete(load)}")
+    if not is_complete(target.path):
+        raise CheckpointError(f"{os.path.join(load, LATEST)} points at {tag}, but {target.path} is incomplete (it "
+                              f"has no {MANIFEST}): {_newest_complete(load, exclude=tag)}")
     return target, None
 
 
-def verify_checkpoint(target: LoadTarget, world_size: int) -> None:
-    """Raise CheckpointError unless every file of the checkpoint is there, whole, for `world_size` ranks.
-
-    With a manifest every listed file must exist with its recorded size; every `.pt` must also open as a
-    zip archive (torch's format keeps its directory at the end, so a truncated file fails here). The files'
-    checksums are `verify_digests`' (each rank reads its own files)."""
-    path = target.path
-    fix = earlier_checkpoint_fix(target)
-    problems = []
-    if os.path.isfile(os.path.join(path, MANIFEST)):
-        try:
-            expected = manifest_files(path)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{os.path.join(path, MANIFEST)} is unreadable ({e}): {fix}") from None
-        for rel, record in sorted(expected.items()):
-            full = os.path.join(path, rel)
-            if not os.path.isfile(full):
-                problems.append(f"{full} is missing")
-            elif os.path.getsize(full) != record["size"]:
-                problems.append(f"{full} has {os.path.getsize(full)} bytes, the manifest says {record['size']} "
-                                "(truncated?)")
-    elif not os.path.isfile(os.path.join(path, CONFIG)):
-        raise CheckpointError(f"{path} is incomplete (no {MANIFEST}: the save that wrote it was interrupted): {fix}")
-    for rank in range(world_size):
-        if not os.path.isfile(os.path.join(path, state_file(rank))):
-            problems.append(f"{os.path.join(path, state_file(rank))} is missing (saved by another world size, "
-                            "or not by gptpar?)")
-    for rel in sorted(list_files(path)):
-        full = os.path.join(path, rel)
-        problem = file_problem(full) if rel.endswith(".pt") else None
-        if problem:
-            problems.append(f"{full} {problem}")
-    if problems:
-        raise CheckpointError(damaged(target, problems))
+def _no_latest(directory: str) -> str:
+    """The message for a folder holding iter_N folders but no `latest`: which are complete, which to load."""
+    complete = complete_checkpoints(directory)
+    incomplete = [t for t in checkpoint_tags(directory) if t not in complete]
+    unfinished = f"; incomplete (no {MANIFEST}): {', '.join(incomplete[-3:])}" if incomplete else ""
+    if not complete:
+        return (f"{directory} holds only incomplete checkpoint folders ({', '.join(incomplete[-3:])}: no {MANIFEST}) "
+                "and no `latest` pointer: nothing there can be resumed; point checkpoint.load elsewhere")
+    return (f"{directory} holds checkpoints ({', '.join(complete[-3:])}) but no `{LATEST}` pointer: point "
+            f"checkpoint.load at {os.path.join(directory, complete[-1])} to resume from it (or write its tag into "
+            f"{os.path.join(directory, LATEST)}){unfinished}")
 
 
-def verify_digests(path: str, rank: Optional[int] = None) -> List[str]:
-    """What is wrong with the checksums of checkpoint `path`'s files that `rank` wrote (None: every file):
-    one line per file whose bytes no longer hash to its manifest's DIGEST. Reads those files whole; files
-    without a digest (a manifest of version 1, or saved with checkpoint.checksums off) and missing ones
-    (verify_checkpoint's) are skipped."""
-    try:
-        records = manifest_files(path)
-    except (OSError, ValueError, KeyError, TypeError):
-        return []  # no manifest (older checkpoints) or an unreadable one: verify_checkpoint reports it
-    problems = []
-    for rel, record in sorted(records.items()):
-        full = os.path.join(path, rel)
-        if DIGEST not in record or (rank is not None and record.get("rank", 0) != rank) or not os.path.isfile(full):
-            continue
-        digest = file_digest(full)
-        if digest != record[DIGEST]:
-            problems.append(f"{full} does not match its {DIGEST} in the manifest ({digest[:12]}..., recorded "
-                            f"{record[DIGEST][:12]}...): its bytes changed after it was written (disk or copy "
-                            "corruption)")
-    return problems
-
-
-def has_digests(path: str) -> bool:
-    """Whether checkpoint `path`'s manifest records checksums."""
-    try:
-        return any(DIGEST in record for record in manifest_files(path).values())
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-
-
-def damaged(target: LoadTarget, problems: List[str]) -> str:
-    """The message for checkpoint `target` and what is wrong with it."""
-    return (f"checkpoint {target.path} is damaged:\n  " + "\n  ".join(dict.fromkeys(problems))
-            + f"\n{earlier_checkpoint_fix(target)}")
+def _newest_complete(directory: str, exclude: Optional[str] = None) -> str:
+    """The fix for a `latest` that names no usable checkpoint: the newest complete one, or that there is none."""
+    tags = [t for t in complete_checkpoints(directory) if t != exclude]
+    if not tags:
+        return (f"no other complete checkpoint is in {directory}; found: {', '.join(checkpoint_tags(directory)) or 'none'}"
+                " (start afresh with a new checkpoint.save)")
+    return (f"the newest complete checkpoint there is {tags[-1]}: write it into {os.path.join(directory, LATEST)} "
+            f"or point checkpoint.load (--load) at {os.path.join(directory, tags[-1])}")
 
 
 def earlier_checkpoint_fix(target: LoadTarget) -> str:
+    """The fix for a damaged or incomplete checkpoint `target`: the complete ones beside it."""
     tags = [t for t in complete_checkpoints(target.directory) if t != target.tag]
     if not tags:
         return (f"resume from an earlier checkpoint instead (no other complete checkpoint in {target.directory}), "
@@ -335,50 +235,7 @@ def earlier_checkpoint_fix(target: LoadTarget) -> str:
             f"{target.directory} ({', '.join(tags[-3:])}), e.g. checkpoint.load={os.path.join(target.directory, tags[-1])}")
 
 
-def saved_world_size(target: LoadTarget, default: int) -> int:
-    """How many ranks saved checkpoint `target` (its manifest says; `default` for one saved before manifests,
-    or an unreadable manifest, which verify_checkpoint then reports)."""
-    try:
-        with open(os.path.join(target.path, MANIFEST)) as f:
-            return int(json.load(f)["world_size"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return default
-
-
-def is_write_failure(exc: BaseException) -> bool:
-    """Whether `exc` is the file system refusing a write (full, read-only, file too large): an OSError, torch's
-    writer's RuntimeError ("unexpected pos", "PytorchStreamWriter failed"), safetensors' I/O error."""
-    text = str(exc)
-    return (isinstance(exc, OSError)
-            or (isinstance(exc, RuntimeError) and ("unexpected pos" in text or "PytorchStreamWriter" in text))
-            or (type(exc).__name__ == "SafetensorError" and "I/O error" in text))
-
-
-def describe_write_failure(folder: str, exc: BaseException) -> str:
-    """What a failed write says, wherever gptpar writes (a checkpoint, a universal copy, a converted model):
-    the cause (torch's "unexpected pos" explained) and the free space left in `folder`."""
-    cause = f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, RuntimeError) and "unexpected pos" in str(exc):
-        cause += " (torch's writer wrote fewer bytes than asked: usually a full disk)"
-    while folder and not os.path.isdir(folder):
-        folder = os.path.dirname(folder)
-    try:
-        free = f"{shutil.disk_usage(folder or '.').free / 2 ** 20:.1f} MiB free there now"
-    except OSError as e:
-        free = f"free space unknown ({e.strerror})"
-    return f"{cause}; {free}"
-
-
-def _choices(directory: str, exclude: Optional[str] = None) -> str:
-    tags = [t for t in complete_checkpoints(directory) if t != exclude]
-    if not tags:
-        return f"no other complete checkpoint in {directory}"
-    return "complete ones in " + directory + ": " + ", ".join(tags[-3:])
-
-
-__all__ = ["LATEST", "TAG_RE", "MANIFEST", "LOCK", "DIGEST", "CheckpointError", "LoadTarget", "tag_of", "state_file",
-           "read_latest", "write_synced", "write_latest", "file_digest", "write_manifest", "manifest_files",
-           "verify_digests", "has_digests", "damaged", "earlier_checkpoint_fix", "list_files", "fingerprint",
-           "is_write_failure", "describe_write_failure", "is_weights_only",
-           "is_complete", "is_own_entry", "partial_checkpoints", "complete_checkpoints", "resolve_load",
-           "verify_checkpoint", "saved_world_size"]
+__all__ = ["LATEST", "TAG_RE", "MANIFEST", "CONFIG", "LOCK", "UNIVERSAL_META", "OWNER", "LoadTarget", "tag_of",
+           "state_file", "model_states_file", "layer_file", "staged", "read_latest", "list_files", "fingerprint",
+           "is_complete", "is_own_entry", "is_universal_folder", "checkpoint_tags", "complete_checkpoints", "resolve_load",
+           "earlier_checkpoint_fix"]

@@ -9,26 +9,13 @@ any; `load_model` then reads the full weights once and keeps this rank's tensor-
 """
 from __future__ import annotations
 
-import json
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from gptpar.checkpoint import universal
+from gptpar.checkpoint.weights import is_hf_model_dir, read_weights, resolve_checkpoint_dir, run_config_of
 from gptpar.model.config import GPTConfig
-from gptpar.checkpoint.weights import is_hf_model_dir, read_weights, resolve_checkpoint_dir
-
-
-def _run_config(load: str, tag: Optional[str]) -> Optional[dict]:
-    """The training run's config a gptpar or universal checkpoint saved (None for a Hugging Face directory or a
-    universal folder written by DeepSpeed, which record none)."""
-    if os.path.isdir(load) and universal.is_universal(load):
-        return universal.read_meta(load).get("config")
-    if os.path.isdir(load) and (is_hf_model_dir(load) or universal.is_deepspeed_universal(load)):
-        return None
-    with open(os.path.join(resolve_checkpoint_dir(load, tag), "config.json")) as f:
-        return json.load(f)
 
 
 def _checkpoint_tokenizer(load: str, tag: Optional[str] = None) -> Optional[str]:
@@ -36,7 +23,7 @@ def _checkpoint_tokenizer(load: str, tag: Optional[str] = None) -> Optional[str]
     the training run's data.tokenizer_model (None when it names none)."""
     if os.path.isdir(load) and is_hf_model_dir(load):
         return load if os.path.isfile(os.path.join(load, "tokenizer.json")) else None
-    return ((_run_config(load, tag) or {}).get("data") or {}).get("tokenizer_model")
+    return ((run_config_of(load, tag) or {}).get("data") or {}).get("tokenizer_model")
 
 
 def tokenizer_path(load: str, tag: Optional[str] = None, given: Optional[str] = None) -> Optional[str]:
@@ -63,29 +50,37 @@ def checkpoint_provenance(load: str, tag: Optional[str] = None) -> dict:
     """Where the weights come from and how far their training had gone: {"checkpoint": absolute path,
     "iteration", "consumed_samples", "consumed_tokens"} (None where the source records no counters: a Hugging
     Face directory, a weights-only checkpoint, a universal folder written by DeepSpeed)."""
-    counters: dict = {}
-    if os.path.isdir(load) and universal.is_universal(load):
-        path, counters = load, universal.read_meta(load).get("counters") or {}
-    elif os.path.isdir(load) and (is_hf_model_dir(load) or universal.is_deepspeed_universal(load)):
-        path = load
-    else:
-        from gptpar.checkpoint.checkpointer import read_rank_state
-        from gptpar.checkpoint.layout import state_file
+    from gptpar.checkpoint import universal
+    from gptpar.checkpoint.layout import is_universal_folder, state_file
+    from gptpar.checkpoint.manifest import open_folder
+    from gptpar.checkpoint.resume import read_rank_state
 
+    quiet = lambda *_: None  # noqa: E731 - the weights' read says what there is to say
+    counters: dict = {}
+    if os.path.isdir(load) and (is_universal_folder(load) or is_hf_model_dir(load)):
+        path = load
+        if is_universal_folder(load):
+            verifier = universal.open_universal(load, quiet, quiet=True)
+            if verifier.manifest is not None:
+                counters = universal.read_meta(verifier).get("counters") or {}
+    else:
         path = resolve_checkpoint_dir(load, tag)
-        if os.path.isfile(os.path.join(path, state_file(0))):
-            counters = read_rank_state(path, 0)
+        verifier = open_folder(path, "use another checkpoint", quiet, quiet=True)
+        if verifier.manifest is not None and verifier.manifest.record(os.path.join(path, state_file(0))):
+            counters = read_rank_state(path, 0, verifier)
     return {"checkpoint": os.path.abspath(path), "iteration": counters.get("iteration"),
             "consumed_samples": counters.get("consumed_samples"), "consumed_tokens": counters.get("consumed_tokens")}
 
 
-def load_model(load: str, tag: Optional[str], pstate, dtype: Optional[torch.dtype] = None):
+def load_model(load: str, tag: Optional[str], pstate, dtype: Optional[torch.dtype] = None,
+               log: Callable[[str], None] = print, verify: bool = True):
     """A GPTModel in eval mode on `pstate.device` holding this tp rank's blocks of the weights `load` holds, in
-    `dtype` (default: fp32). Every rank reads the full weights and keeps its blocks (pp = 1)."""
+    `dtype` (default: fp32). Every rank reads the full weights (verified as they are read) and keeps its blocks
+    (pp = 1)."""
     from gptpar.model.gpt import GPTModel
     from gptpar.model.sharding import load_full_state_dict
 
-    state, config = read_weights(load, tag)
+    state, config = read_weights(load, tag, log=log, verify=verify)
     model = GPTModel(config, tp_group=pstate.tp_group, device=pstate.device, dtype=dtype)
     load_full_state_dict(model, state, pstate.tp_group)
     return model.eval()

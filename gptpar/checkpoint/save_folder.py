@@ -9,7 +9,8 @@ refused run changes nothing:
                     (its pid cannot be checked from here) needs checkpoint.override_lock=true
     probe_writable  a probe file written, fsynced and deleted: a read-only or full file system fails now,
                     not at the first save after hours of training
-    clean_leftovers partial iter_N folders (no manifest, newer than `latest`) and stale `.latest.tmp-PID` and
+    clean_leftovers the temporary folders of killed saves (`iter_N.tmp-TOKEN`), a re-save's swap cut short by a
+                    crash (`iter_N.old-TOKEN` put back when `iter_N` is missing), and stale `.latest.tmp-PID` and
                     probe files of dead jobs
     check_free_space room for one checkpoint (checkpoint_bytes), warn below 2x, error below 1x
     clean_conversion_leftovers  in checkpoint.universal_dir: `{tag}.tmp-PID` folders of universal conversions
@@ -29,9 +30,10 @@ import socket
 import time
 from typing import Callable, Optional
 
-from gptpar.checkpoint.universal import META, OWNER
-from gptpar.checkpoint.layout import (LATEST_TMP_PREFIX, LOCK, PROBE_PREFIX, CheckpointError,
-                                              partial_checkpoints, read_latest, write_synced)
+from gptpar.checkpoint.durable import fsync_dir, write_synced
+from gptpar.checkpoint.errors import CheckpointError
+from gptpar.checkpoint.layout import (LATEST_TMP_PREFIX, LOCK, OWNER, PROBE_PREFIX, TAG_RE, UNIVERSAL_META,
+                                      is_complete, read_latest, staged)
 from gptpar.config import deepspeed_precision
 from gptpar.processes import pid_alive, process_start_ticks
 
@@ -216,12 +218,24 @@ def probe_writable(directory: str, size: int = 1 << 16) -> None:
 
 
 def clean_leftovers(directory: str, log: Callable[[str], None]) -> None:
-    """Delete what killed saves left behind (call with the lock held: no live job writes here)."""
+    """Delete what killed saves left behind, and finish a swap a crash cut short (call with the lock held: no live
+    job writes here). A tag's `.old-` folder is the complete checkpoint a re-save was replacing: put back when the
+    new one never got its name, deleted when it did."""
     latest = read_latest(directory)
-    for tag in partial_checkpoints(directory, latest):
-        log(f"removing partial checkpoint {os.path.join(directory, tag)} (its save was interrupted; "
-            f"`latest` is {latest or 'absent'})")
-        shutil.rmtree(os.path.join(directory, tag), ignore_errors=True)
+    for name in sorted(os.listdir(directory)):
+        match, path = staged(name), os.path.join(directory, name)
+        if match is None or not TAG_RE.match(match["target"]) or not os.path.isdir(path):
+            continue
+        target = os.path.join(directory, match["target"])
+        if match["what"] == "old" and not os.path.lexists(target) and is_complete(path):
+            log(f"restoring {target} from {path} (a re-save of that tag was cut short before the new folder took "
+                "its place)")
+            os.rename(path, target)
+            fsync_dir(directory, log)
+        else:
+            what = "partial checkpoint" if match["what"] == "tmp" else "replaced checkpoint"
+            log(f"removing {what} {path} (its save was interrupted; `latest` is {latest or 'absent'})")
+            shutil.rmtree(path, ignore_errors=True)
     for name in os.listdir(directory):  # only this job's rank 0 writes them, and it has not yet
         if name.startswith((LATEST_TMP_PREFIX, PROBE_PREFIX)):
             log(f"removing stale temporary file {os.path.join(directory, name)}")
@@ -242,7 +256,7 @@ def clean_conversion_leftovers(directory: str, log: Callable[[str], None]) -> No
             continue
         owner = read_job(os.path.join(path, OWNER))
         if owner is None:  # written by a gptpar before owners were recorded: only a folder of its own layout
-            if set(os.listdir(path)) - {"zero", META}:
+            if set(os.listdir(path)) - {"zero", UNIVERSAL_META}:
                 continue
             owner = {"pid": int(match.group(1)), "host": socket.gethostname()}
         state = lock_state(owner)

@@ -38,26 +38,24 @@ import json
 import os
 import pickle
 import re
-import shutil
 from typing import Callable, Dict, Iterable, Iterator, Optional, Tuple
 
 import torch
 
-from gptpar.model.config import GPTConfig
-from gptpar.checkpoint.weight_files import file_problems, load_torch_file
+from gptpar.checkpoint.durable import StagedFolder
+from gptpar.checkpoint.errors import UniversalCheckpointError
+from gptpar.checkpoint.layout import OWNER, UNIVERSAL_META as META, model_states_file
+from gptpar.checkpoint.manifest import MARK, UNIVERSAL, Verifier, open_folder
+from gptpar.checkpoint.weight_files import file_problems
+from gptpar.checkpoint.writer import write_file
 from gptpar.config import deepspeed_precision
+from gptpar.model.config import GPTConfig
 
-META = "gptpar_universal.json"
-OWNER = ".gptpar-owner.json"  # in a folder being converted: the job writing it (removed before the rename)
 FORMAT = "gptpar-universal"
 VERSION = 1
 STATES = ("fp32", "exp_avg", "exp_avg_sq")  # the tensors kept per parameter (plus "step")
 # DeepSpeed's keys inside each per-parameter file (deepspeed.checkpoint.constants PARAM, CAT_DIM, VOCAB_TENSOR).
 PARAM, CAT_DIM, VOCAB_TENSOR = "param", "cat_dim", "vocab_tensor"
-
-
-class UniversalCheckpointError(RuntimeError):
-    """A checkpoint that cannot be converted to or read as a universal checkpoint; names the file and the fix."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,24 +143,49 @@ def state_path(directory: str, name: str, key: str) -> str:
     return os.path.join(directory, "zero", name, f"{key}.pt")
 
 
-def read_meta(directory: str, config: Optional[GPTConfig] = None) -> dict:
-    """The universal checkpoint's metadata; UniversalCheckpointError if it is not one. A folder DeepSpeed wrote
-    (`is_deepspeed_universal`) has none of gptpar's: its model shape is `config` (the run's), its names are
-    mapped by `deepspeed_parameter_names`, and it carries no counters. meta["names"] maps each GPTModel name to
-    its folder under zero/."""
+def open_universal(directory: str, log: Callable[[str], None], verify: bool = True, quiet: bool = False,
+                   checks: Optional[Callable[[str, dict], bool]] = None, defer: bool = False,
+                   fix: Optional[str] = None) -> Verifier:
+    """Start reading universal folder `directory` (gptpar.checkpoint.manifest.open_folder): gptpar's needs its
+    manifest, of a universal copy, every file whole; one DeepSpeed wrote carries no checksums (said in one line)
+    and its files are checked for being whole torch files when read_meta maps them."""
+    fix = fix or rebuild_fix(directory)
+    try:
+        verifier = open_folder(directory, fix, log, verify, "asked not to verify", checks, defer, quiet)
+    except UniversalCheckpointError:
+        raise
+    except Exception as e:  # CheckpointError of the manifest: the universal readers' own class
+        raise UniversalCheckpointError(str(e)) from None
+    if verifier.manifest is not None and verifier.manifest.kind != UNIVERSAL:
+        raise UniversalCheckpointError(f"{directory} is a {verifier.manifest.kind} folder, not a universal checkpoint")
+    return verifier
+
+
+def rebuild_fix(directory: str) -> str:
+    """How to replace a damaged or incomplete universal copy."""
+    return (f"rebuild it: delete {directory} and resume again (the next start converts its checkpoint anew), or "
+            f"convert it again with `python tools/convert_checkpoint.py --load CHECKPOINT --to universal --output "
+            f"{directory}`")
+
+
+def read_meta(verifier: Verifier, config: Optional[GPTConfig] = None) -> dict:
+    """The universal checkpoint's metadata, read through `verifier` (open_universal's); UniversalCheckpointError if
+    it is not one. A folder DeepSpeed wrote (`is_deepspeed_universal`) has none of gptpar's: its model shape is
+    `config` (the run's), its names are mapped by `deepspeed_parameter_names`, and it carries no counters.
+    meta["names"] maps each GPTModel name to its folder under zero/."""
+    directory = verifier.folder
     if is_deepspeed_universal(directory):
         if config is None:
             raise UniversalCheckpointError(f"{directory} is a universal folder written by DeepSpeed, which records no "
                                            "model config gptpar reads: give the model's config (checkpoint.load "
                                            "and checkpoint.init_from use the run's)")
-        return _deepspeed_meta(directory, config)
+        return _deepspeed_meta(verifier, config)
     path = os.path.join(directory, META)
     try:
-        with open(path) as f:
-            meta = json.load(f)
+        meta = json.loads(verifier.read_text(path))
     except (OSError, ValueError) as e:
         raise UniversalCheckpointError(f"{path} is missing or unreadable ({e}): {directory} is not a complete "
-                                       "universal checkpoint (convert it again)") from None
+                                       f"universal checkpoint; {verifier.fix}") from None
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise UniversalCheckpointError(f"{path}: format {meta.get('format')!r} version {meta.get('version')!r}, "
                                        f"this gptpar reads {FORMAT!r} version {VERSION}")
@@ -170,28 +193,35 @@ def read_meta(directory: str, config: Optional[GPTConfig] = None) -> dict:
     return meta
 
 
-def read_state(directory: str, name: str, key: str, meta: Optional[dict] = None) -> torch.Tensor:
-    """One full tensor (`key` in STATES, or "step") of GPTModel parameter `name`, loaded with unpickling
-    disabled and memory-mapped: a rank that takes its tp slice of it reads only that slice's pages. With the
-    folder's `meta` (read_meta), the file is found under the folder's own name, checked against the model's
-    shape, and a word embedding's rows past model.vocab_size (a foreign folder's padding) are left out."""
-    path = state_path(directory, meta["names"][name] if meta else name, key)
-    fix = f": the universal checkpoint {directory} is incomplete or damaged (convert it again)"
-    if not os.path.isfile(path):
-        raise UniversalCheckpointError(f"{path} is missing{fix}")
+def read_state(verifier: Verifier, name: str, key: str, meta: dict) -> torch.Tensor:
+    """One full tensor (`key` in STATES, or "step") of GPTModel parameter `name`, read through `verifier` with
+    unpickling disabled and memory-mapped: a rank that takes its tp slice of it reads only that slice's pages (a
+    rank that verifies the file reads it whole, once). The file is found under the folder's own name, checked
+    against the model's shape, and a word embedding's rows past model.vocab_size (a foreign folder's padding) are
+    left out."""
+    path = state_path(verifier.folder, meta["names"][name], key)
+    fix = f": the universal checkpoint {verifier.folder} is incomplete or damaged; {verifier.fix}"
+    problem = file_problems([path])
+    if problem:
+        raise UniversalCheckpointError(f"{problem[0]}{fix}")
     try:
-        value = load_torch_file(path, UniversalCheckpointError, fix, weights_only=True, mmap=True)
+        value = verifier.torch_load(path, weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
         raise UniversalCheckpointError(
             f"{path} holds objects other than tensors and plain values, which gptpar does not unpickle "
             f"(torch.load(weights_only=True) refused: {str(e).splitlines()[0]}): write it with tensors, numbers "
             "and strings only") from None
+    except (RuntimeError, OSError, EOFError, ValueError) as e:
+        if isinstance(e, UniversalCheckpointError):
+            raise
+        raise UniversalCheckpointError(f"{path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0]})"
+                                       f"{fix}") from None
     if key == "step":
         return value
     if not isinstance(value, dict) or not torch.is_tensor(value.get(PARAM)):
         raise UniversalCheckpointError(f"{path} is not a dict with a tensor under {PARAM!r}, as DeepSpeed's "
                                        "universal checkpoint files are")
-    return _fitted(value[PARAM], meta["parameters"][name], path) if meta else value[PARAM]
+    return _fitted(value[PARAM], meta["parameters"][name], path)
 
 
 def _fitted(tensor: torch.Tensor, tag: dict, path: str) -> torch.Tensor:
@@ -207,22 +237,15 @@ def _fitted(tensor: torch.Tensor, tag: dict, path: str) -> torch.Tensor:
     return tensor
 
 
-def read_weights(directory: str, config: Optional[GPTConfig] = None) -> Tuple[Dict[str, torch.Tensor], GPTConfig]:
+def read_weights(directory: str, config: Optional[GPTConfig] = None, log: Callable[[str], None] = print,
+                 verify: bool = True) -> Tuple[Dict[str, torch.Tensor], GPTConfig]:
     """GPTModel-named full fp32 weights (real vocab rows) and the model config of a universal checkpoint
-    (`config`: the model of a folder DeepSpeed wrote, which records none gptpar reads)."""
-    meta = read_meta(directory, config)
-    return ({name: read_state(directory, name, "fp32", meta) for name in meta["parameters"]},
+    (`config`: the model of a folder DeepSpeed wrote, which records none gptpar reads), every file verified as
+    it is read."""
+    verifier = open_universal(directory, log, verify)
+    meta = read_meta(verifier, config)
+    return ({name: read_state(verifier, name, "fp32", meta) for name in meta["parameters"]},
             GPTConfig(**meta["model"]))
-
-
-def check_files(directory: str, meta: dict, keys: Iterable[str] = STATES + ("step",)) -> None:
-    """UniversalCheckpointError naming every file of state `keys` of every parameter that is missing, empty or
-    not a whole torch file (`meta`: read_meta's), before anything reads them."""
-    problems = file_problems(state_path(directory, folder, key) for folder in meta["names"].values() for key in keys)
-    if problems:
-        raise UniversalCheckpointError(f"universal checkpoint {directory} is damaged: " + "; ".join(problems[:5])
-                                       + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
-                                       + ": convert it again from its checkpoint, or load another one")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,9 +290,10 @@ def deepspeed_parameter_names(names: Iterable[str], num_layers: int) -> Dict[str
     return mapped
 
 
-def _deepspeed_meta(directory: str, config: GPTConfig) -> dict:
+def _deepspeed_meta(verifier: Verifier, config: GPTConfig) -> dict:
     """read_meta of a folder DeepSpeed wrote: every parameter folder under zero/ mapped to a GPTModel name of
     `config`'s model (any other is an error naming it), every parameter of the model present once."""
+    directory = verifier.folder
     zero = os.path.join(directory, "zero")
     folders = sorted(n for n in os.listdir(zero) if os.path.isdir(os.path.join(zero, n)))
     tags = parameter_tags(config)
@@ -289,8 +313,14 @@ def _deepspeed_meta(directory: str, config: GPTConfig) -> dict:
                                        "model fields (embed_layernorm, position_embedding_type, num_layers)")
     meta = {"format": "deepspeed-universal", "model": dataclasses.asdict(config), "parameters": tags,
             "names": names, "counters": {}, "source": {"path": os.path.abspath(directory)}}
+    problems = file_problems(state_path(directory, folder, key) for folder in names.values()
+                             for key in STATES + ("step",))
+    if problems:
+        raise UniversalCheckpointError(f"universal checkpoint {directory} is damaged: " + "; ".join(problems[:5])
+                                       + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
+                                       + ": convert it again from its checkpoint, or load another one")
     for name in tags:  # every shape checked now, before anything is built (the files are mapped, not read)
-        read_state(directory, name, "fp32", meta)
+        read_state(verifier, name, "fp32", meta)
     return meta
 
 
@@ -318,13 +348,21 @@ def optimizer_states_file(precision: str, dp_rank: int, mp_rank: int) -> str:
     return f"{optimizer_files(precision)[0]}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
 
 
-def _deepspeed_file(path: str) -> dict:
+def _deepspeed_file(verifier: Verifier, path: str) -> dict:
     """A DeepSpeed checkpoint file, memory-mapped: its tensors stay on disk until read, and the mapping goes
-    with the last tensor that uses it. A pickle: see above."""
-    fix = ": the checkpoint is incomplete or damaged (resume from or convert an earlier one)"
+    with the last tensor that uses it; verified against the manifest the first time it is opened (read whole
+    once; its later mappings read from the page cache). A pickle: see above."""
     if not os.path.isfile(path):
-        raise UniversalCheckpointError(f"missing checkpoint file {path}{fix[1:]}")
-    return load_torch_file(path, UniversalCheckpointError, fix, weights_only=False, mmap=True)
+        raise UniversalCheckpointError(f"missing checkpoint file {path}: the checkpoint is incomplete; {verifier.fix}")
+    try:
+        return verifier.torch_load(path, weights_only=False, mmap=True)
+    except UniversalCheckpointError:
+        raise
+    except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError) as e:
+        if type(e).__name__ == "CheckpointError":  # the verifier's: a file that does not match its sha256
+            raise UniversalCheckpointError(str(e)) from None
+        raise UniversalCheckpointError(f"{path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0]}): "
+                                       f"{verifier.fix}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,15 +383,18 @@ class Source:
         return GPTConfig(**self.run_config["model"])
 
 
-def read_source(ckpt: str) -> Source:
+def read_source(ckpt: str, verifier: Optional[Verifier] = None) -> Source:
     """The checkpoint `ckpt` as the converter reads it, or UniversalCheckpointError saying why it cannot be
-    converted and what to do instead; reads config.json only (and lists the folder). dp is the recorded one;
-    checkpoints of runs that left parallel.data_parallel_size at null (before it was recorded resolved) give
-    it through their optimizer files' names."""
+    converted and what to do instead; reads config.json only (through `verifier` when given) and lists the
+    folder. dp is the recorded one; checkpoints of runs that left parallel.data_parallel_size at null (before it
+    was recorded resolved) give it through their optimizer files' names."""
     path = os.path.join(ckpt, "config.json")
     try:
-        with open(path) as f:
-            run_config = json.load(f)
+        if verifier is not None:
+            run_config = json.loads(verifier.read_text(path))
+        else:
+            with open(path) as f:
+                run_config = json.load(f)
         GPTConfig(**run_config["model"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UniversalCheckpointError(f"{path} is missing or unreadable ({type(e).__name__}: {e}): {ckpt} is not "
@@ -392,17 +433,19 @@ class _StageShards:
     """The optimizer shards of one pipeline stage: per tp rank, the parameter shapes of its model-states file
     and the paths of its dp ranks' ZeRO partitions, from which `tp_slice` copies one parameter's state out."""
 
-    def __init__(self, source: Source, stage: int):
+    def __init__(self, source: Source, stage: int, verifier: Verifier):
         ckpt, tp, dp = source.path, source.tp, source.dp
+        self.verifier = verifier
         self.shapes, self.files = [], []
         for t in range(tp):
             mp_rank = stage * tp + t  # DeepSpeed's model-parallel rank: tp fastest within a stage
-            self.shapes.append(_deepspeed_file(os.path.join(ckpt, f"mp_rank_{mp_rank:02d}_model_states.pt"))
+            self.shapes.append(_deepspeed_file(verifier, os.path.join(ckpt, model_states_file(mp_rank)))
                                ["param_shapes"])
             self.files.append([os.path.join(ckpt, optimizer_states_file(source.precision, d, mp_rank))
                                for d in range(dp)])
         steps = {float(state["step"]) for paths in self.files for path in paths
-                 for state in _deepspeed_file(path)["optimizer_state_dict"]["base_optimizer_state"]["state"].values()}
+                 for state in _deepspeed_file(verifier, path)["optimizer_state_dict"]["base_optimizer_state"]
+                 ["state"].values()}
         if len(steps) != 1:
             raise UniversalCheckpointError(f"{ckpt}: the optimizer shards of stage {stage} disagree on (or lack) "
                                            f"Adam's step count: {sorted(steps)}")
@@ -422,7 +465,7 @@ class _StageShards:
         out = torch.empty(shape.numel(), dtype=torch.float32)
         filled = 0
         for path in self.files[t]:
-            sd = _deepspeed_file(path)["optimizer_state_dict"]
+            sd = _deepspeed_file(self.verifier, path)["optimizer_state_dict"]
             where = sd["param_slice_mappings"][group].get(name)
             if where is not None and filled + where.numel <= out.numel():
                 flat = (sd["single_partition_of_fp32_groups"][group] if key == "fp32"
@@ -438,30 +481,33 @@ class _StageShards:
 
 def convert_deepspeed_checkpoint(ckpt: str, out_dir: str, log: Callable[[str], None] = print,
                                  counters: Optional[dict] = None, source_files: Optional[dict] = None,
-                                 owner: Optional[dict] = None) -> dict:
+                                 owner: Optional[dict] = None, verify: bool = True, replace: bool = False,
+                                 fix: str = "resume from or convert an earlier checkpoint") -> dict:
     """Write the universal form of gptpar checkpoint folder `ckpt` (any tp x pp x dp, ZeRO-1 in fp32 or bf16)
-    to `out_dir` (must not exist; written under `{out_dir}.tmp-PID`, renamed when whole). Returns its metadata.
+    to `out_dir` (one that exists is swapped out only with `replace`: a stale copy). Returns its metadata.
 
-    `counters`: the run's counters and client state to carry (gptpar.checkpoint.checkpointer reads them).
-    `source_files`: what identifies the exact files converted (gptpar.checkpoint.layout.fingerprint),
-    kept in the metadata so that a copy is never reused once its checkpoint was rewritten in place. `owner`:
-    the job converting (pid, host, start time), written first into the temporary folder as OWNER, so that the
-    next start can tell a killed conversion's leftover from a live one's (gptpar.checkpoint.save_folder)."""
-    source = read_source(ckpt)
+    Every file read from `ckpt` is checked against its manifest in the same pass (`verify`; `fix` ends the message
+    of a damaged one). The copy is one durable write (gptpar.checkpoint.durable): `{out_dir}.tmp-PID`, every file
+    hashed as written and fsynced, the metadata, the manifest last, the folder fsynced and renamed, the parent
+    fsynced. `counters`: the run's counters and client state to carry. `source_files`: what identifies the exact
+    files converted (layout.fingerprint), kept in the metadata so that a copy is never reused once its checkpoint
+    was rewritten. `owner`: the job converting (pid, host, start time), written first into the temporary folder,
+    so that the next start can tell a killed conversion's leftover from a live one's."""
+    source_verifier = open_folder(ckpt, fix, log, verify, "asked not to verify", quiet=True)
+    source = read_source(ckpt, source_verifier)
     config, tp, pp, weight = source.model, source.tp, source.pp, source.embedding_weight
     tags = parameter_tags(config)
-    if os.path.exists(out_dir):
+    if os.path.exists(out_dir) and not replace:
         raise UniversalCheckpointError(f"{out_dir} exists: choose a new output folder (nothing is overwritten)")
-    tmp = f"{out_dir}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    step, written = None, set()
+    staged = StagedFolder(out_dir)
+    step, written, records = None, set(), {}
     try:
-        os.makedirs(tmp)
+        tmp = staged.create()
         if owner is not None:
             with open(os.path.join(tmp, OWNER), "w") as f:
                 json.dump(owner, f)
         for stage in range(pp):
-            shards = _StageShards(source, stage)
+            shards = _StageShards(source, stage, source_verifier)
             for group, ds_name in shards.names():
                 name = gpt_parameter_name(ds_name, pp > 1, config.num_layers, weight)
                 if name in written:  # the last stage's tied copy of the word embedding
@@ -470,8 +516,8 @@ def convert_deepspeed_checkpoint(ckpt: str, out_dir: str, log: Callable[[str], N
                     raise UniversalCheckpointError(f"{ckpt}: parameter {ds_name} ({name}) is not in the model "
                                                    "its config.json describes")
                 step = shards.step
-                _write_parameter(tmp, name, tags[name], tp, step,
-                                 read=lambda t, key: shards.tp_slice(t, group, ds_name, key))
+                records.update(_write_parameter(tmp, name, tags[name], tp, step,
+                                                read=lambda t, key: shards.tp_slice(t, group, ds_name, key)))
                 written.add(name)
         missing = sorted(set(tags) - written)
         if missing:
@@ -487,39 +533,31 @@ def convert_deepspeed_checkpoint(ckpt: str, out_dir: str, log: Callable[[str], N
             json.dump(meta, f, indent=1)
         if owner is not None:
             os.remove(os.path.join(tmp, OWNER))
-        _rename_into_place(tmp, out_dir)
+        staged.commit(UNIVERSAL, records, log=log, replace=replace)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        staged.abandon()
         raise
     log(f"wrote universal checkpoint {out_dir}: {len(written)} parameters, Adam step {step:g}")
     return meta
 
 
-def _rename_into_place(tmp: str, out_dir: str) -> None:
-    """Rename the finished `tmp` to `out_dir`, which must still not exist: another job converting the same
-    checkpoint into the same place at the same time is named, not mistaken for a full disk."""
-    try:
-        os.rename(tmp, out_dir)  # replaces an empty folder at most
-    except OSError as e:
-        if os.path.exists(out_dir):
-            raise UniversalCheckpointError(f"{out_dir} appeared while this job converted into it ({e.strerror}): "
-                                           "another job converted the same checkpoint at the same time; run one "
-                                           "job per checkpoint (the save folder's lock does this when they share "
-                                           "checkpoint.save)") from None
-        raise
-
-
-def _write_parameter(out: str, name: str, tag: dict, tp: int, step: float, read) -> None:
+def _write_parameter(out: str, name: str, tag: dict, tp: int, step: float, read) -> Dict[str, dict]:
     """Write each state of one parameter, put together from its tp slices (`read(tp_rank, key)`) along its
-    partition dim without the vocab padding rows: one full state and one slice are in memory at a time."""
+    partition dim without the vocab padding rows: one full state and one slice are in memory at a time. Each
+    file is hashed as written and fsynced; returns their records (relative to `out`)."""
     folder = os.path.join(out, "zero", name)
     os.makedirs(folder, exist_ok=True)
+    records = {}
     for key in STATES:
         full = _full_tensor(name, tag, tp, lambda t: read(t, key))
-        torch.save({PARAM: full, CAT_DIM: tag["partition_dim"] or 0, VOCAB_TENSOR: tag["vocab_tensor"]},
-                   os.path.join(folder, f"{key}.pt"))
+        path = os.path.join(folder, f"{key}.pt")
+        records[os.path.relpath(path, out)] = write_file(
+            {PARAM: full, CAT_DIM: tag["partition_dim"] or 0, VOCAB_TENSOR: tag["vocab_tensor"], MARK: True}, path,
+            checksums=True)
         del full
-    torch.save(torch.tensor(step, dtype=torch.float32), os.path.join(folder, "step.pt"))
+    path = os.path.join(folder, "step.pt")
+    records[os.path.relpath(path, out)] = write_file(torch.tensor(step, dtype=torch.float32), path, checksums=True)
+    return records
 
 
 def _full_tensor(name: str, tag: dict, tp: int, read) -> torch.Tensor:
@@ -550,6 +588,6 @@ def _full_tensor(name: str, tag: dict, tp: int, read) -> torch.Tensor:
 
 
 __all__ = ["META", "OWNER", "STATES", "UniversalCheckpointError", "gpt_parameter_name", "OPTIMIZER_FILES",
-           "optimizer_files", "optimizer_states_file", "Source", "read_source", "check_files",
+           "optimizer_files", "optimizer_states_file", "Source", "read_source", "open_universal", "rebuild_fix",
            "parameter_tags", "deepspeed_universal_info", "is_universal", "is_deepspeed_universal", "state_path",
            "read_meta", "read_state", "read_weights", "deepspeed_parameter_names", "convert_deepspeed_checkpoint"]

@@ -1,21 +1,27 @@
-"""Checkpoint conversion: a gptpar training checkpoint of any tp x pp -> one full (tp = 1) state dict,
-and from there to a Hugging Face GPT-2 or BLOOM (gptpar.model.hf.hf_architecture) or to any other tp.
+"""Full weights from any source, and weights-only checkpoints: the one reader behind checkpoint.init_from,
+tools/generate.py, tools/eval_harness.py and tools/convert_checkpoint.py.
 
-The full form is `GPTModel`'s state dict at tp = 1 with the word embedding trimmed to the real
-vocabulary: padding rows depend on tp (Megatron pads the vocab to a multiple of 128 x tp), so they are
-dropped here and re-added by `gptpar.model.sharding.load_full_state_dict` for the target tp. (Universal
-checkpoints, with the optimizer state, are gptpar.checkpoint.universal's.)
+`read_weights(path)` gives one full (tp = 1) state dict, keyed by GPTModel's parameter names with the word
+embedding trimmed to the real vocabulary (padding rows depend on tp: Megatron pads the vocab to a multiple of
+128 x tp; gptpar.model.sharding re-adds them for the target tp), from whatever `path` holds:
 
-Which files DeepSpeed writes (one checkpoint directory, e.g. {save}/iter_0000300):
+    a training checkpoint (any tp x pp)   an iter_N folder, or the save folder holding `latest`
+    a weights-only checkpoint             tools/convert_checkpoint.py --to gptpar (`save_weights_only`)
+    a universal checkpoint                gptpar's, or one DeepSpeed's ds_to_universal.py wrote
+    a Hugging Face model directory        GPT-2 or BLOOM (gptpar.checkpoint.huggingface)
+
+Every file is read through gptpar.checkpoint.manifest's Verifier: a folder gptpar wrote is read only with its
+manifest, each file checked against its sha256 as it is read (a flipped byte refused, naming the file); a folder
+gptpar did not write is said in one line to carry no checksums. `check_weight_files` checks, before any weight is
+read, that everything `read_weights` will read is there and whole.
+
+Which files DeepSpeed writes (one checkpoint folder):
   pp = 1   mp_rank_{tp:02d}_model_states.pt                 key 'module': GPTModel's state dict
   pp > 1   layer_{idx:02d}-model_{tp:02d}-model_states.pt   one pipeline layer's state dict
            with the spec indices of gptpar.model.pipeline.layer_specs (`gpt_layer_prefixes`: embedding 0,
            transformer layer i at w + i, final LayerNorm at w + L; w = embedding weight).
 Shards are merged and split by the parameters' own tags (`tensor_model_parallel`, `partition_dim`) read off a
 `meta`-device model, never by name patterns.
-
-A weights-only checkpoint (`save_weights_only`, tools/convert_checkpoint.py --to gptpar) holds the same model-state
-files for its (tp, pp), written with plain tensors only, beside config.json and a manifest marked weights-only.
 """
 from __future__ import annotations
 
@@ -23,59 +29,94 @@ import dataclasses
 import glob
 import json
 import os
-import shutil
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from gptpar.checkpoint import universal
+from gptpar.checkpoint.durable import StagedFolder
+from gptpar.checkpoint.errors import CheckpointError, ConversionError
+from gptpar.checkpoint.layout import (CONFIG, MANIFEST, TAG_RE, is_universal_folder, layer_file,
+                                      model_states_file, resolve_load)
+from gptpar.checkpoint.manifest import MARK, WEIGHTS_ONLY, Verifier, open_folder
+from gptpar.checkpoint.weight_files import file_problems
+from gptpar.checkpoint.writer import write_file
 from gptpar.model.config import GPTConfig
 from gptpar.model.partition import partition_layers
 from gptpar.model.pipeline import gpt_layer_prefixes
-from gptpar.checkpoint.weight_files import HF_WEIGHT_FILES, file_problems, hf_weight_files, load_torch_file
 
 StateDict = Dict[str, torch.Tensor]
-
-
-class ConversionError(RuntimeError):
-    """A checkpoint that cannot be read as a gptpar GPT; the message names the file and the problem."""
+SOURCES = ("a gptpar checkpoint folder (e.g. checkpoints/run/iter_0000100), its save folder (holding `latest`), a "
+           "weights-only or universal checkpoint, or a local Hugging Face model directory")
+FIX = "use another checkpoint, or copy, convert or export this one again"
 
 
 def resolve_checkpoint_dir(path: str, tag: Optional[str] = None) -> str:
-    """`path` may be a checkpoint directory itself or a save directory holding `latest`."""
+    """The checkpoint folder `path` means: the folder itself (an iter_N or weights-only folder), `tag` inside it,
+    or what its `latest` points at (which must exist and be complete: the messages resume gives)."""
     if not os.path.exists(path):
-        raise ConversionError(f"{path} does not exist: give a gptpar checkpoint directory (e.g. "
-                              "checkpoints/run/iter_0000100), its save directory, a universal checkpoint or a local "
-                              "Hugging Face model directory")
+        raise ConversionError(f"{path} does not exist: give {SOURCES}")
     if not os.path.isdir(path):
-        raise ConversionError(f"{path} is a file, not a checkpoint directory: give the folder that holds it")
+        raise ConversionError(f"{path} is a file, not a checkpoint folder: give the folder that holds it")
     if tag:
         path = os.path.join(path, tag)
-    elif os.path.isfile(os.path.join(path, "latest")):
-        with open(os.path.join(path, "latest")) as f:
-            path = os.path.join(path, f.read().strip())
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConversionError(f"{path} holds no config.json: pass a gptpar checkpoint directory "
-                              f"(e.g. checkpoints/run/iter_0000100) or the save directory with its `latest` file")
-    return path
+        if not os.path.isdir(path):
+            raise ConversionError(f"{path} does not exist: --tag names an iter_N folder inside --load")
+        return path
+    if TAG_RE.match(os.path.basename(os.path.normpath(path))) or any(
+            os.path.isfile(os.path.join(path, name)) for name in (MANIFEST, CONFIG)):
+        return path  # a checkpoint folder itself (a weights-only one has no iter_N name)
+    try:
+        target, note = resolve_load(path)
+    except CheckpointError as e:
+        raise ConversionError(str(e)) from None
+    if target is None:
+        raise ConversionError(f"{path} holds no checkpoint ({note.split(': ', 1)[-1].split(';')[0]}): give {SOURCES}")
+    return target.path
 
 
-def _load(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise ConversionError(f"missing checkpoint file {path}: the checkpoint is incomplete")
-    return load_torch_file(path, ConversionError, ": the checkpoint is damaged (use an earlier one)",
-                           weights_only=False)
+def is_hf_model_dir(path: str) -> bool:
+    """A local Hugging Face model directory: its config.json names a `model_type` (gptpar's names `model`)."""
+    config = os.path.join(path, CONFIG)
+    if not os.path.isfile(config):
+        return False
+    try:
+        with open(config) as f:
+            return "model_type" in json.load(f)
+    except (OSError, ValueError, TypeError) as e:
+        raise ConversionError(f"{config} is unreadable ({type(e).__name__}: {e})") from None
 
 
-def model_states_file(tp_rank: int) -> str:
-    """DeepSpeed's model-states file of tp rank `tp_rank` at pp = 1 (key 'module': GPTModel's state dict)."""
-    return f"mp_rank_{tp_rank:02d}_model_states.pt"
+def _source(path: str) -> str:
+    """What `path` holds: "universal", "huggingface" or "gptpar" (a training or weights-only checkpoint)."""
+    if os.path.isdir(path) and is_universal_folder(path):
+        return "universal"
+    if os.path.isdir(path) and is_hf_model_dir(path):
+        return "huggingface"
+    return "gptpar"
 
 
-def layer_file(index: int, tp_rank: int) -> str:
-    """DeepSpeed's file of pipeline layer spec `index` (gptpar.model.pipeline.gpt_layer_prefixes) of tp rank
-    `tp_rank` at pp > 1: that layer's state dict."""
-    return f"layer_{index:02d}-model_{tp_rank:02d}-model_states.pt"
+def _open(ckpt: str, log: Callable[[str], None], verify: bool, quiet: bool) -> Verifier:
+    """A gptpar checkpoint folder opened for reading: its manifest required, every listed file whole."""
+    try:
+        verifier = open_folder(ckpt, FIX, log, verify, "--no-verify", quiet=quiet)
+    except CheckpointError as e:
+        raise ConversionError(str(e)) from None
+    if verifier.manifest is None:
+        raise ConversionError(f"{ckpt} is not a gptpar checkpoint (no {MANIFEST}, no {CONFIG}): give {SOURCES}")
+    return verifier
+
+
+def _run_config(ckpt: str, verifier: Verifier) -> Tuple[dict, GPTConfig]:
+    path = os.path.join(ckpt, CONFIG)
+    try:
+        run_config = json.loads(verifier.read_text(path))
+        return run_config, GPTConfig(**run_config["model"])
+    except CheckpointError as e:
+        raise ConversionError(str(e)) from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConversionError(f"{path} is unreadable ({type(e).__name__}: {e}): not a whole gptpar "
+                              "checkpoint") from None
 
 
 def _shard_files(ckpt: str, config: GPTConfig, parallel: dict) -> List[List[Tuple[str, str]]]:
@@ -91,43 +132,44 @@ def _shard_files(ckpt: str, config: GPTConfig, parallel: dict) -> List[List[Tupl
              for index, prefix in gpt_layer_prefixes(config.num_layers, weight).items()] for t in range(tp)]
 
 
-def _read_shards(files: List[List[Tuple[str, str]]], pipelined: bool):
-    """For each tp rank, GPTModel-named tensors of that rank (all pipeline stages put together)."""
+def _read_shards(files: List[List[Tuple[str, str]]], pipelined: bool, verifier: Verifier):
+    """For each tp rank, GPTModel-named tensors of that rank (all pipeline stages put together), every file
+    verified as it is read."""
     shards = []
     for rank_files in files:
         sd = {}
         for path, prefix in rank_files:
-            state = _load(path)
+            if not os.path.isfile(path):
+                raise ConversionError(f"missing checkpoint file {path}: the checkpoint is incomplete")
+            try:
+                state = verifier.torch_load(path, weights_only=False)
+            except CheckpointError as e:
+                raise ConversionError(str(e)) from None
+            except (RuntimeError, OSError, EOFError, ValueError) as e:
+                raise ConversionError(f"{path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0]}): "
+                                      f"{FIX}") from None
             for key, value in (state if pipelined else state["module"]).items():
-                sd[prefix + key] = value
+                if key != MARK:
+                    sd[prefix + key] = value
         shards.append(sd)
     return shards
 
 
-def _run_config(ckpt: str) -> Tuple[dict, GPTConfig]:
-    path = os.path.join(ckpt, "config.json")
-    try:
-        with open(path) as f:
-            run_config = json.load(f)
-        return run_config, GPTConfig(**run_config["model"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConversionError(f"{path} is unreadable ({type(e).__name__}: {e}): not a whole gptpar "
-                              "checkpoint") from None
-
-
-def read_checkpoint_weights(path: str, tag: Optional[str] = None) -> Tuple[StateDict, GPTConfig, dict]:
-    """Read a gptpar checkpoint (any tp x pp) into one tp = 1 state dict with the real vocab rows.
-
-    Returns (state dict, model config, the run's full config dict)."""
+def read_checkpoint_weights(path: str, tag: Optional[str] = None, log: Callable[[str], None] = print,
+                            verify: bool = True) -> Tuple[StateDict, GPTConfig, dict]:
+    """Read a gptpar checkpoint (any tp x pp, training or weights-only) into one tp = 1 state dict with the real
+    vocab rows, every file verified as it is read. Returns (state dict, model config, the run's config dict)."""
     from gptpar.model.gpt import GPTModel
 
     ckpt = resolve_checkpoint_dir(path, tag)
-    run_config, config = _run_config(ckpt)
+    verifier = _open(ckpt, log, verify, quiet=False)
+    run_config, config = _run_config(ckpt, verifier)
     parallel = run_config.get("parallel", {})
     tp = parallel.get("tensor_model_parallel_size", 1)
     if not glob.glob(os.path.join(ckpt, "*model_states.pt")):
         raise ConversionError(f"{ckpt} holds no DeepSpeed model states (*model_states.pt)")
-    shards = _read_shards(_shard_files(ckpt, config, parallel), parallel.get("pipeline_model_parallel_size", 1) > 1)
+    shards = _read_shards(_shard_files(ckpt, config, parallel), parallel.get("pipeline_model_parallel_size", 1) > 1,
+                          verifier)
 
     reference = GPTModel(config, device="meta")  # carries the sharding tags
     full: StateDict = {}
@@ -144,64 +186,51 @@ def read_checkpoint_weights(path: str, tag: Optional[str] = None) -> Tuple[State
     return full, config, run_config
 
 
-def is_hf_model_dir(path: str) -> bool:
-    """A local Hugging Face model directory: its config.json names a `model_type` (gptpar's names `model`)."""
-    config = os.path.join(path, "config.json")
-    if not os.path.isfile(config):
-        return False
-    try:
-        with open(config) as f:
-            return "model_type" in json.load(f)
-    except (OSError, ValueError, TypeError) as e:
-        raise ConversionError(f"{config} is unreadable ({type(e).__name__}: {e})") from None
-
-
 def check_weight_files(path: str, tag: Optional[str] = None, config: Optional[GPTConfig] = None,
-                       states: Tuple[str, ...] = ("fp32",)) -> None:
-    """ConversionError naming every file `read_weights(path, tag, config)` would read that is missing, empty,
-    truncated or unreadable, before anything is read or built (for a universal checkpoint, its `states`;
-    read_weights reads fp32, a resume every state)."""
+                       log: Callable[[str], None] = print) -> None:
+    """ConversionError naming what `read_weights(path, tag, config)` would refuse, before anything is read or
+    built: a folder gptpar wrote without its manifest, a listed file missing or of another size, a file that is
+    not whole (a universal folder's fp32 states, a Hugging Face folder's weight files, a checkpoint's shards)."""
+    from gptpar.checkpoint.huggingface import check_hf_files
+
     if not os.path.exists(path):
         resolve_checkpoint_dir(path)  # its "does not exist" message
-    if os.path.isdir(path) and (universal.is_universal(path) or universal.is_deepspeed_universal(path)):
+    kind = _source(path)
+    if kind == "universal":
         try:
-            universal.check_files(path, universal.read_meta(path, config), states)
-        except universal.UniversalCheckpointError as e:
+            universal.read_meta(universal.open_universal(path, log, verify=False, quiet=True), config)
+        except CheckpointError as e:
             raise ConversionError(str(e)) from None
         return
-    if os.path.isdir(path) and is_hf_model_dir(path):
-        files = hf_weight_files(path)
-        if not files:
-            raise ConversionError(f"{path} holds a Hugging Face config.json but no weights "
-                                  f"({' or '.join(HF_WEIGHT_FILES)}, or a sharded index): an export that did not "
-                                  "finish? Export or download the model again")
-    else:
-        ckpt = resolve_checkpoint_dir(path, tag)
-        run_config, model = _run_config(ckpt)
-        files = [file for rank_files in _shard_files(ckpt, model, run_config.get("parallel", {}))
-                 for file, _ in rank_files]
-    problems = file_problems(files)
+    if kind == "huggingface":
+        check_hf_files(path, log)
+        return
+    ckpt = resolve_checkpoint_dir(path, tag)
+    verifier = _open(ckpt, log, verify=False, quiet=True)
+    run_config, model = _run_config(ckpt, verifier)
+    problems = file_problems(file for rank_files in _shard_files(ckpt, model, run_config.get("parallel", {}))
+                             for file, _ in rank_files)
     if problems:
         raise ConversionError("unreadable weights: " + "; ".join(problems[:5])
-                              + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
-                              + ": use another checkpoint, or copy, convert or export this one again")
+                              + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "") + f": {FIX}")
 
 
-def read_weights(path: str, tag: Optional[str] = None,
-                 config: Optional[GPTConfig] = None) -> Tuple[StateDict, GPTConfig]:
-    """Full (tp = 1) weights with the real vocab rows, and the model config, from whatever `path` holds:
-    a gptpar checkpoint (any tp x pp; a checkpoint directory or the save directory holding `latest`), a
-    universal checkpoint (its fp32 master weights, read with unpickling disabled; one written by DeepSpeed's
-    ds_to_universal.py records no model gptpar reads, so it needs `config`) or a local Hugging Face model
-    directory. The one reader for every tool that starts from existing weights."""
-    if os.path.isdir(path) and (universal.is_universal(path) or universal.is_deepspeed_universal(path)):
+def read_weights(path: str, tag: Optional[str] = None, config: Optional[GPTConfig] = None,
+                 log: Callable[[str], None] = print, verify: bool = True) -> Tuple[StateDict, GPTConfig]:
+    """Full (tp = 1) weights with the real vocab rows, and the model config, from whatever `path` holds (see the
+    module docstring); every file verified as it is read unless `verify` is off (the user asked by name). A
+    universal folder DeepSpeed wrote records no model gptpar reads: it needs `config`."""
+    from gptpar.checkpoint.huggingface import load_hf
+
+    kind = _source(path)
+    if kind == "universal":
         try:
-            return universal.read_weights(path, config)
-        except universal.UniversalCheckpointError as e:
+            return universal.read_weights(path, config, log, verify)
+        except CheckpointError as e:
             raise ConversionError(str(e)) from None
-    if os.path.isdir(path) and is_hf_model_dir(path):
-        return load_hf(path)
-    state, config, _ = read_checkpoint_weights(path, tag)
+    if kind == "huggingface":
+        return load_hf(path, log, verify)
+    state, config, _ = read_checkpoint_weights(path, tag, log, verify)
     return state, config
 
 
@@ -209,27 +238,34 @@ def read_weights_config(path: str, tag: Optional[str] = None, config: Optional[G
     """The model config of what `read_weights(path, tag, config)` returns, read without the tensors where the
     source keeps it apart (a Hugging Face or a gptpar checkpoint's config.json), so that shapes are checked
     before any weight is read; a universal folder is its metadata's model (gptpar's) or `config` once its names
-    and shapes are checked against it (DeepSpeed's); any other source through `read_weights` itself."""
-    if os.path.isdir(path) and (universal.is_universal(path) or universal.is_deepspeed_universal(path)):
+    and shapes are checked against it (DeepSpeed's)."""
+    from gptpar.checkpoint.huggingface import hf_config
+
+    quiet = lambda *_: None  # noqa: E731 - the reads that follow say what there is to say
+    kind = _source(path)
+    if kind == "universal":
         try:
-            return GPTConfig(**universal.read_meta(path, config)["model"])
-        except universal.UniversalCheckpointError as e:
+            return GPTConfig(**universal.read_meta(universal.open_universal(path, quiet, quiet=True), config)["model"])
+        except CheckpointError as e:
             raise ConversionError(str(e)) from None
-    if os.path.isdir(path) and is_hf_model_dir(path):
-        return _hf_config(path)
-    return _run_config(resolve_checkpoint_dir(path, tag))[1]
+    if kind == "huggingface":
+        return hf_config(path)
+    ckpt = resolve_checkpoint_dir(path, tag)
+    return _run_config(ckpt, _open(ckpt, quiet, verify=True, quiet=True))[1]
 
 
-def _hf_config(model_dir: str) -> GPTConfig:
-    """The GPTConfig of a Hugging Face directory's config.json; ConversionError for one gptpar does not read."""
-    import transformers
-
-    from gptpar.model.hf import config_from_hf
-
-    try:
-        return config_from_hf(transformers.AutoConfig.from_pretrained(model_dir))
-    except (ValueError, KeyError, OSError) as e:  # an unknown or unsupported model_type, a broken config.json
-        raise ConversionError(f"{model_dir}: {str(e).splitlines()[0]}") from None
+def run_config_of(path: str, tag: Optional[str] = None) -> Optional[dict]:
+    """The training run's config a gptpar or universal checkpoint saved, verified (None for a Hugging Face
+    directory or a universal folder written by DeepSpeed, which record none)."""
+    quiet = lambda *_: None  # noqa: E731
+    kind = _source(path)
+    if kind == "universal":
+        verifier = universal.open_universal(path, quiet, quiet=True)
+        return None if verifier.manifest is None else universal.read_meta(verifier).get("config")
+    if kind == "huggingface":
+        return None
+    ckpt = resolve_checkpoint_dir(path, tag)
+    return _run_config(ckpt, _open(ckpt, quiet, verify=True, quiet=True))[0]
 
 
 def check_layout(config: GPTConfig, tp: int, pp: int) -> None:
@@ -242,16 +278,16 @@ def check_layout(config: GPTConfig, tp: int, pp: int) -> None:
         raise ConversionError(f"cannot lay this model out at tp {tp} x pp {pp}: {e}") from None
 
 
-def save_weights_only(state: StateDict, config: GPTConfig, out_dir: str, tp: int = 1, pp: int = 1) -> None:
+def save_weights_only(state: StateDict, config: GPTConfig, out_dir: str, tp: int = 1, pp: int = 1,
+                      log: Callable[[str], None] = print) -> None:
     """Write full (tp = 1) weights as a weights-only gptpar checkpoint laid out for (tp, pp): DeepSpeed-named
     model-state files as a training checkpoint of that shape holds them (plain tensors only, so they load with
-    `torch.load(weights_only=True)`), config.json (model, parallel) and a manifest marked weights-only; no
-    optimizer or per-rank state. `read_weights` reads it back; as `checkpoint.load` it starts a run at
-    iteration 0. Written under a temporary name and renamed at the end: `out_dir` must not exist or be empty."""
+    `torch.load(weights_only=True)`, each carrying gptpar's mark), config.json (model, parallel) and a manifest of
+    kind weights-only; no optimizer or per-rank state. `read_weights` reads it back; as `checkpoint.load` it starts a
+    run at iteration 0. One durable write (gptpar.checkpoint.durable): `out_dir` must not exist or be empty."""
     from gptpar.model.gpt import GPTModel
     from gptpar.model.pipeline import padded_config
     from gptpar.model.sharding import split_tensor
-    from gptpar.checkpoint.layout import write_manifest
 
     check_layout(config, tp, pp)
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
@@ -260,97 +296,37 @@ def save_weights_only(state: StateDict, config: GPTConfig, out_dir: str, tp: int
     missing = sorted(set(params) - set(state))
     if missing:
         raise ConversionError(f"the weights lack {missing[:5]}: not a gptpar GPT of this config")
-    tmp = f"{os.path.normpath(out_dir)}.tmp-{os.getpid()}"
-    os.makedirs(tmp)
+    staged = StagedFolder(out_dir)
     try:
+        tmp = staged.create()
         blocks = {name: split_tensor(state[name], param, tp) for name, param in params.items()}  # views
+        records = {}
         for t in range(tp):  # clone: torch.save of a view would write the whole tensor it views
-            _save_shard({name: b[t].clone() for name, b in blocks.items()}, tmp, t, config.num_layers, pp)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
+            records.update(_save_shard({name: b[t].clone() for name, b in blocks.items()}, tmp, t,
+                                       config.num_layers, pp))
+        with open(os.path.join(tmp, CONFIG), "w") as f:
             json.dump({"model": dataclasses.asdict(config),
                        "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                                     "partition_method": "auto", "embedding_weight": 1}}, f, indent=1)
-        write_manifest(tmp, 0, tp * pp, weights_only=True)
-        os.replace(tmp, out_dir)  # an empty out_dir is replaced; a partial conversion never has its name
+        staged.commit(WEIGHTS_ONLY, records, log=log, iteration=0, world_size=tp * pp)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        staged.abandon()
         raise
 
 
-def _save_shard(shard: StateDict, ckpt: str, tp_rank: int, num_layers: int, pp: int) -> None:
-    """One tp rank's GPTModel-named tensors, in the files `_read_shards` reads (embedding weight 1)."""
+def _save_shard(shard: StateDict, ckpt: str, tp_rank: int, num_layers: int, pp: int) -> Dict[str, dict]:
+    """One tp rank's GPTModel-named tensors, in the files `_read_shards` reads (embedding weight 1), each hashed
+    as written and fsynced; their records."""
     if pp == 1:
-        torch.save({"module": shard}, os.path.join(ckpt, model_states_file(tp_rank)))
-        return
+        path = os.path.join(ckpt, model_states_file(tp_rank))
+        return {os.path.basename(path): write_file({"module": shard, MARK: True}, path, checksums=True)}
+    records = {}
     for index, prefix in gpt_layer_prefixes(num_layers).items():
         layer = {name[len(prefix):]: t for name, t in shard.items() if name.startswith(prefix)}
-        torch.save(layer, os.path.join(ckpt, layer_file(index, tp_rank)))
+        path = os.path.join(ckpt, layer_file(index, tp_rank))
+        records[os.path.basename(path)] = write_file(dict(layer, **{MARK: True}), path, checksums=True)
+    return records
 
 
-def _empty_hf_model(config: GPTConfig):
-    """A transformers model of `config`'s architecture (GPT2LMHeadModel or BloomForCausalLM), random weights."""
-    import transformers
-
-    from gptpar.model.hf import hf_architecture
-
-    try:
-        architecture = hf_architecture(config)
-    except ValueError as e:
-        raise ConversionError(str(e)) from None
-    common = dict(vocab_size=config.vocab_size, layer_norm_epsilon=config.layernorm_epsilon,
-                  initializer_range=config.init_method_std, bos_token_id=0, eos_token_id=0)
-    if architecture == "bloom":
-        # seq_length is not a BloomConfig field: kept as an extra attribute so that importing restores it.
-        return transformers.BloomForCausalLM(transformers.BloomConfig(
-            n_layer=config.num_layers, hidden_size=config.hidden_size, n_head=config.num_attention_heads,
-            hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout,
-            seq_length=config.seq_length, **common))
-    act = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}[config.activation]
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=config.num_layers, n_embd=config.hidden_size, n_head=config.num_attention_heads,
-        n_inner=config.ffn_hidden_size, n_positions=config.max_position_embeddings, activation_function=act,
-        resid_pdrop=config.hidden_dropout, attn_pdrop=config.attention_dropout, embd_pdrop=config.hidden_dropout,
-        **common))
-
-
-def save_hf(state: StateDict, config: GPTConfig, out_dir: str) -> None:
-    """Write a Hugging Face directory (config.json + weights) loadable offline: `BloomForCausalLM` for an ALiBi
-    model with the embedding LayerNorm, `GPT2LMHeadModel` for learned positions."""
-    try:
-        import transformers  # noqa: F401
-    except ImportError as e:
-        raise ConversionError("exporting to Hugging Face needs transformers: pip install transformers") from e
-    from gptpar.model.hf import to_hf_state_dict
-
-    model = _empty_hf_model(config)
-    missing, unexpected = model.load_state_dict(to_hf_state_dict(state, config), strict=False)
-    missing = [k for k in missing if not k.endswith(".attn.bias") and not k.endswith(".attn.masked_bias")]
-    if missing or unexpected:
-        raise ConversionError(f"Hugging Face {type(model).__name__} did not take the weights: missing {missing}, "
-                              f"unexpected {unexpected}")
-    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-        raise ConversionError(f"{out_dir} exists and is not empty: choose a new folder (nothing is overwritten)")
-    tmp = f"{os.path.normpath(out_dir)}.tmp-{os.getpid()}"
-    try:  # written whole under a temporary name: a failed export never leaves a folder with only config.json
-        model.save_pretrained(tmp)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def load_hf(model_dir: str) -> Tuple[StateDict, GPTConfig]:
-    """A local Hugging Face GPT-2 or BLOOM directory (told apart by its config's model_type) -> (universal
-    state dict, GPTConfig)."""
-    import transformers
-
-    from gptpar.model.hf import from_hf_state_dict
-
-    config = _hf_config(model_dir)
-    check_weight_files(model_dir)
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
-    except (OSError, ValueError, RuntimeError) as e:  # a weight file damaged in a way its header does not show
-        raise ConversionError(f"{model_dir}: transformers could not load its weights ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0]})") from None
-    return from_hf_state_dict(model.state_dict(), config), config
+__all__ = ["StateDict", "resolve_checkpoint_dir", "is_hf_model_dir", "read_checkpoint_weights", "check_weight_files",
+           "read_weights", "read_weights_config", "run_config_of", "check_layout", "save_weights_only"]

@@ -1,24 +1,28 @@
-"""gptpar's checkpoint engine: every file of a checkpoint is written here, hashed as it is written, and, with
-`checkpoint.async_save`, written by a background thread while training goes on.
+"""gptpar's checkpoint engine: every file of a checkpoint is written here, hashed as it is written and fsynced,
+and, with `checkpoint.async_save`, written by a background thread while training goes on; every file DeepSpeed
+loads back is read here too, verified against the manifest in the same pass (gptpar.checkpoint.manifest.Verifier).
 
 DeepSpeed's `save_checkpoint` writes each of its files through `engine.checkpoint_engine.save(state_dict, path)`
-(by default its TorchCheckpointEngine: `torch.save`), the pipeline engine's per-layer files included.
-`checkpointing.install_writer` puts a `CheckpointWriter` there, and gptpar's own per-rank file goes through it
-too, so one object sees every byte of a checkpoint:
+(by default its TorchCheckpointEngine: `torch.save`), the pipeline engine's per-layer files included, and loads
+each through `checkpoint_engine.load`. The engine puts a `CheckpointWriter` there
+(gptpar.training.engine.checkpointing.install_writer), and gptpar's own per-rank file goes through it too, so one
+object sees every byte of a checkpoint:
 
 - **sync** (`async_save` false): `save` writes the file at once, in the caller, as DeepSpeed's engine would:
   `torch.save` into a file object that feeds each chunk to sha256 (`checkpoint.checksums`) on its way to disk,
   then an fsync. A failure is kept, not raised, so every rank reaches the agreement that follows.
 - **async**: `save` only takes a *snapshot plan* of the state dict: its structure deep-copied with every tensor
   replaced by a view of a host buffer of the same storage layout (tensors that share a storage in the original
-  share one buffer, so `torch.save` of the copy writes the same bytes). `start` hands the save to a thread that
-  first copies every live storage into its buffer, then serialises, hashes and writes the files. The live
-  tensors (weights, fp32 master weights, Adam moments) change next at the optimizer step, in place:
-  `wait_for_snapshot`, hooked before the client optimizer's step (`checkpointing.install_writer`), holds that
-  step until the copy is done. So the copy overlaps the next iteration's batch, forward and backward, and the
-  files hold the state of the save's iteration exactly. The host buffers are kept for the next save (a fresh
-  buffer's first touch made the copy ~10x slower here); on CUDA they are pinned and the copy runs on a side
-  stream after the work queued before the save.
+  share one buffer, so `torch.save` of the copy writes the same bytes). A plan that fails (a host buffer that
+  cannot be allocated) is kept like a failed write, never raised inside DeepSpeed's save, whose closing barrier
+  the other ranks wait in. `start` hands the save to a thread that first copies every live storage into its
+  buffer, then serialises, hashes, writes and fsyncs the files. The live tensors (weights, fp32 master weights,
+  Adam moments) change next at the optimizer step, in place: `wait_for_snapshot`, hooked before the client
+  optimizer's step, holds that step until the copy is done. So the copy overlaps the next iteration's batch,
+  forward and backward, and the files hold the state of the save's iteration exactly. The host buffers are
+  allocated at the first save and reused by every later one (a fresh buffer's first touch made the copy ~10x
+  slower); their size is said once. On CUDA they are pinned and the copy runs on a side stream after the work
+  queued before the save.
 
 The writer neither agrees between ranks nor writes the manifest and `latest`: it runs the job it is given
 (gptpar.checkpoint.checkpointer.Checkpointer's) with the files' records, once they are written. At most one save is
@@ -35,7 +39,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from gptpar.checkpoint.layout import DIGEST
+from gptpar.checkpoint.manifest import DIGEST
 
 # What a written file records: {"size": bytes, DIGEST: hex digest (with checksums)}.
 FileRecord = Dict[str, object]
@@ -86,6 +90,9 @@ class _HostBuffers:
         buf = kept.pop() if kept else torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
         self.used.append(buf)
         return buf
+
+    def held_bytes(self) -> int:
+        return sum(buf.numel() for buf in self.used) + sum(buf.numel() for kept in self.free.values() for buf in kept)
 
     def recycle(self) -> None:
         """After a save: its buffers are the free ones of the next (any other is released)."""
@@ -166,6 +173,7 @@ class _Save:
         self.name, self.files, self.job = name, files, job
         self.copied, self.done = threading.Event(), threading.Event()
         self.outcome = None
+        self.error: Optional[BaseException] = None  # a failure before the writer thread started (the plan's)
         self.started = time.perf_counter()
         self.seconds: Optional[float] = None  # from start to the job's end
 
@@ -175,8 +183,12 @@ class CheckpointWriter:
     gptpar's writer. One per rank; see the module docstring. The records it hands the job are keyed by each
     file's path as DeepSpeed gave it."""
 
-    def __init__(self, async_save: bool, checksums: bool, zipfile_serialization: bool = True):
+    def __init__(self, async_save: bool, checksums: bool, zipfile_serialization: bool = True,
+                 log: Callable[[str], None] = print):
         self.async_save, self.checksums, self.zipfile_serialization = async_save, checksums, zipfile_serialization
+        self.log = log
+        self.verifier = None  # gptpar.checkpoint.manifest.Verifier of the checkpoint being loaded
+        self._buffers_said = False
         self.name = "gptpar"
         self._files: list = []  # this save's (path, state or _Snapshot)
         self._records: Dict[str, FileRecord] = {}  # sync: written so far
@@ -195,15 +207,24 @@ class CheckpointWriter:
 
     def save(self, state_dict, path: str) -> None:
         """One file of the checkpoint being saved (DeepSpeed calls this for each of its files)."""
+        if self._error is not None:  # after a failure the rest is not written: the save is lost anyway
+            return
         if self.async_save:
-            self._files.append((path, _Snapshot(state_dict, self._buffers)))
-        elif self._error is None:  # after a failure the rest is not written: the save is lost anyway
+            try:
+                self._files.append((path, _Snapshot(state_dict, self._buffers)))
+            except (OSError, RuntimeError) as e:  # a host buffer that cannot be allocated (pinned memory)
+                self._error = e
+        else:  # after a failure the rest is not written: the save is lost anyway
             try:
                 self._records[path] = write_file(state_dict, path, self.checksums, self.zipfile_serialization)
             except (OSError, RuntimeError) as e:  # torch reports a short write as RuntimeError
                 self._error = e
 
     def load(self, path: str, map_location=None):
+        """One file DeepSpeed loads, through the verifier the Checkpointer set for this load (its sha256 checked in
+        the same pass, a mismatch kept for the ranks to agree on after DeepSpeed's load returns)."""
+        if self.verifier is not None:
+            return self.verifier.torch_load(path, map_location=map_location, weights_only=False)
         return torch.load(path, map_location=map_location, weights_only=False)
 
     def commit(self, info) -> bool:
@@ -238,6 +259,12 @@ class CheckpointWriter:
         save = _Save(name, files, job)
         self._save = save
         if self.async_save:
+            save.error, self._error = self._error, None
+            if not self._buffers_said and save.error is None:
+                self._buffers_said = True
+                held = self._buffers.held_bytes()
+                self.log(f"checkpoint.async_save: {held / 2 ** 30:.2f} GiB of host buffers on this rank hold the "
+                         "snapshots (allocated at this first save, reused by every later one)")
             threading.Thread(target=self._run, args=(save,), name="gptpar-checkpoint-writer", daemon=True).start()
             return
         records, error, self._records, self._error = self._records, self._error, {}, None
@@ -249,8 +276,10 @@ class CheckpointWriter:
             save.done.set()
 
     def _run(self, save: _Save) -> None:
-        records, error = {}, None
+        records, error = {}, save.error
         try:
+            if error is not None:  # the snapshot plan failed: nothing to copy or write
+                save.files = []
             try:
                 for _, snapshot in save.files:
                     snapshot.copy()

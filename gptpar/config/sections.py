@@ -344,11 +344,11 @@ class CheckpointConfig:
     save: Optional[str] = _f(None, "Directory to save checkpoints in; null = never save.")
     load: Optional[str] = _f(None, "Checkpoint to resume from: the folder checkpoint.save wrote (its `latest` "
                                    "pointer) or one of its iter_N folders. A missing folder, or one holding only "
-                                   "gptpar's lock/probe/partial files, starts fresh with a message; anything else "
-                                   "that is not a whole checkpoint (a file, an empty `latest`, a missing or "
-                                   "truncated shard) is an error (exit 2). A weights-only checkpoint "
-                                   "(tools/convert_checkpoint.py --to gptpar) starts the run from its weights at "
-                                   "iteration 0, as checkpoint.init_from does.")
+                                   "gptpar's lock and temporary entries, starts fresh with a message; anything else "
+                                   "that is not a whole checkpoint (a file, an empty or dangling `latest`, a missing "
+                                   "manifest, a missing, truncated or changed file) is an error (exit 2). A "
+                                   "weights-only checkpoint (tools/convert_checkpoint.py --to gptpar) starts the run "
+                                   "from its weights at iteration 0, as checkpoint.init_from does.")
     init_from: Optional[str] = _f(None, "Start from these weights (Megatron's --finetune): a gptpar checkpoint "
                                         "of any tp x pp (its save folder or an iter_N folder), a weights-only "
                                         "checkpoint (tools/convert_checkpoint.py --to gptpar), a universal "
@@ -376,10 +376,11 @@ class CheckpointConfig:
                                  "from ~10 s to ~0.05 s but did not make runs faster in total (the writer competes "
                                  "with training for the same cores; docs/benchmarks.md); turn it on where host "
                                  "cores are free during the step (GPU training). See docs/checkpoints.md.")
-    checksums: bool = _f(True, "Record the sha256 of every checkpoint file in its manifest (hashed as it is "
-                               "written) and verify them before resuming (each rank reads its own files) and "
-                               "before a universal conversion: a file whose bytes changed is refused, naming it. "
-                               "false = sizes only, nothing read twice.")
+    checksums: bool = _f(True, "Record the sha256 of every file this run writes (checkpoints, universal copies) "
+                               "in its manifest, hashed as it is written. false = sizes only.")
+    verify_checksums: bool = _f(True, "Check every file read (resume, universal copy, init_from) against the sha256 "
+                                      "its manifest records, in the pass that loads it: a changed file is refused, "
+                                      "naming it (exit 2). false = skip the check (said in the log).")
     override_lock: bool = _f(False, "Take over checkpoint.save's lock (`.gptpar.lock`) even when gptpar cannot "
                                     "tell that the job holding it has ended (it ran on another host, or the lock "
                                     "is unreadable). A lock of a live job on this host is always refused, one of "

@@ -37,6 +37,7 @@ class SentencePieceTokenizer:
         self.eod = eod
         self.pad = self._sp.pad_id() if self._sp.pad_id() >= 0 else None
         self.bos = None  # gptpar's data carries no BOS: documents are separated by EOD
+        self.declared_bos = self._sp.bos_id() if self._sp.bos_id() >= 0 else None  # the model's own, for an export
 
     def encode(self, text):
         return self._sp.encode(text)
@@ -59,8 +60,10 @@ class HFTokenizer:
             raise DataError(f"{path}: loading a Hugging Face tokenizer needs the 'tokenizers' package") from e
         self.path = path
         json_path, declared = path, {}
+        self.declared = declared  # the special tokens a tokenizer directory declares (filled below)
         if os.path.isdir(path):
-            json_path, declared = os.path.join(path, "tokenizer.json"), _declared_special_tokens(path)
+            json_path = os.path.join(path, "tokenizer.json")
+            declared.update(_declared_special_tokens(path))
             if not os.path.isfile(json_path):
                 raise DataError(f"{path}: a tokenizer directory must hold tokenizer.json (a fast tokenizer); "
                                 f"write one with transformers' AutoTokenizer.from_pretrained(dir).save_pretrained(dir)")
@@ -76,6 +79,12 @@ class HFTokenizer:
                             f"{', '.join(HF_EOD_TOKENS)}); add one to the tokenizer")
         self.pad = _special_id(vocab, declared.get("pad_token"), HF_PAD_TOKENS)
         self.bos = _special_id(vocab, declared.get("bos_token"), ())  # only a declared one
+        self.declared_bos = self.bos
+
+    @property
+    def backend(self):
+        """The `tokenizers.Tokenizer` itself (an export wraps it for transformers)."""
+        return self._tok
 
     def encode(self, text):
         return self._tok.encode(text, add_special_tokens=False).ids

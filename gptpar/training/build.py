@@ -83,8 +83,8 @@ def build_model(cfg: Config, pstate, tracker):
 
 
 def checkpoint_shape(cfg: Config, pstate) -> dict:
-    """What a checkpoint must share with this run to be resumed (gptpar.checkpoint.checkpointer.shape_of)."""
-    from gptpar.checkpoint.checkpointer import shape_of
+    """What a checkpoint must share with this run to be resumed (gptpar.checkpoint.resume.shape_of)."""
+    from gptpar.checkpoint.resume import shape_of
 
     return shape_of(cfg.to_dict(), pstate.tp_size, pstate.pp_size, pstate.dp_size,
                     cfg.model.padded_vocab_size(pstate.tp_size), cfg.resolved_partition_method(pstate.pp_size))
@@ -97,21 +97,33 @@ def saved_config(cfg: Config, pstate) -> Config:
 
 
 def checkpoint_group(pstate, timeout_minutes: float):
-    """The gloo group a save's ranks agree over (None for one rank): its own, because an async save agrees from
-    the writer thread while training's collectives run on theirs. Collective: every rank calls it."""
+    """The gloo group a save's and a resume's ranks agree over (None for one rank): its own, because an async save
+    agrees from the writer thread while training's collectives run on theirs. Collective: every rank calls it."""
     from gptpar.parallel import host_group
 
     return None if pstate.world_size == 1 else host_group(timeout_minutes)
 
 
+def save_token(pstate) -> str:
+    """What names a save's temporary folders (`iter_N.tmp-TOKEN`), the same on every rank: rank 0's pid.
+    Collective."""
+    import torch.distributed as dist
+
+    box = [os.getpid()]
+    if pstate.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    return str(box[0])
+
+
 def build_trainer(cfg: Config, pstate, log, load_target, init_from=None):
     """Seeds, model, data sources, DeepSpeed engine and checkpointer, under one `Trainer`. `init_from`: weights
     to start from (gptpar.checkpoint.init_weights), put into the model before the engine copies them."""
-    from gptpar.checkpoint.universal import deepspeed_universal_info, gpt_parameter_name
     from gptpar.checkpoint.checkpointer import Checkpointer
+    from gptpar.checkpoint.universal import deepspeed_universal_info, gpt_parameter_name
     from gptpar.training.data import build_sources
     from gptpar.checkpoint.writer import CheckpointWriter
     from gptpar.training.engine import build_engine, deepspeed_config
+    from gptpar.training.engine.ds_config import describe_overrides
     from gptpar.schedules import train_iters
     from gptpar.training.trainer import Trainer
 
@@ -121,16 +133,18 @@ def build_trainer(cfg: Config, pstate, log, load_target, init_from=None):
     if init_from is not None:
         from gptpar.checkpoint.init_weights import load_initial_weights
 
-        load_initial_weights(model, cfg, pstate, init_from)
+        load_initial_weights(model, cfg, pstate, init_from, log)
     train_source, valid_sources = build_sources(
         cfg, pstate, train_samples=t.train_samples or train_iters(t, pstate.dp_size) * t.global_batch_size,
         eval_samples=t.eval_iters * t.global_batch_size if t.eval_interval else 0, log=log)
+    for line in describe_overrides(cfg.deepspeed):
+        log(line, flush=True)
     engine = build_engine(model, pstate, deepspeed_config(cfg, pstate.dp_size), optimizer=t.optimizer, lr=t.lr,
                           weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                           has_attention_mask=train_source.masks.has_attention_mask,
                           universal_checkpoint_info=deepspeed_universal_info(cfg.model),
                           gradient_accumulation_fusion=t.gradient_accumulation_fusion)
-    writer = CheckpointWriter(async_save=ck.async_save, checksums=ck.checksums)
+    writer = CheckpointWriter(async_save=ck.async_save, checksums=ck.checksums, log=log)
     engine.install_checkpoint_writer(writer)
     checkpointer = Checkpointer(ck.save, load_target, ck.keep_last, pstate.rank, pstate.world_size,
                                 checkpoint_shape(cfg, pstate), saved_config(cfg, pstate).to_json(), log=log,
@@ -140,9 +154,10 @@ def build_trainer(cfg: Config, pstate, log, load_target, init_from=None):
                                     gpt_parameter_name, pipelined=pstate.pp_size > 1,
                                     num_layers=cfg.model.num_layers,
                                     embedding_weight=cfg.parallel.embedding_weight or 1),
-                                model_config=cfg.model, writer=writer, checksums=ck.checksums,
+                                model_config=cfg.model, save_interval=ck.save_interval, writer=writer,
+                                checksums=ck.checksums, verify=ck.verify_checksums, token=save_token(pstate),
                                 group=checkpoint_group(pstate, cfg.parallel.distributed_timeout_minutes)
-                                if ck.save else None)
+                                if ck.save or load_target is not None else None)
     return Trainer(cfg, pstate, engine, train_source, valid_sources, checkpointer, tracker,
                    log=functools.partial(print, flush=True))
 
@@ -159,4 +174,4 @@ def dry_run(cfg: Config, tp: int, pp: int, dp: int) -> str:
 
 
 __all__ = ["setup_environment", "seed_everything", "build_gpt", "build_float8", "build_model", "checkpoint_shape",
-           "saved_config", "checkpoint_group", "build_trainer", "dry_run"]
+           "saved_config", "checkpoint_group", "save_token", "build_trainer", "dry_run"]

@@ -7,29 +7,29 @@ a large dataset may take longer than parallel.distributed_timeout_minutes.
 Order, so that a refused run changes nothing in checkpoint.save (not even a modification time):
     0. training.kill_switch_path exists?                 -> stop: exit 0 before anything is built
     1. another live job holds checkpoint.save?          (read-only)  gptpar.checkpoint.save_folder.peek_lock
-    2. checkpoint.load resolved and verified             (read-only)  gptpar.checkpoint.layout; a universal
-       folder's files checked; at another parallel shape or kind of optimizer files, its universal copy planned
-       (gptpar.checkpoint.checkpointer.plan_load: an existing copy of exactly these files is reused, else one is
-       written in step 7, after every file it is converted from passed its checksum); or, without a checkpoint
-       to resume, checkpoint.init_from (or a weights-only checkpoint.load) checked against the model's shape,
-       every file it will read whole                     (read-only)  gptpar.checkpoint.init_weights
+    2. checkpoint.load resolved and checked whole        (read-only)  gptpar.checkpoint.layout, .resume: its
+       manifest there and readable, every listed file there with its size, every torch file a whole zip; a
+       universal folder's too; at another parallel shape or kind of optimizer files, its universal copy planned
+       (gptpar.checkpoint.resume.plan_load: an existing copy of exactly these files is reused, else one is
+       written in step 7, every file it is converted from checked against its sha256 as the conversion reads
+       it); or, without a checkpoint to resume, checkpoint.init_from (or a weights-only checkpoint.load) checked
+       against the model's shape, every file it will read whole (read-only)  gptpar.checkpoint.init_weights
     3. checkpoint.save holding another run's checkpoints (read-only)
     4. every dataset's largest token id (data_path's and valid_data_path's) and the tokenizer's vocabulary
        < model.vocab_size (caches beside the data, gptpar.data.token_stats)
     -- broadcast --
-    5. at the same shape, every rank hashes the files of the checkpoint it wrote and all agree (`verify_own_files`,
-       checkpoint.checksums)                             (read-only)
     6. checkpoint.save: lock, probe, leftovers, free space (rank 0)   gptpar.checkpoint.save_folder
     7. with the lock held: killed conversions' temporary folders removed from the universal folder, and the
-       universal copy written (gptpar.checkpoint.checkpointer.write_universal_copy), so that two jobs on one save
+       universal copy written (gptpar.checkpoint.resume.write_universal_copy), so that two jobs on one save
        folder never convert at once
     -- broadcast --
+The sha256 of every file resumed is checked later, in the pass that loads it (gptpar.checkpoint.checkpointer.load):
+a damaged file ends every rank with exit 2 before any weight is used.
 """
 from __future__ import annotations
 
 import os
 import threading
-import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -37,12 +37,12 @@ import torch
 import torch.distributed as dist
 
 from gptpar.data.indexed import DataError
-from gptpar.checkpoint.checkpointer import plan_load, write_universal_copy
-from gptpar.checkpoint.layout import (CheckpointError, LoadTarget, complete_checkpoints, damaged,
-                                              has_digests, read_latest, resolve_load, verify_digests)
+from gptpar.checkpoint.errors import CheckpointError
 from gptpar.checkpoint.init_weights import check_weights_fit, choose_start
+from gptpar.checkpoint.layout import LoadTarget, complete_checkpoints, read_latest, resolve_load
+from gptpar.checkpoint.resume import plan_load, write_universal_copy
 from gptpar.checkpoint.save_folder import (JobLock, check_free_space, checkpoint_bytes, clean_conversion_leftovers,
-                                         clean_leftovers, peek_lock, probe_writable, this_job)
+                                           clean_leftovers, peek_lock, probe_writable, this_job)
 
 
 @dataclass
@@ -62,9 +62,9 @@ class Preflight:
 
 
 def run_preflight(cfg, pstate, shape: dict, log: Callable[[str], None]) -> Preflight:
-    """Collective: rank 0 checks and the others wait for its verdict (steps 0-4); then every rank verifies the
-    checksums of its own files of the checkpoint to resume (5); then rank 0 takes the save folder and writes what
-    must be written with it held (6-7). Raises CheckpointError or DataError, on every rank alike."""
+    """Collective: rank 0 checks and the others wait for its verdict (steps 0-4); then rank 0 takes the save folder
+    and writes what must be written with it held (6-7). Raises CheckpointError or DataError, on every rank
+    alike."""
     kept = {}  # rank 0's: the universal copy to write, its folder, the lock
 
     def start():
@@ -79,9 +79,6 @@ def run_preflight(cfg, pstate, shape: dict, log: Callable[[str], None]) -> Prefl
     if kind == "stop":
         return Preflight(None, stop=value)
     target, init_from = value
-    same_files = target is not None and target.universal is None
-    if cfg.checkpoint.checksums and same_files:
-        verify_own_files(target, pstate, log)
 
     def take():
         kept["lock"] = take_save_folder(cfg, pstate.world_size, pstate.tp_size, pstate.pp_size, log,
@@ -111,23 +108,6 @@ def _outcome(outcome: tuple) -> tuple:
     return outcome
 
 
-def verify_own_files(target: LoadTarget, pstate, log: Callable[[str], None]) -> None:
-    """Collective: each rank hashes the files of checkpoint `target` that the same rank wrote (the manifest
-    records who wrote what; the same shape is the same layout of ranks), all in parallel, and every rank gets
-    every problem (CheckpointError naming each file), so all stop or all go on."""
-    start = time.perf_counter()
-    problems = verify_digests(target.path, pstate.rank)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, problems)
-        problems = [line for lines in everyone for line in lines]
-    if problems:
-        raise CheckpointError(damaged(target, problems))
-    if has_digests(target.path):
-        log(f"checksums of {target.path} verified (each rank its own files; rank 0 in "
-            f"{time.perf_counter() - start:.2f} s)")
-
-
 def wait_for_rank0(work: Callable[[], object], pstate, poll_seconds: float = 1.0):
     """`work()`'s result on rank 0 (run in a thread there), broadcast to every rank. The others wait in a polled
     barrier: one small all-reduce every `poll_seconds` until rank 0 is done, so no collective lasts longer than
@@ -155,8 +135,7 @@ def wait_for_rank0(work: Callable[[], object], pstate, poll_seconds: float = 1.0
 
 def check_on_rank0(cfg, world_size: int, tp: int, pp: int, shape: dict, log) -> tuple:
     """(load target or None, the weights to start from or None, the held JobLock or None): `check_start` then
-    `take_save_folder` on one process (no checksums of the ranks' own files: `run_preflight` hashes those on
-    every rank); raises CheckpointError / DataError."""
+    `take_save_folder` on one process; raises CheckpointError / DataError."""
     target, init_from, copy, conversions = check_start(cfg, world_size, shape, log)
     return target, init_from, take_save_folder(cfg, world_size, tp, pp, log, copy, conversions)
 
@@ -173,7 +152,7 @@ def check_start(cfg, world_size: int, shape: dict, log) -> tuple:
         if target.universal is None:  # where this checkpoint's universal copies go
             conversions = ck.universal_dir or f"{target.directory}_universal"
         target, copy = plan_load(target, shape, world_size, ck.universal_dir, cfg.training.precision, log, cfg.model,
-                                 checksums=ck.checksums)
+                                 verify=ck.verify_checksums)
     if init_from is not None:
         check_weights_fit(init_from, cfg.model, "checkpoint.init_from" if init_from == ck.init_from
                           else "checkpoint.load")
@@ -268,6 +247,6 @@ def count_parameters(model_cfg, tp: int, pp: int) -> int:
     return params
 
 
-__all__ = ["Preflight", "run_preflight", "verify_own_files", "wait_for_rank0", "check_on_rank0", "check_start",
+__all__ = ["Preflight", "run_preflight", "wait_for_rank0", "check_on_rank0", "check_start",
            "take_save_folder", "check_data", "count_parameters",
            "check_save_holds_no_other_run"]

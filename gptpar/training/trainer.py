@@ -166,7 +166,7 @@ class Trainer:
         self.prefetched = None  # ((consumed samples, global batch size), its micro-batches on the device)
         self.last = {}
         self.clock_mark = None  # perf_counter() at the end of the last timed step; None: the next starts the clock
-        self.saved_at = self.evaluated_at = None
+        self.evaluated_at = None
         self.nan_streak = 0  # consecutive iterations with a NaN/Inf loss (the same on every rank: the loss is)
         self.is_log_rank = pstate.is_last_stage and pstate.dp_rank == 0 and pstate.tp_rank == 0
         self.zeros = ZeroCounter(engine, pstate) if cfg.logging.log_num_zeros else None
@@ -231,7 +231,7 @@ class Trainer:
             if self.checkpointer is not None:
                 self.checkpointer.poll()
             reason = self.stop_reason()
-            if self._save_due() or reason:
+            if self.checkpointer is not None and (self.checkpointer.due(c.iteration) or reason):
                 with self.off_the_clock():
                     self.save(final=bool(reason))
             if reason:
@@ -239,8 +239,7 @@ class Trainer:
                 return reason
         if t.eval_interval and self.evaluated_at != c.iteration and c.iteration > 0:
             self.evaluate()
-        if self.cfg.checkpoint.save and self.saved_at != c.iteration:
-            self.save(final=True)
+        self.save(final=True)
         return "train_iters reached"
 
     def train_step(self) -> None:
@@ -429,7 +428,7 @@ class Trainer:
             flags = flags.tolist()
         if flags[4] > 0:  # every rank raises the save's CheckpointSaveError here, at this iteration
             self.checkpointer.wait()
-            from gptpar.checkpoint.checkpointer import CheckpointSaveError
+            from gptpar.checkpoint.errors import CheckpointSaveError
 
             raise CheckpointSaveError("another rank's checkpoint writer failed (its message says why); `latest` "
                                       "was not moved")
@@ -445,56 +444,18 @@ class Trainer:
             return f"exit_interval ({t.exit_interval}) reached"
         return None
 
-    def _save_due(self) -> bool:
-        ck = self.cfg.checkpoint
-        return bool(ck.save and ck.save_interval and self.counters.iteration % ck.save_interval == 0)
-
     def _nan_limit_reached(self) -> bool:
         limit = self.cfg.training.exit_on_nan_iterations
         return bool(limit) and self.nan_streak >= limit
 
     def save(self, final: bool = False) -> None:
-        """Save a checkpoint, unless the weights hold NaN/Inf: then refuse (`latest` keeps the last finite
-        checkpoint); a refused final save ends the run with NonFiniteError."""
-        if self.checkpointer is None or not self.cfg.checkpoint.save or self.saved_at == self.counters.iteration:
-            return
-        if not self.weights_finite():
-            message = (f"not saving iteration {self.counters.iteration}: the weights hold NaN/Inf"
-                       f"{self._latest_note()}")
-            if final:
-                raise NonFiniteError(message)
-            self._say(f"warning: {message}")
-            return
-        start = time.time()
-        path = self.checkpointer.save(self.engine, self.counters.iteration, self.client_state(), self.tracker)
-        self.saved_at = self.counters.iteration
-        if self.cfg.checkpoint.async_save:
-            self._say(f"saving checkpoint {path} in the background (training stopped {time.time() - start:.2f} s "
-                      "for it)")
-        else:
-            self._say(f"saved checkpoint {path} in {time.time() - start:.2f} s")
-
-    def weights_finite(self) -> bool:
-        """Whether every rank's weights are finite (one all-reduce MAX of a flag)."""
-        bad = any(not bool(torch.isfinite(p).all()) for p in self.engine.parameters())
-        flag = torch.tensor([float(bad)], device=self.pstate.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag.item() == 0
+        """A checkpoint of this iteration, as the checkpointer's policy decides (gptpar.checkpoint.checkpointer:
+        nothing without checkpoint.save or when saved already; refused while the weights hold NaN/Inf)."""
+        if self.checkpointer is not None:
+            self.checkpointer.save(self.engine, self.counters.iteration, self.client_state(), self.tracker, final)
 
     def _latest_note(self) -> str:
-        from gptpar.checkpoint.checkpointer import CheckpointError, read_latest
-
-        save = self.cfg.checkpoint.save
-        if not save:
-            return ""
-        if self.checkpointer is not None:
-            self.checkpointer.wait()  # `latest` as it will stay
-        try:
-            latest = read_latest(save)
-        except CheckpointError:
-            latest = None
-        return f"; `latest` in {save} stays at {latest}" if latest else f"; {save} holds no checkpoint"
+        return self.checkpointer.latest_note() if self.checkpointer is not None else ""
 
     def client_state(self) -> dict:
         c = self.counters
@@ -509,7 +470,6 @@ class Trainer:
         state = self.checkpointer.load(self.engine, self.tracker)
         if state is not None:
             self.counters = Counters(**{k: state[k] for k in asdict(Counters())})
-            self.saved_at = self.counters.iteration
 
     def _say(self, message: str) -> None:
         if self.is_log_rank:

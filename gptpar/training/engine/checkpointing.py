@@ -1,7 +1,6 @@
 """DeepSpeed's part of a checkpoint: the model and optimizer shard files of one tag, written and read by the
 DeepSpeed engine through gptpar's CheckpointWriter (gptpar/checkpoint/writer.py: checksums, async saves). gptpar's own
-files, `latest`, the manifest and the save folder's rules live in gptpar/checkpoint/checkpointer.py,
-checkpoint_files.py and save_folder.py."""
+files, `latest`, the manifest and the save folder's rules live in gptpar/checkpoint/."""
 from __future__ import annotations
 
 import glob

@@ -1,14 +1,15 @@
 """The DeepSpeed config dict, generated from gptpar's run config (never kept by hand beside it), and the run
 config's `deepspeed` section merged over it.
 
-The `deepspeed` section takes DeepSpeed's own keys for what gptpar does not decide (bucket sizes, the gradient
-all-reduce dtype, ...). DeepSpeed checks the keys inside its modelled sections (`zero_optimization` is a pydantic
-model that forbids unknown keys) but silently ignores unknown top-level keys (`zero_optimisation` would do
-nothing) and type-checks few values (`communication_data_type: 123` fails deep inside with an AttributeError).
-So `check_deepspeed_overrides` admits only the top-level keys of `PASSED_THROUGH`, each checked through
-DeepSpeed's own model or parser (deepspeed_api.check_deepspeed_key), and refuses the keys gptpar generates
-(`OWNED_KEYS`) naming the gptpar key to set instead. The command line calls it before any process group
-(gptpar.training.cli.parse), and `deepspeed_config` again before merging.
+The `deepspeed` section takes DeepSpeed's own keys for what only tunes speed or memory (bucket sizes, overlap):
+`TUNING_KEYS`, an allow-list, and `communication_data_type`, which changes the numerics on purpose and is said in
+one line (`describe_overrides`). Every other key exits 2 naming it and why: a key gptpar generates (`OWNED_KEYS`,
+with the gptpar key to set instead), one that breaks what is trained or resumed (`REFUSED`: DeepSpeed's
+`load_from_fp32_weights=false` makes the first step after a resume write the start-of-run master weights back,
+offloading is not supported end to end), and anything else. DeepSpeed alone would ignore an unknown top-level key
+(`zero_optimisation`) and type-checks few values, so the keys admitted are also checked through DeepSpeed's own
+model or parser (deepspeed_api.check_deepspeed_key). The command line calls `check_deepspeed_overrides` before any
+process group (gptpar.training.cli.parse), and `deepspeed_config` again before merging.
 
 Precision (DeepSpeed 0.19.8, chosen by the generated config, reported by `TrainEngine.precision_plan`):
     fp32        fp32 weights and gradients; ZeRO-1: DeepSpeedZeroOptimizer (fp32 partition copy)
@@ -29,11 +30,27 @@ from gptpar.schedules import BatchSizeRampup
 # Top-level DeepSpeed keys the `deepspeed` section may set, each checked by DeepSpeed's own config model or
 # parser (deepspeed_api.check_deepspeed_key): what each does.
 PASSED_THROUGH = {
-    "zero_optimization": "ZeRO's knobs, checked by DeepSpeed's DeepSpeedZeroConfig: `reduce_bucket_size`, "
-                         "`allgather_bucket_size`, `overlap_comm`, `reduce_scatter`, `contiguous_gradients`, ... "
-                         "(its `stage` is training.zero_stage).",
+    "zero_optimization": "ZeRO's tuning knobs (TUNING_KEYS): `reduce_bucket_size`, `allgather_bucket_size`, "
+                         "`overlap_comm`, `reduce_scatter`, `contiguous_gradients`, `allgather_partitions`, "
+                         "`use_multi_rank_bucket_allreduce` (its `stage` is training.zero_stage).",
     "communication_data_type": "The dtype gradients are reduced in over dp: `fp32`, `fp16` or `bf16` (gptpar "
-                               "sets fp32 under bf16 and fp8; otherwise DeepSpeed's default, the model's dtype).",
+                               "sets fp32 under bf16 and fp8; otherwise DeepSpeed's default, the model's dtype). "
+                               "Changes the numerics on purpose: the start-up log says so.",
+}
+# The keys of `zero_optimization` that change speed or memory only, never what is trained, saved or resumed.
+TUNING_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "reduce_scatter", "contiguous_gradients",
+               "allgather_partitions", "use_multi_rank_bucket_allreduce")
+# Keys of `zero_optimization` refused with what they would break (any other key outside TUNING_KEYS is refused too).
+_OFFLOAD = ("gptpar does not support offloading end to end (its step, checkpoint and universal-copy code keep the "
+            "optimizer state with the model); remove it")
+REFUSED = {
+    "load_from_fp32_weights": "false restores the fp32 master weights from the 16-bit ones at a resume, and under bf16 "
+                              "the first step after it writes the start-of-run master weights back into the model; "
+                              "remove it (DeepSpeed's default, true, is what gptpar resumes with)",
+    "offload_optimizer": _OFFLOAD, "offload_param": _OFFLOAD, "cpu_offload": _OFFLOAD, "cpu_offload_param": _OFFLOAD,
+    "cpu_offload_use_pin_memory": _OFFLOAD,
+    "elastic_checkpoint": "it changes the layout of the optimizer files gptpar's universal converter and resume "
+                          "read; remove it (gptpar reshapes through universal checkpoints)",
 }
 # DeepSpeed keys gptpar generates from its own config: the gptpar key that sets each.
 OWNED_KEYS = {
@@ -82,6 +99,29 @@ def check_deepspeed_overrides(overrides: dict) -> None:
             where = f"deepspeed.{key}" + (f".{path}" if path else "")
             hint = suggest(path, known) if known and "." not in path and path not in known else ""
             raise ConfigError(f"{where}: {message}{hint} (DeepSpeed's check of its `{key}` config)")
+        if key == "zero_optimization":
+            _check_tuning_keys(value)
+
+
+def _check_tuning_keys(zero: dict) -> None:
+    """ConfigError naming the first key of deepspeed.zero_optimization outside TUNING_KEYS, and why."""
+    for sub in zero:
+        if sub in TUNING_KEYS or f"zero_optimization.{sub}" in OWNED_KEYS:
+            continue
+        why = REFUSED.get(sub, "it is not one of the keys gptpar passes through, which change speed or memory only "
+                               f"({', '.join(TUNING_KEYS)}): it changes what is trained, saved or resumed, or applies "
+                               "to a ZeRO stage gptpar does not run (0 and 1 only); remove it")
+        raise ConfigError(f"deepspeed.zero_optimization.{sub} is refused: {why}")
+
+
+def describe_overrides(overrides: dict) -> list:
+    """One line per override that changes the numerics on purpose (the start-up log prints them)."""
+    lines = []
+    if "communication_data_type" in overrides:
+        lines.append(f"deepspeed.communication_data_type={overrides['communication_data_type']}: gradients are "
+                     "reduced over dp in that dtype (gptpar reduces in fp32 under bf16 and fp8), so the optimizer "
+                     "steps on sums rounded to it")
+    return lines
 
 
 def merge_overrides(generated: dict, overrides: dict) -> dict:
