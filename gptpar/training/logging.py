@@ -5,7 +5,9 @@ the log line (`format_log_line(**record)`), appended to the metrics file at full
 TensorBoard (Megatron-DeepSpeed's tags, or `train/<key>` with logging.tensorboard_tags=gptpar), so they never
 disagree. One evaluation of one validation set is one *eval record* (`eval_record`), written the same way.
 The phase timers (logging.timers) go to the metrics file and TensorBoard beside them, the memory in use
-(`memory_usage`) to TensorBoard and once as Megatron's `report_memory` line (`format_memory_line`).
+(`memory_usage`) to TensorBoard and once as Megatron's `report_memory` line (`format_memory_line`), its peaks to the
+record's memory fields (`peak_memory_fields`; not in the line). A write that fails raises LogWriteError naming the
+key; `check_log_paths` finds unwritable log paths before a run starts (LogPathError).
 
 The line is Megatron-DeepSpeed's `training_log` output: each field is ' name: value |', in this order,
 with these formats (the iteration field is ' iteration {:8d}/{:8d} |'):

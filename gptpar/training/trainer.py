@@ -28,7 +28,9 @@ steps on (only with logging.log_num_zeros, else omitted), params norm from the m
 logging.log_params_norm), TFLOPs from gptpar.estimate.flops; num zeros and params norm count each parameter
 of the model once. After the first log line whose step was applied (the optimizer state then exists), every
 rank of the first dp replica prints Megatron's memory report (`[Rank r] (after N iterations) memory (MB) | ...`);
-each log line's memory in use, the largest over the ranks, goes to TensorBoard.
+each log line's memory in use, the largest over the ranks (reduced on the host), goes to TensorBoard and its peaks
+to the record's memory fields. A log write that fails stops the run at that iteration's stop check, every rank
+saving first (LogWriteError, exit 1).
 """
 from __future__ import annotations
 
