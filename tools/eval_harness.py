@@ -30,8 +30,11 @@ collectives included.
 Output (rank 0): the harness's results table on stdout; with --output FILE the harness's JSON (results, configs,
 versions, n-shot, ..., with --log-samples every document's requests and responses) and gptpar's provenance
 under "gptpar" (the checkpoint's path, iteration and consumed samples and tokens, tp, dtype, max length).
-Bad arguments (an unknown task, a tokenizer with ids the model lacks, a --tp that does not split the heads, ...)
-print one message and exit 2 before any weights are read.
+Bad arguments (an unknown task, a tokenizer with ids the model lacks, a --tp that does not split the heads, a
+--num-fewshot above a task's few-shot documents, a task whose local jsonl does not parse, an --output that cannot
+be written, --log-samples without --output, ...) print one message and exit 2 before any weights are read: rank 0
+builds the tasks, their documents read, before the model. An error on rank 0 once the model is loaded releases the
+other ranks at once.
 """
 import argparse
 import json
