@@ -287,11 +287,15 @@ def test_log_paths_that_cannot_be_written_are_named_with_their_key(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"] and a_file.read_text() == "x"
 
 
-def test_writes_that_fail_raise_one_error_naming_the_key(tmp_path, capfd):
+def test_writes_that_fail_raise_one_error_naming_the_key(tmp_path, capfd, monkeypatch):
     """The metrics file and TensorBoard, their folder gone (a file in its place) after the first write: each write
-    then raises LogWriteError naming the key; TensorBoard's writer thread prints no traceback of its own."""
+    then raises LogWriteError naming the key; TensorBoard's writer thread prints no traceback of its own (Python's
+    own thread-error printer in place, as outside pytest, which replaces it)."""
     pytest.importorskip("tensorboard")
     import shutil
+    import threading
+
+    monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)
 
     record = dict(zip(METRIC_KEYS, [3, 10, 48, 48 * 64, 0.5, 1e-3, 16, 4.5, 1.0, 2.0, None, 6.5, 0, 0, 32.0, 0.0,
                                     None, None]))
