@@ -270,7 +270,7 @@ def test_peak_memory_fields_are_the_peaks_of_each_device_kind():
 
 def test_log_paths_that_cannot_be_written_are_named_with_their_key(tmp_path):
     """check_log_paths, which the preflight runs on rank 0: each case names the key in full; a path that can be
-    written passes, and the probe leaves nothing behind."""
+    written passes, and nothing is created (access(2) is asked, not a file written)."""
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
     for metrics, tensorboard, message in (

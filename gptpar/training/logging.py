@@ -241,7 +241,8 @@ class LogWriteError(Exception):
 def check_log_paths(metrics_file: Optional[str], tensorboard_dir: Optional[str]) -> None:
     """Raises LogPathError naming the key when a log cannot go where the config says: the metrics file a folder,
     the TensorBoard folder a regular file, a regular file among their parent folders, or the nearest existing
-    folder taking no new file (read-only, permissions, full: a probe file is created there and removed)."""
+    folder (or the metrics file itself) not writable: a read-only mount or permissions, as access(2) answers them
+    (nothing is written; a full disk shows only when a write fails, LogWriteError)."""
     for key, path, is_folder in (("logging.metrics_file", metrics_file, False),
                                  ("logging.tensorboard_dir", tensorboard_dir, True)):
         if path is not None:
@@ -249,8 +250,6 @@ def check_log_paths(metrics_file: Optional[str], tensorboard_dir: Optional[str])
 
 
 def _check_log_path(key: str, path: str, is_folder: bool) -> None:
-    import tempfile
-
     if is_folder and os.path.exists(path) and not os.path.isdir(path):
         raise LogPathError(f"{key} {path} is a file, not a folder: point {key} at a folder for the event files")
     if not is_folder and os.path.isdir(path):
@@ -261,16 +260,14 @@ def _check_log_path(key: str, path: str, is_folder: bool) -> None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise LogPathError(f"{key} {path} cannot be created: {existing} is a file, not a folder")
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".gptpar-log-probe-", dir=existing)
-        os.close(fd)
-        os.remove(probe)
-        if not is_folder and os.path.exists(path):
-            open(path, "a").close()  # appending to it is allowed (nothing is written)
-    except OSError as e:
-        where = path if not is_folder and os.path.exists(path) else existing
-        raise LogPathError(f"{key} {path} cannot be written: {where} refused a new file ({e.strerror}): fix its "
-                           f"permissions or free space, or point {key} elsewhere") from None
+    # Asked, not tried: nothing is created, so a log folder inside checkpoint.save keeps its modification time.
+    appended = not is_folder and os.path.exists(path)
+    where = path if appended else existing
+    if not os.access(where, os.W_OK if appended else os.W_OK | os.X_OK):
+        read_only = bool(os.statvfs(where).f_flag & os.ST_RDONLY)
+        why = "is on a read-only file system" if read_only else "is not writable for this user"
+        raise LogPathError(f"{key} {path} cannot be written: {where} {why}: remount it, fix its permissions, or "
+                           f"point {key} elsewhere")
 
 
 class MetricsWriter:

@@ -6,8 +6,8 @@ a large dataset may take longer than parallel.distributed_timeout_minutes.
 
 Order, so that a refused run changes nothing in checkpoint.save (not even a modification time):
     0. training.kill_switch_path exists?                 -> stop: exit 0 before anything is built
-       logging.metrics_file and logging.tensorboard_dir writable (a probe file created and removed in the nearest
-       existing folder of each)                           gptpar.training.logging.check_log_paths
+       logging.metrics_file and logging.tensorboard_dir writable (read-only: access(2) on the nearest existing
+       folder of each)                                    gptpar.training.logging.check_log_paths
     1. another live job holds checkpoint.save?          (read-only)  gptpar.checkpoint.save_folder.peek_lock
     2. checkpoint.load resolved and verified             (read-only)  gptpar.checkpoint.layout; a universal
        folder's files checked; at another parallel shape or kind of optimizer files, its universal copy planned
