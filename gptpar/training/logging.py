@@ -282,7 +282,11 @@ class MetricsWriter:
     def __init__(self, path: Optional[str]):
         self.path = path
         if path is not None and os.path.dirname(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+            except OSError as e:
+                raise LogWriteError(f"logging.metrics_file {path}: its folder could not be created "
+                                    f"({e.strerror})") from None
 
     def write(self, record: Dict[str, object]) -> None:
         if set(record) != set(METRIC_KEYS):
