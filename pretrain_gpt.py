@@ -8,8 +8,8 @@
 Exit codes: 0 done (SIGTERM / SIGUSR1 / the kill switch file save after the current iteration first; a kill
 switch file present at launch exits before building anything); 2 refused before anything changed
 (a config error before any process group; a checkpoint, save folder or data that preflight refuses before the
-model is built); 1 a failed save, a run gone NaN, or a collective that timed out (another rank stopped
-answering). A rank whose launcher dies exits at once without saving; one whose DeepSpeed runner dies while
+model is built; a log that cannot be written); 1 a failed save, a run gone NaN, a log write that failed mid-run
+(after a save), or a collective that timed out (another rank stopped answering). A rank whose launcher dies exits at once without saving; one whose DeepSpeed runner dies while
 launch.py lives saves first (gptpar.training.launcher_watch). The run is assembled in gptpar.training.build.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ from gptpar.checkpoint.errors import CheckpointError, CheckpointSaveError
 from gptpar.training.cli import USAGE, parse
 from gptpar.config import ConfigError
 from gptpar.training.launcher_watch import watch_launcher
+from gptpar.training.logging import LogPathError, LogWriteError
 from gptpar.training.preflight import run_preflight
 from gptpar.training.trainer import NonFiniteError
 
@@ -37,8 +38,10 @@ from gptpar.training.trainer import NonFiniteError
 FAILURES = ((NonFiniteWeightsError, 1, ""),  # the last save refused: the weights hold NaN/Inf
             (CheckpointSaveError, 1, "checkpoint save failed: "),  # a full disk or an I/O error while saving
             (NonFiniteError, 1, ""),
+            (LogWriteError, 1, "log write failed: "),  # the metrics file or TensorBoard, mid-run (saved first)
             (CheckpointError, 2, "checkpoint error: "),  # load, save folder or shape refused
-            (DataError, 2, "data error: "))
+            (DataError, 2, "data error: "),
+            (LogPathError, 2, "logging error: "))  # logging.metrics_file / tensorboard_dir cannot be written
 
 
 def main(argv=None) -> int:

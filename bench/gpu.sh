@@ -29,7 +29,8 @@
 #      cuda_checks       the int32 dropout hash under Triton, torchao's float8 GEMMs against their emulation, the
 #                        fused fp32 weight-gradient GEMM and embedding lookup against fp64, the batched fp32 adds
 #   5. trainer_eager     pretrain_gpt.py, training.compile=false (what the H100 measured at 0.90x)
-#   6. summary           bench/gpu_summary.py: tokens/s, TFLOPs and peak memory of each, the ratios, the checks
+#   6. summary           bench/gpu_summary.py: the tree that ran (machine.txt, tree.json), tokens/s, TFLOPs and
+#                        the peak memory over each run, the ratios, the checks
 # (STEPS="..." runs only the named steps; a step the budget cannot start is skipped and said in skipped.txt.)
 # $OUT gets machine.txt, summary.{json,txt} and raw.tgz (every log, metrics file and JSON): at most 8 files.
 set -u
@@ -93,7 +94,9 @@ machine() {
           torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
   $PY -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>&1 | tail -1
   $PY -c "import torchao; print('torchao', torchao.__version__)" 2>&1 | tail -1
-  echo "commit $(git rev-parse --short HEAD 2>/dev/null) | $(date -u '+%Y-%m-%d %H:%M UTC') | mode $MODE"
+  # The tree that runs: the copy's .git may be older than its files, so its HEAD alone does not say what ran.
+  $PY bench/gpu_summary.py --tree --out "$OUT"
+  echo "$(date -u '+%Y-%m-%d %H:%M UTC') | mode $MODE"
 }
 
 pack() {

@@ -1,23 +1,29 @@
-"""The figures of `bash bench/gpu.sh speed` in one place: tokens/s, TFLOPs and peak memory of each run, the ratios
-issue 21 sets as targets, and the loss checks.
+"""The figures of `bash bench/gpu.sh speed` in one place: the tree that ran, tokens/s, TFLOPs and peak memory of
+each run, the ratios issue 21 sets as targets, and the loss checks.
 
     python bench/gpu_summary.py --out gpu_out          # -> gpu_out/summary.{json,txt}
+    python bench/gpu_summary.py --tree --out gpu_out   # the tree that runs here: one line, and gpu_out/tree.json
 
-Reads what the script wrote: peer_compiled.json (bench_peer_loop.py), trainer_{compiled,fp8,eager}.jsonl and .log
-(the trainer's metrics file, one record per iteration, and its log, whose Megatron memory line gives the peak), and
+Reads what the script wrote: tree.json (the tree that ran, recorded before the runs), peer_compiled.json (bench_peer_loop.py), trainer_{compiled,fp8,eager}.jsonl and .log
+(the trainer's metrics file, one record per iteration whose memory fields hold the peaks so far, and its log), and
 layer_{bf16,fp8}.json (bench_layer.py). A missing file is reported, not fatal. The trainer's seconds per iteration
-are the median over its iterations after the first `SKIP` (the compile, allocator growth, autotuning).
+are the median over its iterations after the first `SKIP` (the compile, allocator growth, autotuning); its peak
+memory is the largest of its records' (the whole run's), absent from metrics files written before the records had
+them: Megatron's memory line after iteration 1, the only figure those logs hold, comes before the optimizer's
+state and the second iteration's activations exist, and is not taken for a peak.
 """
 import argparse
 import json
 import os
 import re
 import statistics
+import subprocess
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gptpar.training.logging import read_metrics  # noqa: E402
+from gptpar.training.logging import is_training_record, read_metrics  # noqa: E402
 
 SKIP = 3
 TARGETS = {"trainer_compiled_vs_peer_compiled": 1.05,   # tokens/s, same shape, batch and GPU
@@ -38,14 +44,52 @@ def _load_json(path):
         return None
 
 
-def peak_memory_gib(log_path):
-    """The largest `max allocated` of the trainer's memory report lines (MB, Megatron's format), in GiB."""
+def peak_memory_gib(records, key="max_allocated_bytes"):
+    """The run's peak: the largest of its records' memory field `key` (each the peak so far, the largest over the
+    ranks), in GiB; None when the records have none."""
+    peaks = [r[key] for r in records if r.get(key) is not None]
+    return max(peaks) / 2 ** 30 if peaks else None
+
+
+def _git(root, *args, env=None):
+    out = subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        raise OSError(out.stderr.strip() or f"git {' '.join(args)} failed")
+    return out.stdout
+
+
+def tree_state(root):
+    """What tree runs in `root`: {"commit": its .git's HEAD, "tree": the git tree id of the files as they are
+    (tracked and untracked but not ignored: what a commit of them would hold, so the commit whose tree this is can
+    be found later with `git rev-parse COMMIT^{tree}`), "changed": the paths that differ from the commit}. A copy
+    whose .git is older than its files shows as that commit with changes. {"error": why} without git."""
     try:
-        with open(log_path, errors="replace") as f:
-            peaks = [float(m) for m in re.findall(r"max allocated: ([0-9.]+)", f.read())]
-    except OSError:
-        return None
-    return max(peaks) * 2 ** 20 / 2 ** 30 if peaks else None
+        commit = _git(root, "rev-parse", "HEAD").strip()
+        changed = [line[3:] for line in _git(root, "status", "--porcelain", "--untracked-files=all",
+                                             env=dict(os.environ, GIT_OPTIONAL_LOCKS="0")).splitlines()]
+        git_dir = os.path.abspath(os.path.join(root, _git(root, "rev-parse", "--git-common-dir").strip()))
+        with tempfile.TemporaryDirectory() as scratch:  # nothing written into the repository
+            os.makedirs(os.path.join(scratch, "objects"))
+            env = dict(os.environ, GIT_INDEX_FILE=os.path.join(scratch, "index"),
+                       GIT_OBJECT_DIRECTORY=os.path.join(scratch, "objects"),
+                       GIT_ALTERNATE_OBJECT_DIRECTORIES=os.path.join(git_dir, "objects"))
+            _git(root, "read-tree", "HEAD", env=env)
+            _git(root, "add", "-A", env=env)
+            tree = _git(root, "write-tree", env=env).strip()
+    except (OSError, FileNotFoundError) as e:
+        return {"error": str(e)}
+    return {"commit": commit, "tree": tree, "changed": changed}
+
+
+def describe_tree(state):
+    """One line for `tree_state`'s answer."""
+    if "error" in state:
+        return f"tree unknown ({state['error']})"
+    changed = state["changed"]
+    shown = ", ".join(changed[:8]) + (f", ... ({len(changed)} in all)" if len(changed) > 8 else "")
+    return (f"tree {state['tree'][:12]} = commit {state['commit'][:12]}" if not changed else
+            f"tree {state['tree'][:12]} = commit {state['commit'][:12]} with changes to {len(changed)} path(s): "
+            f"{shown}")
 
 
 def compile_seconds(log_path):
@@ -61,8 +105,7 @@ def trainer_figures(out_dir, name):
     """Median s/iteration, tokens/s and TFLOPs of a trainer run (train records after the first SKIP), its losses
     and the peak memory its log reports."""
     try:
-        recs = [r for r in read_metrics(os.path.join(out_dir, name + ".jsonl")) if not r.get("eval")
-                and not r.get("timers") and "lm_loss" in r]
+        recs = [r for r in read_metrics(os.path.join(out_dir, name + ".jsonl")) if is_training_record(r)]
     except OSError:
         return None
     if not recs:
@@ -75,8 +118,8 @@ def trainer_figures(out_dir, name):
             "global_batch_size": timed[-1]["global_batch_size"],
             "tokens_per_s": timed[-1]["global_batch_size"] * tokens_per_sample / sec,
             "tflops_median": statistics.median(r["tflops"] for r in timed),
-            "lm_loss": [r["lm_loss"] for r in recs], "peak_memory_gib": peak_memory_gib(log),
-            "compile_s": compile_seconds(log)}
+            "lm_loss": [r["lm_loss"] for r in recs], "peak_memory_gib": peak_memory_gib(recs),
+            "peak_reserved_gib": peak_memory_gib(recs, "max_reserved_bytes"), "compile_s": compile_seconds(log)}
 
 
 def layer_figures(path):
@@ -88,6 +131,13 @@ def layer_figures(path):
             "sec_per_layer_uncached": mode.get("sec_per_layer_uncached"),
             "cached_vs_uncached_max_abs_diff": mode.get("cached_vs_uncached_max_abs_diff"),
             "peak_memory_gib": mode.get("peak_memory_gib"), "shape": cal.get("shape"), "gemms": cal.get("float8_gemms")}
+
+
+def _peak(t):
+    if t["peak_memory_gib"] is None:
+        return "peak memory not recorded"
+    reserved = f" ({t['peak_reserved_gib']:.1f} reserved)" if t["peak_reserved_gib"] is not None else ""
+    return f"peak {t['peak_memory_gib']:.1f} GiB allocated{reserved} over the run"
 
 
 def _ratio(a, b):
@@ -102,7 +152,8 @@ def summarize(out_dir):
         res = {"peer_compiled": peer, "model_alone_compiled": None}
     res.update({name: trainer_figures(out_dir, name) for name in TRAINERS})
     res.update({f"layer_{kind}": layer_figures(os.path.join(out_dir, f"layer_{kind}.json")) for kind in ("bf16", "fp8")})
-    lines = []
+    res["tree"] = tree = _load_json(os.path.join(out_dir, "tree.json"))
+    lines = [describe_tree(tree) if tree is not None else "tree: not recorded (no tree.json)"]
     peer = res["peer_compiled"]
     lines.append("peer_compiled: " + (f"{peer['sec_per_iter_median']:.3f} s/iter, {peer['tokens_per_s']:,.0f} tokens/s, "
                                       f"{peer['tflops']:.1f} TFLOPs, peak {peer.get('peak_memory_gib') or float('nan'):.1f}"
@@ -117,7 +168,7 @@ def summarize(out_dir):
             continue
         lines.append(f"{name}: " + (f"{t['sec_per_iter_median']:.3f} s/iter (median of {t['timed_iterations']}), "
                                     f"{t['tokens_per_s']:,.0f} tokens/s, {t['tflops_median']:.1f} TFLOPs (log line), "
-                                    f"peak {t['peak_memory_gib'] or float('nan'):.1f} GiB, compile "
+                                    f"{_peak(t)}, compile "
                                     f"{t['compile_s'] if t['compile_s'] is not None else '-'} s, last loss "
                                     f"{t['lm_loss'][-1]:.4f}" if t else "missing"))
     for kind in ("bf16", "fp8"):
@@ -174,8 +225,21 @@ def summarize(out_dir):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="the folder bench/gpu.sh speed wrote")
+    p.add_argument("--out", help="the folder bench/gpu.sh speed wrote")
+    p.add_argument("--tree", action="store_true", help="print the tree that runs here (commit and changes; with --out "
+                                                       "also OUT/tree.json) and exit")
+    p.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                   help="the repository whose tree is recorded (default: this one)")
     args = p.parse_args(argv)
+    if args.tree:
+        state = tree_state(args.root)
+        print(describe_tree(state))
+        if args.out:
+            with open(os.path.join(args.out, "tree.json"), "w") as f:
+                json.dump(state, f, indent=1)
+        return
+    if not args.out:
+        p.error("--out is required (or --tree)")
     res = summarize(args.out)
     text = "\n".join(res["lines"])
     print(text)

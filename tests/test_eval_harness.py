@@ -31,12 +31,16 @@ pytest.importorskip("lm_eval")
 TASKS = "t_mc,t_ppl,t_gen"
 BATCH = 3  # divides no task's request count: batches mix lengths and documents
 BLOOM_MAX_LENGTH = 48  # the BLOOM tokenizer's model_max_length: HFLM's window for a model without positions
+BLOOM_SEQ_LENGTH = 32  # the BLOOM config's seq_length, which the import takes for model.max_position_embeddings
+LONG_PROMPT = "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n   "  # past 32 tokens with 6 new, within 48
+GEN_TOKENS = 6  # t_gen's max_gen_toks
 # Random models from local configs. initializer_range well above the default 0.02 so that scores and greedy
 # continuations differ from document to document (a model that says the same everywhere would test little).
 HF_MODELS = {
     "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(n_positions=64, n_embd=32, n_layer=2, n_head=4,
                                                    initializer_range=0.3)),
-    "bloom": ("BloomForCausalLM", "BloomConfig", dict(hidden_size=32, n_layer=2, n_head=4, initializer_range=0.5)),
+    "bloom": ("BloomForCausalLM", "BloomConfig", dict(hidden_size=32, n_layer=2, n_head=4, initializer_range=0.5,
+                                                      seq_length=BLOOM_SEQ_LENGTH)),
 }
 MODELS = ("gpt2", "bloom", "trained")
 
@@ -64,8 +68,11 @@ def _ppl_docs():
 
 
 def _gen_docs():
+    """Short prompts, and one longer than an ALiBi model's max_position_embeddings leaves room for (BLOOM's: its
+    window is the tokenizer's; the trained model's 16 positions cut it from the left, as HFLM does)."""
     return [{"question": q, "answer": a} for q, a in (("x = 1\ny =", " 2"), ("def f(a):\n   ", " return a"),
-                                                      ("import", " os"), ("# a comment\nfor", " i"))]
+                                                      ("import", " os"), ("# a comment\nfor", " i"),
+                                                      (LONG_PROMPT, " return a * b"))]
 
 
 def _write_tasks(d):
@@ -109,7 +116,7 @@ doc_to_text: "{{{{question}}}}"
 doc_to_target: "{{{{answer}}}}"
 generation_kwargs:
   until: ["\\n"]
-  max_gen_toks: 6
+  max_gen_toks: {GEN_TOKENS}
   do_sample: false
 metric_list:
   - {{metric: exact_match, aggregation: mean, higher_is_better: true}}
@@ -187,10 +194,31 @@ def no_env_report():
         yield
 
 
-def _on_two_ranks(train_runs, eval_runs):
-    """Train (pretrain_gpt.main), then evaluate at tp = 2, in the same two ranks."""
+def _on_two_ranks(train_runs, eval_runs, failing_argv):
+    """Train (pretrain_gpt.main), then evaluate at tp = 2, in the same two ranks; last, one evaluation whose rank 0
+    fails right after its model server is built (`_failing_on_rank_0`)."""
     with no_env_report():
-        return run_mains(train_runs), run_evals(eval_runs)
+        return run_mains(train_runs), run_evals(eval_runs), _failing_on_rank_0(failing_argv)
+
+
+def _failing_on_rank_0(argv):
+    """eval_harness.main(argv) with an error injected on rank 0 where it builds the harness's model, after the
+    other ranks started serving: ("raised", its message) on rank 0, (exit code, output) on the other ranks, which
+    must have been released (a rank left serving would wait for the process group's 30-minute timeout)."""
+    import torch.distributed as dist
+
+    import eval_harness
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected on rank 0")
+
+    with pytest.MonkeyPatch.context() as patch:
+        if dist.get_rank() == 0:
+            patch.setattr(eval_harness, "harness_model", fail)
+        try:
+            return run_evals([("failing", argv)])["failing"]
+        except RuntimeError as e:
+            return ("raised", str(e))
 
 
 def _eval_argv(sources, model, tp, batch, out, *extra):
@@ -234,7 +262,10 @@ def runs(tmp_path_factory):
     out = {tp: {m: str(d / f"{m}_tp{tp}.json") for m in MODELS} for tp in (1, 2)}
     train_runs = [("train", ["--config", _train_config(d, tokdir)])]
     tp2_runs = [(m, _eval_argv(sources, m, 2, BATCH, out[2][m])) for m in MODELS]
-    (trained, tp2), _ = run_distributed(_on_two_ranks, 2, args=(train_runs, tp2_runs), timeout=600)
+    failing = ["--load", sources["gpt2"][0], "--tokenizer", sources["gpt2"][1], "--tasks", "t_mc", "--include-path",
+               tasks, "--tp", "2", "--limit", "1"]
+    (trained, tp2, failed0), (_, _, failed1) = run_distributed(_on_two_ranks, 2, args=(train_runs, tp2_runs, failing),
+                                                               timeout=600)
     assert trained["train"][0] == 0, trained["train"][1]
     hf["trained"] = str(d / "trained_hf")
     _convert(["--load", str(d / "ck"), "--to", "hf", "--output", hf["trained"]])
@@ -256,7 +287,7 @@ def runs(tmp_path_factory):
         with open(path) as f:
             return json.load(f)
 
-    return dict(dir=d, hf=hf, tp1=tp1, tp2=tp2, reference=reference,
+    return dict(dir=d, hf=hf, tp1=tp1, tp2=tp2, failed=(failed0, failed1), reference=reference,
                 ours={tp: {m: read(out[tp][m]) for m in MODELS} for tp in (1, 2)},
                 bs1={m: read(p) for m, p in bs1.items()}, fewshot=read(fewshot))
 
@@ -394,13 +425,119 @@ def test_bad_input_exits_2_before_reading_weights(runs, monkeypatch, capsys):
          "--max-length 65 exceeds the model's model.max_position_embeddings (64)"),
         (["--load", gpt2, "--tasks", "t_mc"], {}, "names no tokenizer to encode the tasks' text with"),
         (base + ["--tasks", "t_mc", "--output", str(d / "nowhere" / "r.json")], {}, "its folder does not exist"),
+        (base + ["--tasks", "t_mc", "--output", str(d)], {}, f"--output {d} is a folder: give the results file's path"),
+        (base + ["--tasks", "t_mc", "--log-samples"], {}, "--log-samples needs --output FILE"),
+        # lm-eval draws the examples from t_mc's train split (6 documents), from t_ppl's only split (5)
+        (base + ["--tasks", "t_mc", "--num-fewshot", "100"], {},
+         f"--num-fewshot 100: task t_mc has {len(_mc_docs()[3:])} documents to draw examples from: use "
+         f"--num-fewshot {len(_mc_docs()[3:])} or fewer"),
+        (base + ["--tasks", "t_ppl,t_gen", "--num-fewshot", "6"], {},
+         f"--num-fewshot 6: task t_ppl has {len(_ppl_docs())} documents to draw examples from"),
+        (["--load", gpt2, "--tokenizer", runs["hf"]["gpt2"], "--include-path", _malformed_task(d), "--tasks",
+          "t_bad"], {}, f"--tasks: {d}/bad.jsonl line 3 is not valid JSON ("),
     ]
     for argv, env, message in cases:
         with environ_kept():
             os.environ.update(env)
             assert eval_harness.main(argv) == 2, argv
         err = capsys.readouterr().err
-        assert message in err and err.count("error:") == 1, (argv, err)
+        assert message in err and err.count("error:") == 1 and "Traceback" not in err, (argv, err)
+    assert not [name for name in os.listdir(d) if ".tmp-" in name or ".probe-" in name]  # nothing left behind
+
+
+def _malformed_task(d):
+    """A task folder whose task reads a jsonl file with a malformed third line; its path."""
+    good = json.dumps({"question": "x =", "answer": " 1"})
+    (d / "bad.jsonl").write_text(f"{good}\n{good}\n{{\"question\": \"y =\" \"answer\": \" 2\"}}\n{good}\n")
+    os.makedirs(d / "bad_tasks", exist_ok=True)
+    (d / "bad_tasks" / "bad.yaml").write_text(f"""task: t_bad
+dataset_path: json
+dataset_kwargs:
+  cache_dir: {d}/hf_datasets_bad
+  data_files:
+    test: {d}/bad.jsonl
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - {{metric: exact_match, aggregation: mean, higher_is_better: true}}
+""")
+    return str(d / "bad_tasks")
+
+
+def test_output_into_a_folder_that_takes_no_file_exits_2_before_reading_weights(runs, monkeypatch, capsys, tmp_path):
+    """A read-only folder (a read-only mount behaves alike; mounting needs root) is found before the evaluation,
+    and nothing is left in it. Root writes into a chmod-ed folder anyway: skipped there."""
+    import eval_harness
+
+    import gptpar.checkpoint.model_loading as inference
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        try:
+            (locked / "probe").write_text("")
+            os.remove(locked / "probe")
+            pytest.skip("this user writes into a read-only folder (root): the case cannot be made here")
+        except PermissionError:
+            pass
+        monkeypatch.setattr(inference, "read_weights", lambda *a, **k: pytest.fail("weights were read"))
+        argv = ["--load", str(runs["dir"] / "gpt2_tp2pp2"), "--tokenizer", runs["hf"]["gpt2"], "--include-path",
+                str(runs["dir"] / "tasks"), "--tasks", "t_mc", "--output", str(locked / "r.json")]
+        with environ_kept():
+            assert eval_harness.main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"--output {locked}/r.json: its folder {locked} takes no new file (Permission denied)" in err, err
+        assert os.listdir(locked) == []
+    finally:
+        locked.chmod(0o755)
+
+
+def test_results_that_cannot_be_written_leave_no_temporary_file(tmp_path):
+    """A write that fails after the check (a disk filling up meanwhile; here a value whose conversion raises the
+    disk's error half-way through the JSON) removes its temporary file and ends in one line, exit 1."""
+    import errno
+    import types
+
+    import eval_harness
+
+    class FullDisk:
+        def __str__(self):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    args = types.SimpleNamespace(output=str(tmp_path / "r.json"), batch_size=1, limit=None, num_fewshot=None)
+    results = {"results": {"t": {"acc,none": 0.5, "alias": "t"}}, "versions": {"t": 1}, "n-shot": {"t": 0},
+               "higher_is_better": {"t": {"acc": True}}, "config": {"odd": FullDisk()}}
+    provenance = {"checkpoint": "ck", "iteration": None, "tp": 1, "dtype": "float32", "max_length": 16}
+    with pytest.raises(eval_harness.OutputError, match=r"could not write --output .*r.json \(No space left"):
+        eval_harness.report(args, results, provenance, log=lambda *a: None)
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_error_on_rank_0_releases_the_other_ranks(runs):
+    """tp 2: rank 0 fails after the other rank began serving its model calls; the other rank is told to stop at
+    once and returns (exit 0: rank 0 reports the error), instead of waiting for calls that never come."""
+    failed0, failed1 = runs["failed"]
+    assert failed0 == ("raised", "injected on rank 0")
+    assert failed1[0] == 0, failed1
+
+
+def test_alibi_generation_is_bounded_by_the_harness_length_alone(runs):
+    """An ALiBi model has no position table: the long prompt with its new tokens passes the imported BLOOM's
+    model.max_position_embeddings (its config's seq_length) but fits the harness's window (the tokenizer's
+    model_max_length, as HFLM resolves it), and is generated as HFLM generates it, at tp 1 and tp 2."""
+    from gptpar.checkpoint.weights import read_weights_config
+    from gptpar.data.tokenizer import load_tokenizer
+
+    prompt = len(load_tokenizer(runs["hf"]["bloom"]).encode(LONG_PROMPT))
+    assert read_weights_config(str(runs["dir"] / "bloom_tp2pp2")).max_position_embeddings == BLOOM_SEQ_LENGTH
+    assert BLOOM_SEQ_LENGTH < prompt + GEN_TOKENS <= BLOOM_MAX_LENGTH
+    reference = {s["doc"]["question"]: s["resps"] for s in _by_doc(runs["reference"]["bloom"], "t_gen")}
+    for tp in (1, 2):
+        ours = {s["doc"]["question"]: s["resps"] for s in _by_doc(runs["ours"][tp]["bloom"], "t_gen")}
+        assert ours[LONG_PROMPT] == reference[LONG_PROMPT]
 
 
 def test_demo_tasks_run_offline_from_the_repository(runs, monkeypatch):

@@ -229,6 +229,11 @@ def test_tensorboard_holds_norms_memory_and_timers(runs):
     assert all(p >= r > 0 for (_, r), (_, p) in zip(resident, peak))
     (_, _, reported_resident, reported_peak), = MEMORY_LINE.findall(out[2][0]["tp2"][1])
     assert peak[0][1] >= float(reported_peak) * 2 ** 20 * (1 - 1e-6)  # the largest over the ranks
+    # the metrics file's memory fields: the same peaks, so far in the run at every record (never falling); on CPU
+    # nothing is reserved
+    fields = [r["max_allocated_bytes"] for r in records]
+    assert fields == pytest.approx([p for _, p in peak], rel=1e-6) and fields == sorted(fields)
+    assert all(r["max_reserved_bytes"] is None for r in records)
     timers = [r for r in metrics if r.get("timers")]
     assert len(timers) == ITERS
     for name, tag in (("batch", "batch-generator-time"), ("forward", "forward-compute-time"),

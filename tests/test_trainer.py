@@ -15,8 +15,8 @@ import torch
 
 from gptpar.testing import run_distributed
 from gptpar.training.logging import METRIC_KEYS, format_log_line
-from trainer_runs import (ROOT, cosine_lr, improved_tflops, log_lines, megatron_rampup, read_jsonl, run_mains,
-                          synthetic_sample, write_config)
+from trainer_runs import (ROOT, cosine_lr, improved_tflops, log_lines, megatron_rampup, read_jsonl, read_tensorboard,
+                          run_mains, synthetic_sample, write_config)
 
 RAMP = dict(start=4, increment=4, ramp_samples=24, final=12)
 REAL_VOCAB = 300
@@ -390,10 +390,36 @@ def test_elapsed_time_is_wall_clock_between_steps_less_eval_saves_and_skips(tmp_
     # left out)
     assert [(r["iteration"], r["elapsed_s"]) for r in logged] == [(1, 1.0), (2, 1.5), (4, 1.25)]
     assert sum("memory (MB)" in line for line in printed) == 1
-    assert len(memory_reads) == 1  # read for that report only: no TensorBoard to write it to at every log line
+    assert len(memory_reads) == len(logged)  # at every log line, for the metrics file's memory fields
+    assert [(r["max_allocated_bytes"], r["max_reserved_bytes"]) for r in logged] == [(2.0, None)] * len(logged)
     assert any("skipping iterations 3-3" in line for line in printed)
     assert sum("validation loss" in line for line in printed) == 2  # the evaluations did run (iterations 2, 4)
     assert checkpointer.saved == [2, 4]
+
+
+def test_a_log_line_reads_nothing_from_the_device(tmp_path, monkeypatch):
+    """With the metrics file and TensorBoard on, each log line's memory figures are the allocator's host-side
+    counters, the largest over the ranks reduced on the host (one rank here: nothing to reduce): no tensor is made
+    on the device to be read back, which would make the host wait for the step queued there. The device is `meta`
+    here, where reading back any tensor raises; the figures reach the record's memory fields and TensorBoard."""
+    import gptpar.training.trainer as trainer_module
+    from gptpar.config import config_from_dict
+
+    usage = {"allocated": 1.0, "max allocated": 3.0, "reserved": 4.0, "max reserved": 5.0}  # CUDA's labels
+    monkeypatch.setattr(trainer_module, "memory_usage", lambda device: dict(usage))
+    pstate = types.SimpleNamespace(**{**vars(_ONE_RANK), "device": torch.device("meta")})
+    source = types.SimpleNamespace(micro_batches=lambda consumed, gbs: [])
+    cfg = config_from_dict({"model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16,
+                                      "vocab_size": 200},
+                            "training": {"micro_batch_size": 1, "global_batch_size": 1, "train_iters": 3},
+                            "data": {"synthetic": True},
+                            "logging": {"log_interval": 1, "metrics_file": str(tmp_path / "m.jsonl"),
+                                        "tensorboard_dir": str(tmp_path / "tb")}})
+    trainer = trainer_module.Trainer(cfg, pstate, _LoopEngine(), source, {}, log=lambda line: None)
+    assert trainer.train() == "train_iters reached"
+    records = read_jsonl(tmp_path / "m.jsonl")
+    assert [(r["max_allocated_bytes"], r["max_reserved_bytes"]) for r in records] == [(3.0, 5.0)] * 3
+    assert read_tensorboard(tmp_path / "tb")["mem-max-reserved-bytes"] == [(1, 5.0), (2, 5.0), (3, 5.0)]
 
 
 def test_the_next_batch_is_drawn_during_the_step_and_used_only_where_it_is_that_iterations(monkeypatch):

@@ -5,9 +5,11 @@ import pytest
 
 import torch
 
-from gptpar.training.logging import (METRIC_KEYS, IntervalStats, MetricsWriter, TensorBoardWriter, eval_record,
+from gptpar.training.logging import (MEMORY_KEYS, METRIC_KEYS, IntervalStats, LogPathError, LogWriteError,
+                                     MetricsWriter, TensorBoardWriter, check_log_paths, eval_record,
                                      format_eval_block, format_eval_line, format_log_line, format_memory_line,
-                                     is_training_record, memory_usage, parse_log_line, read_metrics)
+                                     is_training_record, memory_usage, parse_log_line, peak_memory_fields,
+                                     read_metrics)
 from trainer_runs import read_tensorboard
 
 # Quoted verbatim from /work/shared/seeds/003_c1a2cf81af8065a2.txt (Megatron-DeepSpeed output, fp16 and bf16).
@@ -145,7 +147,7 @@ def test_metrics_writer_full_precision_and_append(tmp_path):
     path = tmp_path / "sub" / "metrics.jsonl"
     record = dict(zip(METRIC_KEYS, [5, 10, 80, 80 * 64, 0.123456789012345, 1.234567890123e-4, 16,
                                     3.14159265358979, 1.0, 0.987654321, None, 12.3456789012345, 0, 0, 129.870129870,
-                                    1.2e-6]))
+                                    1.2e-6, 2.5e9, None]))
     assert len(record) == len(METRIC_KEYS)
     MetricsWriter(str(path)).write(record)
     writer = MetricsWriter(str(path))  # a resumed run appends
@@ -165,14 +167,16 @@ def test_metrics_writer_full_precision_and_append(tmp_path):
 
 def test_tensorboard_tags_gptpar(tmp_path):
     pytest.importorskip("tensorboard")
-    record = dict(zip(METRIC_KEYS, [3, 10, 48, 48 * 64, 0.5, 1e-3, 16, 4.5, 1.0, 2.0, None, 6.5, 0, 0, 32.0, 0.0]))
+    record = dict(zip(METRIC_KEYS, [3, 10, 48, 48 * 64, 0.5, 1e-3, 16, 4.5, 1.0, 2.0, None, 6.5, 0, 0, 32.0, 0.0,
+                                    2e9, 3e9]))
     tb = TensorBoardWriter(str(tmp_path), tags="gptpar")
     tb.add_metrics(record)
     tb.add_eval(eval_record(3, 48, 48 * 64, 4.0))
     tb.add_eval(eval_record(3, 48, 48 * 64, 3.0, "en"))
     tb.close()
     scalars = read_tensorboard(tmp_path)
-    expected = {f"train/{k}" for k in METRIC_KEYS if k not in ("iteration", "train_iters", "num_zeros")}
+    # the memory fields go under memory/ (add_memory), not train/
+    expected = {f"train/{k}" for k in METRIC_KEYS if k not in ("iteration", "train_iters", "num_zeros") + MEMORY_KEYS}
     assert expected | {"train/lm_loss_vs_samples", "eval/lm_loss", "eval/ppl", "eval/en/lm_loss",
                        "eval/en/ppl"} == set(scalars)
     assert scalars["train/lm_loss"] == [(3, pytest.approx(4.5))]
@@ -249,3 +253,63 @@ def test_tensorboard_timers_and_memory(tmp_path, style):
     assert set(scalars) == set(expected)
     for tag, value in expected.items():
         assert scalars[tag] == [(7, pytest.approx(value, rel=1e-6))], tag
+
+
+def test_peak_memory_fields_are_the_peaks_of_each_device_kind():
+    """A record's memory fields: CUDA's max allocated and max reserved; on CPU the resident peak (VmHWM) and
+    nothing reserved; nothing read, nothing there."""
+    cuda = {"allocated": 1.0, "max allocated": 2.0, "reserved": 3.0, "max reserved": 4.0}
+    assert peak_memory_fields(cuda) == {"max_allocated_bytes": 2.0, "max_reserved_bytes": 4.0}
+    assert peak_memory_fields({"resident": 5.0, "max resident": 6.0}) == {"max_allocated_bytes": 6.0,
+                                                                          "max_reserved_bytes": None}
+    assert peak_memory_fields(None) == {"max_allocated_bytes": None, "max_reserved_bytes": None}
+    assert set(MEMORY_KEYS) == set(peak_memory_fields(cuda)) and set(MEMORY_KEYS) <= set(METRIC_KEYS)
+    line = format_log_line(**dict(parse_log_line(SEED_LINES[0]), **peak_memory_fields(cuda)))
+    assert line == SEED_LINES[0]  # the line leaves them out
+
+
+def test_log_paths_that_cannot_be_written_are_named_with_their_key(tmp_path):
+    """check_log_paths, which the preflight runs on rank 0: each case names the key in full; a path that can be
+    written passes, and nothing is created (access(2) is asked, not a file written)."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for metrics, tensorboard, message in (
+            (f"{a_file}/m.jsonl", None, f"logging.metrics_file {a_file}/m.jsonl cannot be created: {a_file} is a file"),
+            (f"{a_file}/deeper/m.jsonl", None, f"cannot be created: {a_file} is a file, not a folder"),
+            (str(tmp_path), None, f"logging.metrics_file {tmp_path} is a folder: point logging.metrics_file at a file"),
+            (None, str(a_file), f"logging.tensorboard_dir {a_file} is a file, not a folder"),
+            (None, f"{a_file}/tb", f"logging.tensorboard_dir {a_file}/tb cannot be created: {a_file} is a file")):
+        with pytest.raises(LogPathError) as e:
+            check_log_paths(metrics, tensorboard)
+        assert message in str(e.value)
+    check_log_paths(str(tmp_path / "new" / "m.jsonl"), str(tmp_path / "new" / "tb"))
+    check_log_paths(str(a_file), None)  # an existing file is appended to
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"] and a_file.read_text() == "x"
+
+
+def test_writes_that_fail_raise_one_error_naming_the_key(tmp_path, capfd, monkeypatch):
+    """The metrics file and TensorBoard, their folder gone (a file in its place) after the first write: each write
+    then raises LogWriteError naming the key; TensorBoard's writer thread prints no traceback of its own (Python's
+    own thread-error printer in place, as outside pytest, which replaces it)."""
+    pytest.importorskip("tensorboard")
+    import shutil
+    import threading
+
+    monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)
+
+    record = dict(zip(METRIC_KEYS, [3, 10, 48, 48 * 64, 0.5, 1e-3, 16, 4.5, 1.0, 2.0, None, 6.5, 0, 0, 32.0, 0.0,
+                                    None, None]))
+    logs = tmp_path / "logs"
+    metrics, tb = MetricsWriter(str(logs / "m.jsonl")), TensorBoardWriter(str(logs / "tb"))
+    metrics.write(record)
+    tb.add_metrics(record)
+    shutil.rmtree(logs)
+    logs.write_text("the volume is gone")
+    with pytest.raises(LogWriteError, match=f"logging.metrics_file {logs}/m.jsonl could not be written \\(Not a "):
+        metrics.write(record)
+    with pytest.raises(LogWriteError, match=f"logging.tensorboard_dir {logs}/tb could not be written"):
+        for _ in range(3):  # the writer thread's error surfaces at the next flush
+            tb.add_metrics(record)
+    tb.close()  # closed once, quietly, after its error was raised
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception in thread" not in err, err

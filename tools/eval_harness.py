@@ -30,8 +30,11 @@ collectives included.
 Output (rank 0): the harness's results table on stdout; with --output FILE the harness's JSON (results, configs,
 versions, n-shot, ..., with --log-samples every document's requests and responses) and gptpar's provenance
 under "gptpar" (the checkpoint's path, iteration and consumed samples and tokens, tp, dtype, max length).
-Bad arguments (an unknown task, a tokenizer with ids the model lacks, a --tp that does not split the heads, ...)
-print one message and exit 2 before any weights are read.
+Bad arguments (an unknown task, a tokenizer with ids the model lacks, a --tp that does not split the heads, a
+--num-fewshot above a task's few-shot documents, a task whose local jsonl does not parse, an --output that cannot
+be written, --log-samples without --output, ...) print one message and exit 2 before any weights are read: rank 0
+builds the tasks, their documents read, before the model. An error on rank 0 once the model is loaded releases the
+other ranks at once.
 """
 import argparse
 import json
@@ -98,8 +101,11 @@ def check_args(args):
         args.limit = int(args.limit) if args.limit >= 1 else args.limit
     if args.include_path and not os.path.isdir(args.include_path):
         raise UsageError(f"--include-path {args.include_path} is not a folder of task YAML files")
-    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
-        raise UsageError(f"--output {args.output}: its folder does not exist (create it first)")
+    if args.log_samples and not args.output:
+        raise UsageError("--log-samples needs --output FILE: the samples go into the results JSON (lm-eval's own "
+                         "command line refuses --log_samples without --output_path too)")
+    if args.output:
+        check_output(args.output)
     try:
         seeds = [int(s) for s in args.seed.split(",")]
     except ValueError:
@@ -107,6 +113,26 @@ def check_args(args):
     if len(seeds) not in (1, 4):
         raise UsageError(f"--seed {args.seed!r}: give one integer or four (python,numpy,torch,few-shot)")
     return seeds * 4 if len(seeds) == 1 else seeds
+
+
+def check_output(path):
+    """--output names a file whose folder takes a new file: checked by creating and removing one there, so that a
+    read-only folder or mount is found before the evaluation rather than after it. Raises UsageError."""
+    import tempfile
+
+    if os.path.isdir(path):
+        raise UsageError(f"--output {path} is a folder: give the results file's path, e.g. "
+                         f"{os.path.join(path, 'results.json')}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"--output {path}: its folder does not exist (create it first)")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.probe-", dir=folder)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise UsageError(f"--output {path}: its folder {folder} takes no new file ({e.strerror}): give --output a "
+                         f"writable folder") from None
 
 
 def load_tokenizer(args):
@@ -198,6 +224,112 @@ def resolve_tasks(tasks, include_path):
     return manager, names
 
 
+def load_tasks(manager, names, num_fewshot):
+    """The harness's tasks and groups for `names`, built (their documents read) before any weights are, in the
+    order the harness lists them: what `run_harness` evaluates. A task whose local data does not parse, or whose
+    few-shot documents are fewer than its prompts draw, raises UsageError naming it."""
+    import logging
+
+    datasets_log = logging.getLogger("datasets")
+    level = datasets_log.level
+    datasets_log.setLevel(logging.CRITICAL)  # its own error line would precede ours
+    try:
+        loaded = manager.load(names)
+    except Exception as e:  # noqa: BLE001 - the datasets library's errors name neither the task nor the file
+        raise UsageError(task_load_error(manager, names, e)) from None
+    finally:
+        datasets_log.setLevel(level)
+    for name, task in loaded["tasks"].items():
+        check_fewshot(name, task, num_fewshot)
+    groups = list(loaded["groups"].values())
+    nested = {id(sub) for group in groups for sub in group.get_all_groups()}
+    owner = {id(task): group for group in groups if id(group) not in nested for task in group.get_all_tasks()}
+    built = []
+    for task in loaded["tasks"].values():
+        top = owner.get(id(task), task)
+        if not any(top is b for b in built):
+            built.append(top)
+    return built
+
+
+def check_fewshot(name, task, num_fewshot):
+    """lm-eval draws each prompt's examples without replacement from the task's few-shot documents, leaving out
+    the document under evaluation when they are its test split: there must be that many. Raises UsageError."""
+    own = task.get_config("num_fewshot")
+    from_flag = num_fewshot is not None and own != 0  # a task whose config says 0 keeps 0 (lm-eval's rule)
+    shots = num_fewshot if from_flag else (own or 0)
+    sampler = getattr(task, "sampler", None)
+    if not shots or sampler is None:
+        return
+    pool = len(sampler.fewshot_docs())
+    split = getattr(getattr(task, "fewshot_cfg", None), "split", None)
+    itself = split is not None and split == task.config.test_split
+    most = pool - 1 if itself else pool
+    if shots > most:
+        asked = f"--num-fewshot {shots}" if from_flag else f"task {name}'s own num_fewshot {shots}"
+        where = f" (its {split} split, one of them the document under evaluation)" if itself else ""
+        raise UsageError(f"{asked}: task {name} has {pool} documents to draw examples from{where}: use "
+                         f"--num-fewshot {max(most, 0)} or fewer")
+
+
+def task_data_files(manager, names):
+    """The local files that the tasks named (a group's or a tag's tasks included) read through their YAML's
+    dataset_kwargs.data_files."""
+    index, wanted, seen, files = manager.task_index, list(names), set(), []
+    while wanted:
+        name = wanted.pop(0)
+        if not isinstance(name, str) or name in seen:
+            continue
+        seen.add(name)
+        wanted += [entry.name for entry in index.values() if name in (entry.tags or ())]  # a tag's tasks
+        cfg = (index[name].cfg if name in index else None) or {}
+        if isinstance(cfg.get("task"), list):  # a group's tasks
+            wanted += [t.get("task") if isinstance(t, dict) else t for t in cfg["task"]]
+        data = (cfg.get("dataset_kwargs") or {}).get("data_files")
+        paths = data.values() if isinstance(data, dict) else [data]
+        for path in paths:
+            for p in [path] if isinstance(path, str) else path or []:
+                if isinstance(p, str) and os.path.isfile(p) and p not in files:
+                    files.append(p)
+    return files
+
+
+def first_malformed_line(path):
+    """(line number, why) of the first line of a jsonl file that is not one JSON value; None when every line is
+    one, or when the whole file is one JSON document (the json loader reads those too)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                json.loads(line)
+            except ValueError as e:
+                bad = (number, getattr(e, "msg", str(e)))
+                break
+        else:
+            return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            json.load(f)
+        return None
+    except ValueError:
+        return bad
+
+
+def task_load_error(manager, names, error):
+    """One line for a task that the harness could not build: the malformed line of its local data when there is
+    one, else the innermost error."""
+    for path in task_data_files(manager, names):
+        bad = first_malformed_line(path)
+        if bad:
+            return (f"--tasks: {path} line {bad[0]} is not valid JSON ({bad[1]}): each line of a task's jsonl "
+                    f"must be one JSON object; fix or remove that line")
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"--tasks: the harness could not load {', '.join(names)} ({type(error).__name__}: {first})"
+
+
 def default_dtype(name, device):
     import torch
 
@@ -216,6 +348,7 @@ class ModelServer:
     def __init__(self, model, tokenizer, pstate):
         self.model, self.tokenizer = model, tokenizer
         self.rank, self.world_size, self.device = pstate.rank, pstate.world_size, pstate.device
+        self.closed = False
 
     def call(self, name, *args):
         if self.world_size > 1:
@@ -225,6 +358,8 @@ class ModelServer:
         return getattr(self, name)(*args)
 
     def serve(self):
+        """Run rank 0's calls until it closes. A call that raises here raises on rank 0 too (the same arguments,
+        the same checks): rank 0 reports it and closes, so this rank keeps waiting for that close."""
         import torch.distributed as dist
 
         while True:
@@ -235,12 +370,17 @@ class ModelServer:
                 return
             if name not in self.CALLS:
                 raise RuntimeError(f"rank 0 sent an unknown call {name!r}")
-            getattr(self, name)(*args)
+            try:
+                getattr(self, name)(*args)
+            except Exception:  # noqa: BLE001 - rank 0 meets the same error and says it
+                pass
 
     def close(self):
-        if self.world_size > 1:
+        """Release the other ranks' `serve` (rank 0; once)."""
+        if self.world_size > 1 and not self.closed:
             import torch.distributed as dist
 
+            self.closed = True
             dist.broadcast_object_list([("close", ())], src=0)
 
     def log_probs(self, rows, keep):
@@ -419,6 +559,10 @@ def harness_model(server, tokenizer, **kwargs):
     return cls(server, tokenizer, **kwargs)
 
 
+class OutputError(Exception):
+    """--output could not be written after the evaluation (a disk that filled up since the check)."""
+
+
 def run_harness(args, lm, manager, tasks, seeds):
     """The harness's simple_evaluate over `lm`: its results dict."""
     from lm_eval import simple_evaluate
@@ -439,16 +583,22 @@ def report(args, results, provenance, log):
                                          if iteration is not None else "")
         + f", tp {provenance['tp']}, {provenance['dtype']}, max length {provenance['max_length']}, "
           f"batch size {args.batch_size}, limit {args.limit}, num_fewshot {args.num_fewshot}")
-    if args.output:
-        out = dict(results, gptpar=provenance)
-        tmp = f"{args.output}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(out, f, indent=1, default=handle_non_serializable, ensure_ascii=False)
-        os.replace(tmp, args.output)
-        log(f"results: {args.output}")
     log(make_table(results))
     if results.get("groups"):
         log(make_table(results, "groups"))
+    if args.output:
+        out = dict(results, gptpar=provenance)
+        tmp = f"{args.output}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(out, f, indent=1, default=handle_non_serializable, ensure_ascii=False)
+            os.replace(tmp, args.output)
+        except OSError as e:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise OutputError(f"could not write --output {args.output} ({e.strerror}); the table above holds the "
+                              f"results, nothing was left there") from None
+        log(f"results: {args.output}")
 
 
 def run(args, seeds, tokenizer, tokenizer_path, config, log):
@@ -464,10 +614,12 @@ def run(args, seeds, tokenizer, tokenizer_path, config, log):
     provenance = checkpoint_provenance(args.load, args.tag)
     pstate = init_parallel(tp=args.tp, pp=1, dp=1)
     # Rank 0 checks the task names (the harness's index); every rank learns the verdict.
+    # Rank 0 builds the tasks (their documents read) before any weights are: a task that cannot run says so now.
     verdict = [None]
     if pstate.rank == 0:
         try:
-            manager, tasks = resolve_tasks(args.tasks, args.include_path)
+            manager, names = resolve_tasks(args.tasks, args.include_path)
+            tasks = load_tasks(manager, names, args.num_fewshot)
         except UsageError as e:
             verdict = [str(e)]
     if pstate.world_size > 1:
@@ -482,15 +634,15 @@ def run(args, seeds, tokenizer, tokenizer_path, config, log):
     if pstate.rank != 0:
         server.serve()
         return
-    provenance.update(tp=args.tp, dtype=str(dtype).replace("torch.", ""), max_length=length,
-                      tokenizer=os.path.abspath(tokenizer_path))
-    info = {"model_num_parameters": model_parameter_count(config),
-            "model_dtype": provenance["dtype"], "gptpar_checkpoint": provenance["checkpoint"]}
-    # HFLM's prefix for a request without context: the tokenizer's declared BOS, else its end-of-document token.
-    prefix = tokenizer.bos if tokenizer.bos is not None else tokenizer.eod
-    lm = harness_model(server, tokenizer, max_length=length, batch_size=args.batch_size, prefix_token_id=prefix,
-                       info=info)
-    try:
+    try:  # whatever rank 0 raises from here on, the other ranks are released at once
+        provenance.update(tp=args.tp, dtype=str(dtype).replace("torch.", ""), max_length=length,
+                          tokenizer=os.path.abspath(tokenizer_path))
+        info = {"model_num_parameters": model_parameter_count(config),
+                "model_dtype": provenance["dtype"], "gptpar_checkpoint": provenance["checkpoint"]}
+        # HFLM's prefix for a request without context: the tokenizer's declared BOS, else its end-of-document token.
+        prefix = tokenizer.bos if tokenizer.bos is not None else tokenizer.eod
+        lm = harness_model(server, tokenizer, max_length=length, batch_size=args.batch_size,
+                           prefix_token_id=prefix, info=info)
         results = run_harness(args, lm, manager, tasks, seeds)
     finally:
         server.close()
@@ -516,6 +668,9 @@ def main(argv=None):
         if rank == 0:  # every rank finds the same: one message
             print(f"eval_harness.py: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except OutputError as e:
+        print(f"eval_harness.py: error: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         if owns_process_group:
             destroy_parallel()

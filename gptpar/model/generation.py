@@ -124,12 +124,14 @@ def generate_batch(model: GPTModel, prompts: Sequence[Sequence[int]], max_new_to
 
 
 def check_length(config: GPTConfig, prompt_length: int, max_new_tokens: int) -> None:
-    """The prompt and the new tokens must fit the learned position table (ValueError naming the field)."""
+    """The prompt and the new tokens must fit the learned position table (ValueError naming the field). ALiBi
+    has no table: its length is the caller's to choose, as Hugging Face's BLOOM leaves it (lm-eval's HFLM takes
+    the tokenizer's model_max_length, else 2048)."""
     if prompt_length < 1 or max_new_tokens < 1:
         raise ValueError(f"need a non-empty prompt and max new tokens >= 1 (got {prompt_length} prompt tokens, "
                          f"{max_new_tokens} new)")
     limit = config.max_position_embeddings
-    if prompt_length + max_new_tokens > limit:
+    if config.learned_positions and prompt_length + max_new_tokens > limit:
         raise ValueError(f"{prompt_length} prompt tokens + {max_new_tokens} new tokens exceed the model's "
                          f"model.max_position_embeddings ({limit}): shorten the prompt or ask for fewer tokens")
 

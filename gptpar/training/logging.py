@@ -5,7 +5,9 @@ the log line (`format_log_line(**record)`), appended to the metrics file at full
 TensorBoard (Megatron-DeepSpeed's tags, or `train/<key>` with logging.tensorboard_tags=gptpar), so they never
 disagree. One evaluation of one validation set is one *eval record* (`eval_record`), written the same way.
 The phase timers (logging.timers) go to the metrics file and TensorBoard beside them, the memory in use
-(`memory_usage`) to TensorBoard and once as Megatron's `report_memory` line (`format_memory_line`).
+(`memory_usage`) to TensorBoard and once as Megatron's `report_memory` line (`format_memory_line`), its peaks to the
+record's memory fields (`peak_memory_fields`; not in the line). A write that fails raises LogWriteError naming the
+key; `check_log_paths` finds unwritable log paths before a run starts (LogPathError).
 
 The line is Megatron-DeepSpeed's `training_log` output: each field is ' name: value |', in this order,
 with these formats (the iteration field is ' iteration {:8d}/{:8d} |'):
@@ -21,6 +23,7 @@ and params norm are omitted unless asked for (logging.log_num_zeros, logging.log
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -29,9 +32,12 @@ from typing import Dict, Optional
 
 METRIC_KEYS = ("iteration", "train_iters", "consumed_samples", "consumed_tokens", "elapsed_s", "lr",
                "global_batch_size", "lm_loss", "loss_scale", "grad_norm", "num_zeros", "params_norm",
-               "skipped_iterations", "nan_iterations", "samples_per_second", "tflops")
+               "skipped_iterations", "nan_iterations", "samples_per_second", "tflops",
+               "max_allocated_bytes", "max_reserved_bytes")
+# The record's memory fields (`peak_memory_fields`): in the metrics file, not in the line.
+MEMORY_KEYS = ("max_allocated_bytes", "max_reserved_bytes")
 # Keys a training record gained after metrics files were first written: older files lack them.
-LATER_KEYS = ("params_norm",)
+LATER_KEYS = ("params_norm",) + MEMORY_KEYS
 
 # (label in the line, record key, format) after the iteration field, in Megatron-DeepSpeed's order.
 _FIELDS = (
@@ -58,9 +64,10 @@ def format_log_line(*, iteration: int, train_iters: int, consumed_samples: int, 
                     elapsed_s: float, lr: float, global_batch_size: int, lm_loss: Optional[float],
                     loss_scale: float = 1.0, grad_norm: Optional[float] = None, num_zeros: Optional[float] = None,
                     params_norm: Optional[float] = None, skipped_iterations: int = 0, nan_iterations: int = 0,
-                    samples_per_second: float, tflops: float) -> str:
+                    samples_per_second: float, tflops: float, max_allocated_bytes: Optional[float] = None,
+                    max_reserved_bytes: Optional[float] = None) -> str:
     """The per-iteration line; `None` omits lm loss, grad norm, num zeros or params norm (as Megatron omits
-    them)."""
+    them). The memory fields are not in the line (Megatron prints memory in its own report line)."""
     values = dict(consumed_samples=consumed_samples, consumed_tokens=consumed_tokens, elapsed_s=elapsed_s,
                   lr=lr, global_batch_size=global_batch_size, lm_loss=lm_loss, loss_scale=loss_scale,
                   grad_norm=grad_norm, num_zeros=num_zeros, params_norm=params_norm,
@@ -132,6 +139,16 @@ def memory_usage(device) -> Dict[str, float]:
     if len(kib) < 2:
         return {}
     return {"resident": kib["VmRSS"], "max resident": kib["VmHWM"]}
+
+
+def peak_memory_fields(usage: Optional[Dict[str, float]]) -> Dict[str, Optional[float]]:
+    """A record's memory fields from `memory_usage`'s numbers (the largest over the ranks): the peaks since the
+    process started, so the last record of a run holds the run's. On CUDA the allocator's max allocated and max
+    reserved; on CPU the resident peak (VmHWM) stands for max allocated, and nothing is reserved. None where
+    nothing was read."""
+    usage = usage or {}
+    return {"max_allocated_bytes": usage.get("max allocated", usage.get("max resident")),
+            "max_reserved_bytes": usage.get("max reserved")}
 
 
 def format_memory_line(rank: int, iteration: int, usage: Dict[str, float]) -> str:
@@ -212,6 +229,47 @@ class IntervalStats:
         return out
 
 
+class LogPathError(Exception):
+    """logging.metrics_file or logging.tensorboard_dir names a place no log can be written (found before the model
+    is built)."""
+
+
+class LogWriteError(Exception):
+    """A write to the metrics file or TensorBoard failed during the run."""
+
+
+def check_log_paths(metrics_file: Optional[str], tensorboard_dir: Optional[str]) -> None:
+    """Raises LogPathError naming the key when a log cannot go where the config says: the metrics file a folder,
+    the TensorBoard folder a regular file, a regular file among their parent folders, or the nearest existing
+    folder (or the metrics file itself) not writable: a read-only mount or permissions, as access(2) answers them
+    (nothing is written; a full disk shows only when a write fails, LogWriteError)."""
+    for key, path, is_folder in (("logging.metrics_file", metrics_file, False),
+                                 ("logging.tensorboard_dir", tensorboard_dir, True)):
+        if path is not None:
+            _check_log_path(key, os.path.abspath(path), is_folder)
+
+
+def _check_log_path(key: str, path: str, is_folder: bool) -> None:
+    if is_folder and os.path.exists(path) and not os.path.isdir(path):
+        raise LogPathError(f"{key} {path} is a file, not a folder: point {key} at a folder for the event files")
+    if not is_folder and os.path.isdir(path):
+        raise LogPathError(f"{key} {path} is a folder: point {key} at a file in it (e.g. "
+                           f"{os.path.join(path, 'metrics.jsonl')})")
+    existing = path if is_folder else os.path.dirname(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise LogPathError(f"{key} {path} cannot be created: {existing} is a file, not a folder")
+    # Asked, not tried: nothing is created, so a log folder inside checkpoint.save keeps its modification time.
+    appended = not is_folder and os.path.exists(path)
+    where = path if appended else existing
+    if not os.access(where, os.W_OK if appended else os.W_OK | os.X_OK):
+        read_only = bool(os.statvfs(where).f_flag & os.ST_RDONLY)
+        why = "is on a read-only file system" if read_only else "is not writable for this user"
+        raise LogPathError(f"{key} {path} cannot be written: {where} {why}: remount it, fix its permissions, or "
+                           f"point {key} elsewhere")
+
+
 class MetricsWriter:
     """Appends JSONL records: one per logged iteration (exactly METRIC_KEYS), eval records with "eval": true
     (`eval_record`; a named validation set's with its "valid_set"), one per iteration of discarded data with
@@ -224,7 +282,11 @@ class MetricsWriter:
     def __init__(self, path: Optional[str]):
         self.path = path
         if path is not None and os.path.dirname(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+            except OSError as e:
+                raise LogWriteError(f"logging.metrics_file {path}: its folder could not be created "
+                                    f"({e.strerror})") from None
 
     def write(self, record: Dict[str, object]) -> None:
         if set(record) != set(METRIC_KEYS):
@@ -248,8 +310,11 @@ class MetricsWriter:
     def _append(self, obj: dict) -> None:
         if self.path is None:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(obj) + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(obj) + "\n")
+        except OSError as e:
+            raise LogWriteError(f"logging.metrics_file {self.path} could not be written ({e.strerror})") from None
 
 
 def read_metrics(path: str) -> list:
@@ -308,7 +373,7 @@ def megatron_eval_scalars(record: Dict[str, object]) -> list:
 def gptpar_train_scalars(record: Dict[str, object]) -> list:
     """(tag, value, step): `train/<key>` per METRIC_KEYS (step = iteration), `train/lm_loss_vs_samples`."""
     out = [(f"train/{key}", record[key], record["iteration"]) for key in METRIC_KEYS
-           if key not in ("iteration", "train_iters") and record.get(key) is not None]
+           if key not in ("iteration", "train_iters") + MEMORY_KEYS and record.get(key) is not None]
     if record.get("lm_loss") is not None:
         out.append(("train/lm_loss_vs_samples", record["lm_loss"], record["consumed_samples"]))
     return out
@@ -363,12 +428,14 @@ class TensorBoardWriter:
     """
 
     def __init__(self, log_dir: Optional[str], tags: str = "megatron"):
-        self.writer = None
+        self.writer, self.log_dir = None, log_dir
         self.train_scalars, self.eval_scalars, self.timer_scalars, self.memory_scalars = TAG_STYLES[tags]
         if log_dir is not None:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
-            self.writer = SummaryWriter(log_dir=log_dir)
+            _quiet_tensorboard_writer_thread()
+            with self._failing():
+                self.writer = SummaryWriter(log_dir=log_dir)
 
     def add_metrics(self, record: Dict[str, object]) -> None:
         self._add(self.train_scalars(record))
@@ -385,13 +452,50 @@ class TensorBoardWriter:
     def _add(self, scalars: list) -> None:
         if self.writer is None:
             return
-        for tag, value, step in scalars:
-            self.writer.add_scalar(tag, value, step)
-        self.writer.flush()
+        with self._failing():
+            for tag, value, step in scalars:
+                self.writer.add_scalar(tag, value, step)
+            self.writer.flush()
 
     def close(self) -> None:
         if self.writer is not None:
-            self.writer.close()
+            writer, self.writer = self.writer, None
+            with self._failing():
+                writer.close()
+
+    @contextlib.contextmanager
+    def _failing(self):
+        """An OSError of TensorBoard's writer (its thread's, raised again at the next flush) as LogWriteError; the
+        writer is dropped then (it would raise the same error again when closed)."""
+        try:
+            yield
+        except OSError as e:
+            writer, self.writer = self.writer, None
+            if writer is not None:
+                with contextlib.suppress(OSError):
+                    writer.close()
+            raise LogWriteError(f"logging.tensorboard_dir {self.log_dir} could not be written ({e.strerror})") \
+                from None
+
+
+def _quiet_tensorboard_writer_thread() -> None:
+    """TensorBoard writes from a thread that keeps its OSError for the next flush to raise (then LogWriteError) and
+    also lets it print a traceback as it dies: that print is left out (every other thread's error is printed)."""
+    import threading
+
+    try:
+        from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+    except ImportError:  # another tensorboard: its thread's print stays
+        return
+    previous = threading.excepthook
+    if getattr(previous, "gptpar_quiet_tensorboard", False):
+        return
+
+    def hook(args):
+        if not (isinstance(args.thread, _AsyncWriterThread) and issubclass(args.exc_type, OSError)):
+            previous(args)
+    hook.gptpar_quiet_tensorboard = True
+    threading.excepthook = hook
 
 
 __all__ = ["METRIC_KEYS", "LATER_KEYS", "format_log_line", "parse_log_line", "format_timers_line", "memory_usage",
@@ -399,4 +503,5 @@ __all__ = ["METRIC_KEYS", "LATER_KEYS", "format_log_line", "parse_log_line", "fo
            "IntervalStats", "MetricsWriter", "read_metrics", "is_training_record", "MEGATRON_TRAIN_TAGS",
            "MEGATRON_TIMER_NAMES", "TAG_STYLES", "megatron_train_scalars", "megatron_eval_scalars",
            "gptpar_train_scalars", "gptpar_eval_scalars", "megatron_timer_scalars", "gptpar_timer_scalars",
-           "megatron_memory_scalars", "gptpar_memory_scalars", "TensorBoardWriter"]
+           "megatron_memory_scalars", "gptpar_memory_scalars", "TensorBoardWriter",
+           "LogPathError", "LogWriteError", "check_log_paths", "MEMORY_KEYS", "peak_memory_fields"]

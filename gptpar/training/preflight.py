@@ -6,6 +6,8 @@ a large dataset may take longer than parallel.distributed_timeout_minutes.
 
 Order, so that a refused run changes nothing in checkpoint.save (not even a modification time):
     0. training.kill_switch_path exists?                 -> stop: exit 0 before anything is built
+       logging.metrics_file and logging.tensorboard_dir writable (read-only: access(2) on the nearest existing
+       folder of each)                                    gptpar.training.logging.check_log_paths
     1. another live job holds checkpoint.save?          (read-only)  gptpar.checkpoint.save_folder.peek_lock
     2. checkpoint.load resolved and checked whole        (read-only)  gptpar.checkpoint.layout, .resume: its
        manifest there and readable, every listed file there with its size, every torch file a whole zip; a
@@ -43,6 +45,7 @@ from gptpar.checkpoint.layout import LoadTarget, complete_checkpoints, read_late
 from gptpar.checkpoint.resume import plan_load, write_universal_copy
 from gptpar.checkpoint.save_folder import (JobLock, check_free_space, checkpoint_bytes, clean_conversion_leftovers,
                                            clean_leftovers, peek_lock, probe_writable, this_job)
+from gptpar.training.logging import LogPathError, check_log_paths
 
 
 @dataclass
@@ -63,8 +66,8 @@ class Preflight:
 
 def run_preflight(cfg, pstate, shape: dict, log: Callable[[str], None]) -> Preflight:
     """Collective: rank 0 checks and the others wait for its verdict (steps 0-4); then rank 0 takes the save folder
-    and writes what must be written with it held (6-7). Raises CheckpointError or DataError, on every rank
-    alike."""
+    and writes what must be written with it held (6-7). Raises CheckpointError, DataError or LogPathError, on every
+    rank alike."""
     kept = {}  # rank 0's: the universal copy to write, its folder, the lock
 
     def start():
@@ -90,12 +93,12 @@ def run_preflight(cfg, pstate, shape: dict, log: Callable[[str], None]) -> Prefl
 
 
 def _guarded(check: Callable[[], tuple]) -> Callable[[], tuple]:
-    """`check` made safe for `wait_for_rank0`, whose work must return: its CheckpointError / DataError (or any
-    surprise) becomes the outcome (kind, message) every rank raises in `_outcome`."""
+    """`check` made safe for `wait_for_rank0`, whose work must return: its CheckpointError / DataError /
+    LogPathError (or any surprise) becomes the outcome (kind, message) every rank raises in `_outcome`."""
     def run():
         try:
             return check()
-        except (CheckpointError, DataError) as e:
+        except (CheckpointError, DataError, LogPathError) as e:
             return (type(e).__name__, str(e))
         except BaseException as e:  # noqa: BLE001 - any surprise must still reach the other ranks, not hang them
             return ("RuntimeError", f"{type(e).__name__}: {e}")
@@ -104,7 +107,8 @@ def _guarded(check: Callable[[], tuple]) -> Callable[[], tuple]:
 
 def _outcome(outcome: tuple) -> tuple:
     if outcome[0] not in ("ok", "stop"):
-        raise {"DataError": DataError, "RuntimeError": RuntimeError}.get(outcome[0], CheckpointError)(outcome[1])
+        raise {"DataError": DataError, "LogPathError": LogPathError, "RuntimeError": RuntimeError}.get(
+            outcome[0], CheckpointError)(outcome[1])
     return outcome
 
 
@@ -141,8 +145,9 @@ def check_on_rank0(cfg, world_size: int, tp: int, pp: int, shape: dict, log) -> 
 
 
 def check_start(cfg, world_size: int, shape: dict, log) -> tuple:
-    """Steps 1-4, read-only: (load target or None, the weights to start from or None, the universal copy still to
-    write or None, the folder of this checkpoint's universal copies or None)."""
+    """The logs' folders, then steps 1-4, read-only: (load target or None, the weights to start from or None, the
+    universal copy still to write or None, the folder of this checkpoint's universal copies or None)."""
+    check_log_paths(cfg.logging.metrics_file, cfg.logging.tensorboard_dir)
     ck = cfg.checkpoint
     peek_lock(ck.save, ck.override_lock)
     target, note = resolve_load(ck.load)

@@ -28,7 +28,9 @@ steps on (only with logging.log_num_zeros, else omitted), params norm from the m
 logging.log_params_norm), TFLOPs from gptpar.estimate.flops; num zeros and params norm count each parameter
 of the model once. After the first log line whose step was applied (the optimizer state then exists), every
 rank of the first dp replica prints Megatron's memory report (`[Rank r] (after N iterations) memory (MB) | ...`);
-each log line's memory in use, the largest over the ranks, goes to TensorBoard.
+each log line's memory in use, the largest over the ranks (reduced on the host), goes to TensorBoard and its peaks
+to the record's memory fields. A log write that fails stops the run at that iteration's stop check, every rank
+saving first (LogWriteError, exit 1).
 """
 from __future__ import annotations
 
@@ -46,8 +48,9 @@ import torch.distributed as dist
 from gptpar.estimate.flops import tflops_per_gpu
 from gptpar.parallel import host_group
 from gptpar.training.engine import ZeroCounter
-from gptpar.training.logging import (IntervalStats, MetricsWriter, TensorBoardWriter, eval_record, format_eval_block,
-                                     format_log_line, format_memory_line, format_timers_line, memory_usage)
+from gptpar.training.logging import (IntervalStats, LogWriteError, MetricsWriter, TensorBoardWriter, eval_record,
+                                     format_eval_block, format_log_line, format_memory_line, format_timers_line,
+                                     memory_usage, peak_memory_fields)
 from gptpar.training.profiling import IterationProfiler
 from gptpar.schedules import BatchSizeRampup, LearningRateSchedule, SkipRanges, train_iters
 
@@ -172,6 +175,8 @@ class Trainer:
         self.zeros = ZeroCounter(engine, pstate) if cfg.logging.log_num_zeros else None
         self.memory_reported = False  # Megatron's report_memory_flag: the per-rank report, once
         self.metrics = self.tensorboard = None
+        self.log_failure = None  # why the log rank's metrics file or TensorBoard could not be written
+        self.logs_failed = False  # some rank's log write failed (agreed in stop_reason): save, then stop
         if cfg.logging.timers:
             engine.time_phases()
         # The loop's per-iteration agreements (stop flags, compile seconds) go over a gloo group: the same all-reduce
@@ -234,12 +239,16 @@ class Trainer:
             if self.checkpointer is not None and (self.checkpointer.due(c.iteration) or reason):
                 with self.off_the_clock():
                     self.save(final=bool(reason))
+            if reason and self.logs_failed:
+                raise LogWriteError(self._after_log_failure(reason))
             if reason:
                 self._say(f"stopping at iteration {c.iteration}: {reason}")
                 return reason
         if t.eval_interval and self.evaluated_at != c.iteration and c.iteration > 0:
             self.evaluate()
         self.save(final=True)
+        if self._any_rank(self.log_failure is not None):  # the last evaluation's records
+            raise LogWriteError(self._after_log_failure(self.log_failure or ""))
         return "train_iters reached"
 
     def train_step(self) -> None:
@@ -319,41 +328,49 @@ class Trainer:
         self.train_source.micro_batches(c.consumed_samples, gbs)  # drawn, as a data loader would, then dropped
         c.advance(gbs, self.cfg.model.seq_length, step_applied=True)
         if self.is_log_rank:
-            self.metrics.write_skipped_data(c.iteration, c.consumed_samples, c.consumed_tokens, gbs, lr)
+            with self.writing_logs():
+                self.metrics.write_skipped_data(c.iteration, c.consumed_samples, c.consumed_tokens, gbs, lr)
 
     # -- the log line --------------------------------------------------------------------------
     def log_interval(self) -> None:
         """The log line, its record in the metrics file and TensorBoard, the timers and the memory (every rank:
-        num zeros, params norm and the memory's maximum are collectives)."""
+        num zeros, params norm and the memory's maximum are collectives). The memory figures are the allocator's
+        (or the process's) host-side counters, reduced on the host: the log line reads nothing from the device."""
+        lg = self.cfg.logging
         iteration, iterations = self.counters.iteration, self.stats.iterations
         interval = self.stats.pop()
         num_zeros = self.zeros.total(self.last["step_applied"]) if self.zeros is not None else None
-        params_norm = self.engine.params_norm() if self.cfg.logging.log_params_norm else None
+        params_norm = self.engine.params_norm() if lg.log_params_norm else None
         phases = self.phases_ms(iterations, interval["elapsed_s"])
         report_memory = not self.memory_reported and self.last["step_applied"]
-        usage = memory_usage(self.pstate.device) if report_memory or self.cfg.logging.tensorboard_dir else {}
-        largest = self._largest_over_ranks(usage) if usage and self.cfg.logging.tensorboard_dir else None
+        kept = lg.metrics_file or lg.tensorboard_dir  # where the memory figures go at every log line
+        usage = memory_usage(self.pstate.device) if report_memory or kept else {}
+        largest = self._largest_over_ranks(usage) if usage and kept else None
         if self.is_log_rank:
-            record = self.record(interval, num_zeros, params_norm)
+            record = self.record(interval, num_zeros, params_norm, largest)
             self.log(format_log_line(**record))
-            self.metrics.write(record)
-            self.tensorboard.add_metrics(record)
             if phases is not None:
                 self.log(format_timers_line(phases))
-                self.metrics.write_timers(iteration, phases)
-                self.tensorboard.add_timers(iteration, phases)
-            if largest is not None:
-                self.tensorboard.add_memory(iteration, largest)
+            with self.writing_logs():
+                self.metrics.write(record)
+                self.tensorboard.add_metrics(record)
+                if phases is not None:
+                    self.metrics.write_timers(iteration, phases)
+                    self.tensorboard.add_timers(iteration, phases)
+                if largest is not None:
+                    self.tensorboard.add_memory(iteration, largest)
         if report_memory:
             self.memory_reported = True
             if self.pstate.dp_rank == 0 and usage:  # Megatron: one report per model-parallel rank
                 self.log(format_memory_line(self.pstate.rank, iteration, usage))
 
     def _largest_over_ranks(self, usage: dict) -> dict:
-        """Each of `memory_usage`'s numbers, the largest over all ranks (one all-reduce MAX)."""
-        values = torch.tensor(list(usage.values()), dtype=torch.float64, device=self.pstate.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        """Each of `memory_usage`'s numbers, the largest over all ranks: one all-reduce MAX over the host group (a
+        device tensor read back would make the host wait for the work queued on the device)."""
+        if self.host_group is None:
+            return dict(usage)
+        values = torch.tensor(list(usage.values()), dtype=torch.float64)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.host_group)
         return dict(zip(usage, values.tolist()))
 
     def phases_ms(self, iterations: int, elapsed_s: float) -> Optional[dict]:
@@ -368,8 +385,10 @@ class Trainer:
         seconds.clear()
         return phases
 
-    def record(self, interval: dict, num_zeros: Optional[float], params_norm: Optional[float] = None) -> dict:
-        """Every field of the log line (and of a metrics-file object)."""
+    def record(self, interval: dict, num_zeros: Optional[float], params_norm: Optional[float] = None,
+               memory: Optional[dict] = None) -> dict:
+        """Every field of the log line and of a metrics-file object (`memory`: the largest `memory_usage` over the
+        ranks, for the memory fields)."""
         c, gbs, elapsed = self.counters, self.last["global_batch_size"], interval["elapsed_s"]
         return {"iteration": c.iteration, "train_iters": self.train_iters, "consumed_samples": c.consumed_samples,
                 "consumed_tokens": c.consumed_tokens, "elapsed_s": elapsed, "lr": self.last["lr"],
@@ -377,7 +396,7 @@ class Trainer:
                 "grad_norm": self.last["grad_norm"], "num_zeros": num_zeros, "params_norm": params_norm,
                 "skipped_iterations": interval["skipped_iterations"],
                 "nan_iterations": interval["nan_iterations"], "samples_per_second": gbs / elapsed,
-                "tflops": self.tflops(gbs, elapsed)}
+                "tflops": self.tflops(gbs, elapsed), **peak_memory_fields(memory)}
 
     def tflops(self, global_batch_size: int, sec_per_iter: float) -> float:
         m, p = self.cfg.model, self.pstate
@@ -404,9 +423,10 @@ class Trainer:
             records = [eval_record(c.iteration, c.consumed_samples, c.consumed_tokens, loss, name)
                        for name, loss in per_set.items()]
             records.append(eval_record(c.iteration, c.consumed_samples, c.consumed_tokens, total))
-            for record in records:
-                self.metrics.write_eval(record)
-                self.tensorboard.add_eval(record)
+            with self.writing_logs():
+                for record in records:
+                    self.metrics.write_eval(record)
+                    self.tensorboard.add_eval(record)
         return total
 
     def _eval_loss(self, source) -> float:
@@ -421,7 +441,8 @@ class Trainer:
         killed = t.kill_switch_path is not None and os.path.exists(t.kill_switch_path)
         save_failed = self.checkpointer is not None and self.checkpointer.failed()  # an async save, seen here
         flags = [self.signals.received or 0, killed, t.exit_duration_in_mins is not None
-                 and minutes > t.exit_duration_in_mins, self.signals.requested is not None, save_failed]
+                 and minutes > t.exit_duration_in_mins, self.signals.requested is not None, save_failed,
+                 self.log_failure is not None]
         if self.host_group is not None:  # on the host: no wait for the step queued on the device
             flags = torch.tensor(flags, dtype=torch.float64)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.host_group)
@@ -432,6 +453,9 @@ class Trainer:
 
             raise CheckpointSaveError("another rank's checkpoint writer failed (its message says why); `latest` "
                                       "was not moved")
+        if flags[5] > 0:  # the loop saves, then raises LogWriteError on every rank
+            self.logs_failed = True
+            return self.log_failure or "the log rank could not write its logs (its line says why)"
         if flags[0] > 0:
             return f"received {signal.Signals(int(flags[0])).name}"
         if flags[3] > 0:  # the reason is said by the ranks that asked (the others only see the flag)
@@ -471,6 +495,25 @@ class Trainer:
         if state is not None:
             self.counters = Counters(**{k: state[k] for k in asdict(Counters())})
 
+    def _after_log_failure(self, reason: str) -> str:
+        """The line a log write that failed ends the run with: why, and the checkpoint saved before stopping."""
+        c, save = self.counters, self.cfg.checkpoint.save
+        if save and self.checkpointer is not None and self.checkpointer.saved_at == c.iteration:
+            kept = f"saved iteration {c.iteration} to {save} first: resume from it once the logs can be written"
+        elif save:
+            kept = f"nothing saved at iteration {c.iteration}{self._latest_note()}"
+        else:
+            kept = "not saved (checkpoint.save is unset)"
+        return f"{reason} at iteration {c.iteration}; {kept}"
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether `flag` holds on some rank (one all-reduce MAX over the host group)."""
+        if self.host_group is None:
+            return flag
+        value = torch.tensor([float(flag)], dtype=torch.float64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.host_group)
+        return value.item() > 0
+
     def _say(self, message: str) -> None:
         if self.is_log_rank:
             self.log(message)
@@ -479,12 +522,28 @@ class Trainer:
     def _open_writers(self) -> None:
         lg = self.cfg.logging
         on = self.is_log_rank
-        self.metrics = MetricsWriter(lg.metrics_file if on else None)
-        self.tensorboard = TensorBoardWriter(lg.tensorboard_dir if on else None, lg.tensorboard_tags)
+        self.metrics, self.tensorboard = MetricsWriter(None), TensorBoardWriter(None)
+        with self.writing_logs():
+            self.metrics = MetricsWriter(lg.metrics_file if on else None)
+            self.tensorboard = TensorBoardWriter(lg.tensorboard_dir if on else None, lg.tensorboard_tags)
+
+    @contextlib.contextmanager
+    def writing_logs(self):
+        """The log rank's writes to the metrics file and TensorBoard. One that fails is kept as `log_failure` and
+        the writers are dropped: every rank learns it at this iteration's stop check, saves and stops (exit 1)."""
+        try:
+            yield
+        except LogWriteError as e:
+            self.log_failure = self.log_failure or str(e)
+            self._close_writers()
+            self.metrics, self.tensorboard = MetricsWriter(None), TensorBoardWriter(None)
 
     def _close_writers(self) -> None:
         if self.tensorboard is not None:
-            self.tensorboard.close()
+            try:
+                self.tensorboard.close()
+            except LogWriteError as e:  # its last events did not reach the disk
+                self.log_failure = self.log_failure or str(e)
 
 
 __all__ = ["Trainer", "NonFiniteError", "Counters", "StopSignals", "STOP_SIGNALS"]
