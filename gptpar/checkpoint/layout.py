@@ -8,9 +8,10 @@ whether a checkpoint is complete.
                                       after every rank's files are whole and before `latest` moves
     {dir}/.gptpar.lock                the job writing this folder (gptpar.checkpoint.save_folder)
     {dir}/.gptpar-probe-PID, .latest.tmp-PID   short-lived files of a write probe and of the pointer update
+    {dir}/diagnostics/                what each rank was doing when a collective failed (gptpar.training.diagnostics)
 
 gptpar's own entries are the lock, probe and temporary files, the recovery scripts DeepSpeed copies
-beside its checkpoints, and *partial* checkpoints (an `iter_N` without manifest or config.json: the save
+beside its checkpoints, the diagnostics folder, and *partial* checkpoints (an `iter_N` without manifest or config.json: the save
 that wrote it was killed). A folder holding nothing else has no checkpoint: loading from it starts fresh.
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ LOCK = ".gptpar.lock"
 PROBE_PREFIX = ".gptpar-probe-"
 LATEST_TMP_PREFIX = f".{LATEST}.tmp-"
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # DeepSpeed copies them next to the checkpoints
+DIAGNOSTICS = "diagnostics"  # written when a collective fails (gptpar.training.diagnostics)
 DIGEST = "sha256"  # of each file's bytes, in the manifest: `sha256sum FILE` prints the same
 MANIFEST_VERSION = 2  # 1: {file: size}; 2: {file: {"size", "sha256", "rank"}}
 
@@ -162,7 +164,7 @@ def is_complete(path: str) -> bool:
 
 def is_own_entry(directory: str, name: str) -> bool:
     """An entry gptpar may find in a folder without it holding a checkpoint (see the module docstring)."""
-    if name.startswith((LOCK, PROBE_PREFIX, LATEST_TMP_PREFIX)) or name in RECOVERY_SCRIPTS:
+    if name.startswith((LOCK, PROBE_PREFIX, LATEST_TMP_PREFIX)) or name in RECOVERY_SCRIPTS or name == DIAGNOSTICS:
         return True
     path = os.path.join(directory, name)
     return bool(TAG_RE.match(name)) and os.path.isdir(path) and not is_complete(path)

@@ -49,6 +49,8 @@ from gptpar.training.engine import ZeroCounter
 from gptpar.training.logging import (IntervalStats, MetricsWriter, TensorBoardWriter, eval_record, format_eval_block,
                                      format_log_line, format_memory_line, format_timers_line, memory_usage)
 from gptpar.training.profiling import IterationProfiler
+from gptpar.training.replicas import ReplicaDivergenceError, check_replicas
+from gptpar.training.straggler import StragglerReport
 from gptpar.schedules import BatchSizeRampup, LearningRateSchedule, SkipRanges, train_iters
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -148,8 +150,9 @@ class Trainer:
     """Runs the loop for one process; every method is called on every rank (they hold collectives)."""
 
     def __init__(self, cfg, pstate, engine, train_source, valid_sources, checkpointer=None, tracker=None,
-                 log=print):
-        """`valid_sources`: {validation set name, or None for the only unnamed set: BatchSource}."""
+                 log=print, collectives=None):
+        """`valid_sources`: {validation set name, or None for the only unnamed set: BatchSource}. `collectives`: the
+        process's gptpar.training.collectives.CollectiveLog (the straggler report times the steps with it)."""
         self.cfg, self.pstate, self.engine, self.log = cfg, pstate, engine, log
         self.train_source, self.valid_sources = train_source, valid_sources
         self.checkpointer, self.tracker = checkpointer, tracker
@@ -183,6 +186,10 @@ class Trainer:
         lg = cfg.logging
         self.profiler = (IterationProfiler(lg.profile, lg.profile_dir, pstate.rank, engine.device, self._say)
                          if lg.profile else None)
+        self.collectives = collectives
+        self.straggler = (StragglerReport(pstate, self.host_group, lg.straggler_threshold)
+                          if lg.straggler_threshold and self.host_group is not None and collectives is not None
+                          else None)
 
     # -- the loop ------------------------------------------------------------------------------
     def train(self) -> str:
@@ -230,6 +237,9 @@ class Trainer:
                     self.evaluate()
             if self.checkpointer is not None:
                 self.checkpointer.poll()
+            interval = t.check_replicas_interval
+            if interval and c.iteration % interval == 0 and not self._save_due():  # a save checks them itself
+                self.check_replicas()
             reason = self.stop_reason()
             if self._save_due() or reason:
                 with self.off_the_clock():
@@ -256,7 +266,7 @@ class Trainer:
         start = time.perf_counter() if self.clock_mark is None else self.clock_mark
         micro_batches = self._take_batches(c.consumed_samples, gbs)
         prefetch = self._prefetch_after(c.consumed_samples + gbs, c.iteration + 1)
-        with self.compile_clock:
+        with self.compile_clock, self._step_clock():
             loss = self.engine.train_step(micro_batches, prepare_next=prefetch)
         self.clock_mark = time.perf_counter()
         elapsed = self.clock_mark - start - getattr(self.compile_clock, "spent", 0.0)
@@ -266,6 +276,16 @@ class Trainer:
         self.nan_streak = 0 if math.isfinite(loss) else self.nan_streak + 1
         self.last = {"lr": lr, "global_batch_size": gbs, "grad_norm": self.engine.grad_norm if applied else None,
                      "step_applied": applied}
+
+    @contextlib.contextmanager
+    def _step_clock(self):
+        """The straggler report's clock around the engine's step (its compute: the step less its collective waits)."""
+        if self.straggler is None:
+            yield
+            return
+        with self.collectives.step_clock(self.engine.device) as clock:
+            yield
+        self.straggler.add(clock)
 
     def _take_batches(self, consumed: int, gbs: int) -> List[dict]:
         """The micro-batches of the global batch after `consumed` samples: the ones prefetched during the previous
@@ -334,6 +354,7 @@ class Trainer:
         report_memory = not self.memory_reported and self.last["step_applied"]
         usage = memory_usage(self.pstate.device) if report_memory or self.cfg.logging.tensorboard_dir else {}
         largest = self._largest_over_ranks(usage) if usage and self.cfg.logging.tensorboard_dir else None
+        compute = self.straggler.gather() if self.straggler is not None else None
         if self.is_log_rank:
             record = self.record(interval, num_zeros, params_norm)
             self.log(format_log_line(**record))
@@ -345,6 +366,10 @@ class Trainer:
                 self.tensorboard.add_timers(iteration, phases)
             if largest is not None:
                 self.tensorboard.add_memory(iteration, largest)
+            if compute is not None:
+                for line in self.straggler.lines(compute):
+                    self.log(line)
+                self.tensorboard.add_rank_compute(iteration, compute)
         if report_memory:
             self.memory_reported = True
             if self.pstate.dp_rank == 0 and usage:  # Megatron: one report per model-parallel rank
@@ -465,6 +490,8 @@ class Trainer:
                 raise NonFiniteError(message)
             self._say(f"warning: {message}")
             return
+        if self.cfg.training.check_replicas_interval != 0:
+            self.check_replicas(saving=True)
         start = time.time()
         path = self.checkpointer.save(self.engine, self.counters.iteration, self.client_state(), self.tracker)
         self.saved_at = self.counters.iteration
@@ -473,6 +500,20 @@ class Trainer:
                       "for it)")
         else:
             self._say(f"saved checkpoint {path} in {time.time() - start:.2f} s")
+
+    def check_replicas(self, saving: bool = False) -> None:
+        """Raise ReplicaDivergenceError when replicated parameters differ across their replicas
+        (gptpar.training.replicas; a collective: every rank calls it)."""
+        divergence = check_replicas(self.engine, self.pstate, self.host_group)
+        if divergence is None:
+            return
+        action = f"not saving iteration {self.counters.iteration}" if saving else \
+            f"stopping at iteration {self.counters.iteration} without saving"
+        raise ReplicaDivergenceError(
+            f"replica check: {divergence}: {action}{self._latest_note()}. Replicas that must be bitwise equal are "
+            "not: the ranks ran different kernels (training.compile without inductor's deterministic mode, "
+            "nondeterministic kernels) or a device corrupted a value; resume from `latest` (look at the named "
+            "ranks' devices first)")
 
     def weights_finite(self) -> bool:
         """Whether every rank's weights are finite (one all-reduce MAX of a flag)."""
