@@ -6,6 +6,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from gptpar.training.logging import is_training_record, read_metrics
 from trainer_runs import ROOT, rank_env, write_config
 
@@ -24,6 +26,7 @@ def _losses(metrics_file):
             if is_training_record(r)}
 
 
+@pytest.mark.slow
 def test_a_killed_rank_is_restarted_and_resumes_from_latest(tmp_path):
     """Rank 1 SIGKILLed right after iteration 5 (save every 3, load = save): rank 0 ends in one line, the launcher
     restarts both, they resume from iter_0000003 and iterations 7-12 equal an uninterrupted run's bitwise."""

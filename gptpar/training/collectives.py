@@ -5,7 +5,7 @@ module attributes).
 It keeps two things the flight recorder (which gptpar also turns on, gptpar.parallel) does not give:
 
     a ring of the last `size` calls     operation, the group (its name and global ranks), this rank's sequence
-                                        number in that group, tensor sizes and dtype, the caller outside torch and
+                                        number in that group, the first tensor's size and dtype, the caller outside torch and
                                         DeepSpeed (file:line function), and its state (entered, returned, or
                                         failed with an exception's type). The diagnostics
                                         written when a collective fails (gptpar.training.diagnostics) carry it, and
@@ -49,6 +49,7 @@ class CollectiveLog:
         self.ring = collections.deque(maxlen=size)
         self.group_seq: Dict[str, int] = collections.defaultdict(int)  # per process group (its name)
         self.calls = 0
+        self._groups: Dict[int, tuple] = {}
         self._lock = threading.Lock()
         self._originals: Dict[str, object] = {}
         self._clock: Optional[StepClock] = None
@@ -106,23 +107,28 @@ class CollectiveLog:
         group = kwargs.get("group")
         if group is None:
             group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
-        group = group or dist.GroupMember.WORLD
-        try:
-            ranks = tuple(dist.get_process_group_ranks(group))
-        except (RuntimeError, ValueError, AttributeError):
-            ranks = ()
-        key = getattr(group, "group_name", None) or str(ranks)
-        tensors = [t for t in _tensors(args, kwargs)]
+        key, ranks = self._group_of(group or dist.GroupMember.WORLD)
+        tensor = next(_tensors(args, kwargs), None)
         with self._lock:
             self.calls += 1
             self.group_seq[key] += 1
-            entry = {"call": self.calls, "op": name, "group": key, "group_ranks": list(ranks),
-                     "group_seq": self.group_seq[key],
-                     "sizes": [list(t.shape) for t in tensors[:4]], "dtype": str(tensors[0].dtype) if tensors else None,
-                     "caller": _caller(), "time": time.time(), "state": "entered"}
+            entry = {"call": self.calls, "op": name, "group": key, "group_ranks": ranks,
+                     "group_seq": self.group_seq[key], "size": None if tensor is None else list(tensor.shape),
+                     "dtype": None if tensor is None else str(tensor.dtype), "caller": _caller(), "time": time.time(),
+                     "state": "entered"}
             self.ring.append(entry)
-        cuda = next((t.device for t in tensors if t.is_cuda), None)
-        return entry, cuda
+        return entry, (tensor.device if tensor is not None and tensor.is_cuda else None)
+
+    def _group_of(self, group) -> tuple:
+        """(name, global ranks) of a process group, looked up once per group."""
+        known = self._groups.get(id(group))
+        if known is None or known[0] is not group:
+            try:
+                ranks = list(dist.get_process_group_ranks(group))
+            except (RuntimeError, ValueError, AttributeError):
+                ranks = []
+            known = self._groups[id(group)] = (group, getattr(group, "group_name", None) or str(ranks), ranks)
+        return known[1], known[2]
 
 
 class StepClock:
@@ -172,14 +178,21 @@ def _tensors(args, kwargs):
             yield from (v for v in value if torch.is_tensor(v))
 
 
+_SKIPPED_CODE: Dict[object, bool] = {}  # code object -> whether it lives in torch, DeepSpeed or this module
+
+
 def _caller() -> str:
     """The first frame outside torch, DeepSpeed and this module: `file:line function`."""
     frame = sys._getframe(2)
-    while frame is not None and any(part in frame.f_code.co_filename for part in _SKIPPED_FILES):
+    while frame is not None:
+        code = frame.f_code
+        skip = _SKIPPED_CODE.get(code)
+        if skip is None:
+            skip = _SKIPPED_CODE[code] = any(part in code.co_filename for part in _SKIPPED_FILES)
+        if not skip:
+            return f"{code.co_filename}:{frame.f_lineno} {code.co_name}"
         frame = frame.f_back
-    if frame is None:
-        return "?"
-    return f"{frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}"
+    return "?"
 
 
 __all__ = ["CollectiveLog", "StepClock", "WRAPPED"]

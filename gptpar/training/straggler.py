@@ -7,8 +7,9 @@ ranks of one job end each step together, since every collective waits for the sl
 each spent its time: the slow one computing, the others waiting for it. The median of the others (not of all) keeps
 one slow rank of two from pulling the reference towards itself.
 
-One all-gather of one float64 per rank per log line, over the trainer's host (gloo) group; the hosts are gathered
-once, at the start.
+No collective of its own: at a log line each rank's time rides in its own slot of the loop's per-iteration stop
+all-reduce (over the trainer's host group, gloo: world-size more float64s there at log lines only); the hosts are
+gathered once, at the start.
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import socket
 import statistics
 from typing import List, Optional, Sequence, Tuple
 
-import torch
 import torch.distributed as dist
 
 from gptpar.topology import coords_of
@@ -37,12 +37,14 @@ def stragglers(seconds: Sequence[float], threshold: float) -> List[Tuple[int, fl
 
 
 class StragglerReport:
-    """Keeps this rank's step clocks (`add`), gathers every rank's mean compute seconds per iteration at each log
-    line (`gather`, collective) and words the report (`lines`). The clocks are read at the log line, not after each
-    step: on a GPU reading one waits for its step to end on the device."""
+    """Keeps this rank's step clocks (`add`) and, at each log line, their mean compute seconds per iteration
+    (`local_mean`); the trainer's per-iteration stop all-reduce carries every rank's in its own slot (`slots`), and
+    `lines` words the report. The clocks are read at the log line, not after each step: on a GPU reading one waits
+    for its step to end on the device."""
 
     def __init__(self, pstate, group, threshold: float):
-        self.pstate, self.group, self.threshold = pstate, group, threshold
+        """`group`: the host group the hosts are gathered over, once (collective)."""
+        self.pstate, self.threshold = pstate, threshold
         self.clocks: list = []
         self.hosts = [socket.gethostname()] * pstate.world_size
         if group is not None:
@@ -52,19 +54,22 @@ class StragglerReport:
         """One step's clock (gptpar.training.collectives.StepClock), closed."""
         self.clocks.append(clock)
 
-    def gather(self) -> Optional[List[float]]:
-        """Every rank's mean compute seconds per iteration since the last call (rank order); None with one rank or
-        no iteration timed. Collective over the host group."""
+    def local_mean(self) -> float:
+        """This rank's mean compute seconds per iteration since the last call; -1 when no step was timed."""
         clocks, self.clocks = self.clocks, []
-        timed = bool(clocks)
-        mean = sum(c.compute_seconds() for c in clocks) / len(clocks) if timed else 0.0
-        if self.group is None:
-            return None
-        values = torch.tensor([mean if timed else -1.0], dtype=torch.float64)
-        gathered = [torch.empty_like(values) for _ in range(self.pstate.world_size)]
-        dist.all_gather(gathered, values, group=self.group)
-        seconds = [float(v) for v in torch.cat(gathered)]
-        return None if min(seconds) < 0 else seconds
+        return sum(c.compute_seconds() for c in clocks) / len(clocks) if clocks else -1.0
+
+    def slots(self, mean: float) -> List[float]:
+        """One value per rank, this rank's set, the others -inf: a MAX all-reduce of these gives every rank's
+        (`seconds_of`)."""
+        values = [float("-inf")] * self.pstate.world_size
+        values[self.pstate.rank] = mean
+        return values
+
+    @staticmethod
+    def seconds_of(reduced: Sequence[float]) -> Optional[List[float]]:
+        """Every rank's seconds from the reduced slots; None when some rank timed nothing."""
+        return None if min(reduced) < 0 else list(reduced)
 
     def lines(self, seconds: Sequence[float]) -> List[str]:
         p = self.pstate

@@ -187,6 +187,7 @@ class Trainer:
         self.profiler = (IterationProfiler(lg.profile, lg.profile_dir, pstate.rank, engine.device, self._say)
                          if lg.profile else None)
         self.collectives = collectives
+        self.compute_mean = None  # this rank's, from the last log line, until the stop all-reduce sends it
         self.straggler = (StragglerReport(pstate, self.host_group, lg.straggler_threshold)
                           if lg.straggler_threshold and self.host_group is not None and collectives is not None
                           else None)
@@ -354,7 +355,8 @@ class Trainer:
         report_memory = not self.memory_reported and self.last["step_applied"]
         usage = memory_usage(self.pstate.device) if report_memory or self.cfg.logging.tensorboard_dir else {}
         largest = self._largest_over_ranks(usage) if usage and self.cfg.logging.tensorboard_dir else None
-        compute = self.straggler.gather() if self.straggler is not None else None
+        if self.straggler is not None:  # every rank's goes out with this iteration's stop all-reduce
+            self.compute_mean = self.straggler.local_mean()
         if self.is_log_rank:
             record = self.record(interval, num_zeros, params_norm)
             self.log(format_log_line(**record))
@@ -366,10 +368,6 @@ class Trainer:
                 self.tensorboard.add_timers(iteration, phases)
             if largest is not None:
                 self.tensorboard.add_memory(iteration, largest)
-            if compute is not None:
-                for line in self.straggler.lines(compute):
-                    self.log(line)
-                self.tensorboard.add_rank_compute(iteration, compute)
         if report_memory:
             self.memory_reported = True
             if self.pstate.dp_rank == 0 and usage:  # Megatron: one report per model-parallel rank
@@ -448,10 +446,15 @@ class Trainer:
         save_failed = self.checkpointer is not None and self.checkpointer.failed()  # an async save, seen here
         flags = [self.signals.received or 0, killed, t.exit_duration_in_mins is not None
                  and minutes > t.exit_duration_in_mins, self.signals.requested is not None, save_failed]
+        compute, self.compute_mean = self.compute_mean, None
+        if compute is not None:  # a log line's iteration: each rank's compute time in its own slot
+            flags += self.straggler.slots(compute)
         if self.host_group is not None:  # on the host: no wait for the step queued on the device
             flags = torch.tensor(flags, dtype=torch.float64)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.host_group)
             flags = flags.tolist()
+        if compute is not None:
+            self.report_stragglers(flags[5:])
         if flags[4] > 0:  # every rank raises the save's CheckpointSaveError here, at this iteration
             self.checkpointer.wait()
             from gptpar.checkpoint.checkpointer import CheckpointSaveError
@@ -469,6 +472,15 @@ class Trainer:
         if t.exit_interval and self.counters.iteration % t.exit_interval == 0:
             return f"exit_interval ({t.exit_interval}) reached"
         return None
+
+    def report_stragglers(self, slots: List[float]) -> None:
+        """The straggler lines and each rank's compute time in TensorBoard, from the stop all-reduce's slots."""
+        seconds = self.straggler.seconds_of(slots)
+        if seconds is None or not self.is_log_rank:
+            return
+        for line in self.straggler.lines(seconds):
+            self.log(line)
+        self.tensorboard.add_rank_compute(self.counters.iteration, seconds)
 
     def _save_due(self) -> bool:
         ck = self.cfg.checkpoint
