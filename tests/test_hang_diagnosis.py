@@ -100,3 +100,49 @@ def test_a_rank_paused_by_a_duty_cycle_is_named_a_straggler(tmp_path):
     assert "1" in named and "0" not in named, out
     assert re.search(r"^straggler: rank 1 \(\S+, pp 0/dp 1/tp 0\) computed [\d.]+ ms per iteration, [\d.]+ x the "
                      r"others' median", out, re.M), out
+
+
+def test_a_save_folder_holding_only_diagnostics_starts_fresh(tmp_path):
+    """A hang before the first save leaves `diagnostics/` alone in the save folder: resuming there starts fresh."""
+    from gptpar.checkpoint.layout import resolve_load
+
+    (tmp_path / "diagnostics").mkdir()
+    (tmp_path / "diagnostics" / "rank_0.json").write_text("{}")
+    assert resolve_load(str(tmp_path)) == (None, f"no checkpoint to load: {tmp_path} holds no checkpoint yet (only "
+                                                 "diagnostics); starting from scratch")
+
+
+def _record(rank, run, collectives, world=4):
+    return {"rank": rank, "world_size": world, "sizes": {"pp": 1, "dp": world, "tp": 1}, "run_id": run,
+            "hosts": [f"node{r}" for r in range(world)], "time": 100.0 + (run == "new"), "collectives": collectives}
+
+
+def _call(seq, state, group="0"):
+    return {"op": "all_reduce", "group": group, "group_ranks": [0, 1, 2, 3], "group_seq": seq, "caller": "x.py:1 f",
+            "state": state}
+
+
+def test_diagnose_names_who_never_entered_and_who_wrote_nothing(tmp_path):
+    """Ranks 0 and 1 wait in call #7 of the group; rank 3 wrote its file but stopped at #6; rank 2 wrote nothing.
+    A file of an earlier run (another run id) is not read."""
+    import json
+
+    waiting = [_call(6, "returned"), _call(7, "failed: DistBackendError")]
+    files = {0: _record(0, "new", waiting), 1: _record(1, "new", waiting), 3: _record(3, "new", [_call(6, "returned")]),
+             2: _record(2, "old", waiting)}
+    for rank, record in files.items():
+        (tmp_path / f"rank_{rank}.json").write_text(json.dumps(record))
+    p = subprocess.run([sys.executable, "tools/diagnose_hang.py", str(tmp_path)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0] == ("suspect: rank 2 (node2, pp 0/dp 2/tp 0): wrote nothing (stopped, hung outside a collective, "
+                        "or gone before it could); its last collective unknown (it wrote nothing)")
+    assert lines[1].startswith("suspect: rank 3 (node3, pp 0/dp 3/tp 0): never entered the collective the others "
+                               "wait in (all_reduce #7 of the group of ranks [0, 1, 2, 3]")
+    assert lines[2].startswith("2 of 4 ranks' files show them waiting in all_reduce #7") and len(lines) == 3
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    p = subprocess.run([sys.executable, "tools/diagnose_hang.py", str(empty)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.startswith("diagnose_hang.py: error: ") and "SIGUSR2" in p.stderr

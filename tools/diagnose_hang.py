@@ -7,7 +7,8 @@ collectives, each with its process group and its sequence number in that group. 
 its last one that did not return. A suspect is a rank of that group that never entered it (its own file shows an
 earlier sequence number in the group) or a rank that wrote nothing (stopped, hung in compute, or gone). One line
 per suspect, starting `suspect: rank R`, with its host, (pp, dp, tp) coordinates and last collective; the line
-names no other rank. Then one line on what the others wait in. Exit 0; 2 when the folder holds no rank's file.
+names no other rank. Then one line on what the others wait in. Only the newest run's files are read (each file
+carries its run's id). Exit 0; 2 when the folder holds no rank's file.
 """
 import argparse
 import json
@@ -35,7 +36,11 @@ def read_records(directory: str) -> Tuple[Dict[int, dict], List[int]]:
                 records[int(m.group(1))] = json.load(f)
         elif NCCL_DUMP.match(name):
             nccl.append(int(NCCL_DUMP.match(name).group(1)))
-    return records, [r for r in nccl if r not in records]
+    runs = {}
+    for rank, record in records.items():  # files of an earlier run (an earlier failure, a restart) are left out
+        runs.setdefault(record.get("run_id"), {})[rank] = record
+    newest = max(runs.values(), key=lambda run: max(r["time"] for r in run.values())) if runs else {}
+    return newest, [r for r in nccl if r not in newest]
 
 
 def waiting_in(record: dict) -> Optional[dict]:

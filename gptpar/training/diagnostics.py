@@ -19,7 +19,8 @@ every thread. Written when:
                                        (TORCH_FR_DUMP_TEMP_FILE, set here to `<dir>/nccl_trace_rank_`, one pickle per
                                        rank) lands in the same folder
 
-The folder is one of gptpar's own entries in a save folder (gptpar.checkpoint.layout.is_own_entry).
+Each file carries the run's id (rank 0's, shared at the start), so that tools/diagnose_hang.py reads one run's files
+and not those an earlier run left. The folder is one of gptpar's own entries in a save folder (gptpar.checkpoint.layout.is_own_entry).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 from typing import Optional
 
 from gptpar.checkpoint.layout import DIAGNOSTICS
@@ -83,11 +85,14 @@ class Diagnostics:
         that a rank that writes nothing is still placed by the files of the others."""
         self.directory, self.pstate, self.collectives = directory, pstate, collectives
         self._wakeup = None
-        self.hosts = [socket.gethostname()] * pstate.world_size
+        mine = (socket.gethostname(), uuid.uuid4().hex)
+        gathered = [mine] * pstate.world_size
         if pstate.world_size > 1:
             import torch.distributed as dist
 
-            dist.all_gather_object(self.hosts, socket.gethostname())
+            dist.all_gather_object(gathered, mine)
+        self.hosts = [host for host, _ in gathered]
+        self.run_id = gathered[0][1]  # rank 0's: the same in every file of this run (an earlier run's differs)
 
     @property
     def path(self) -> Optional[str]:
@@ -97,7 +102,8 @@ class Diagnostics:
         p = self.pstate
         return {"rank": p.rank, "world_size": p.world_size, "host": socket.gethostname(), "pid": os.getpid(),
                 "coordinates": {"pp": p.pp_rank, "dp": p.dp_rank, "tp": p.tp_rank},
-                "sizes": {"pp": p.pp_size, "dp": p.dp_size, "tp": p.tp_size}, "hosts": self.hosts, "reason": reason,
+                "sizes": {"pp": p.pp_size, "dp": p.dp_size, "tp": p.tp_size}, "hosts": self.hosts, "run_id": self.run_id,
+                "reason": reason,
                 "time": time.time(),
                 "collectives": self.collectives.entries() if self.collectives is not None else None,
                 "flight_recorder": flight_recorder(), "stacks": python_stacks()}
