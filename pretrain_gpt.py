@@ -110,6 +110,8 @@ def main(argv=None) -> int:
         # clean up
         if preflight is not None:
             preflight.release()
+        diagnostics.close()
+        collectives.uninstall()
         if owns_process_group:
             destroy_parallel()
         watch.stop()

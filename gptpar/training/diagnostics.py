@@ -129,15 +129,26 @@ class Diagnostics:
             return self
         read_end, write_end = socket.socketpair()
         write_end.setblocking(False)
-        signal.signal(LIVE_DUMP_SIGNAL, lambda signum, frame: None)  # the C handler still writes the wakeup fd
+        self._previous = signal.signal(LIVE_DUMP_SIGNAL, lambda signum, frame: None)  # the C handler still writes
+        self._previous_fd = signal.set_wakeup_fd(write_end.fileno(), warn_on_full_buffer=False)  # the wakeup fd
         try:
-            signal.set_wakeup_fd(write_end.fileno(), warn_on_full_buffer=False)
-        except ValueError:
-            return self
-        faulthandler.register(LIVE_DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=True)
+            faulthandler.register(LIVE_DUMP_SIGNAL, file=sys.__stderr__, all_threads=True, chain=True)
+        except (AttributeError, ValueError, OSError):  # no real stderr: the file alone
+            pass
         self._wakeup = (read_end, write_end)
         threading.Thread(target=self._serve, args=(read_end,), name="gptpar-diagnostics", daemon=True).start()
         return self
+
+    def close(self) -> None:
+        """Undo `install` (the signal, the wakeup fd, the helper thread, which ends when its socket closes)."""
+        if self._wakeup is None:
+            return
+        faulthandler.unregister(LIVE_DUMP_SIGNAL)
+        signal.set_wakeup_fd(self._previous_fd)
+        signal.signal(LIVE_DUMP_SIGNAL, self._previous)
+        for end in reversed(self._wakeup):
+            end.close()
+        self._wakeup = None
 
     def _serve(self, read_end) -> None:
         while True:

@@ -69,6 +69,8 @@ def first_divergence(kind: str, ranks: Sequence[int], names: Sequence[str], tabl
 def check_replicas(engine, pstate, host_group=None) -> Optional[str]:
     """The first divergence found on any rank (the same message on every rank), or None. Collective: every rank
     calls it."""
+    if pstate.world_size == 1:  # no replica anywhere
+        return None
     found = None
     for kind, group, named in replica_sets(engine, pstate):
         local = digests([p for _, p in named])
