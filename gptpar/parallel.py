@@ -84,11 +84,26 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+class LaunchError(RuntimeError):
+    """The launch itself cannot work (the master port is taken); the message names the fix."""
+
+
+# The flight recorder keeps each rank's recent collectives (operation, group, sequence number, sizes) for the
+# diagnostics written when a collective fails (gptpar.training.diagnostics); users launch with plain torchrun, so
+# gptpar asks for it itself, before the first process group reads the variable.
+FLIGHT_RECORDER_ENTRIES = "2000"
+
+
 def init_distributed(backend: Optional[str] = None, timeout_minutes: float = 30.0) -> None:
     """Initialise torch.distributed from the launcher's environment (RANK, WORLD_SIZE, MASTER_*).
 
     A plain `python script.py` (no launcher variables) becomes a one-rank world on a free local port.
     NCCL on CUDA, gloo otherwise. The timeout bounds how long a stalled collective waits.
+
+    Under torchrun (TORCHELASTIC_RESTART_COUNT set) the process group lives on a PrefixStore of that attempt:
+    torchrun's agent keeps its TCPStore across in-job restarts (--max-restarts), so ranks restarted on the bare
+    store would read the keys of the attempt before (gloo's peer addresses) and hang or fail connecting to dead
+    ranks. A master port already in use raises LaunchError naming it.
     """
     if dist.is_initialized():
         return
@@ -100,7 +115,24 @@ def init_distributed(backend: Optional[str] = None, timeout_minutes: float = 30.
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         default_device()  # bind this rank's GPU before NCCL creates its communicator
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES)
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    try:
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is None:
+            dist.init_process_group(backend=backend, timeout=timeout)
+            return
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+        dist.init_process_group(backend=backend, store=dist.PrefixStore(f"gptpar_attempt_{attempt}/", store),
+                                rank=rank, world_size=world_size, timeout=timeout)
+    except dist.DistNetworkError as e:
+        if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
+            raise
+        port = os.environ.get("MASTER_PORT")
+        raise LaunchError(f"the master port {port} (MASTER_PORT) on {os.environ.get('MASTER_ADDR')} is already in "
+                          "use (another job, or one still ending): launch on another port, e.g. deepspeed "
+                          f"--master_port {free_port()}, torchrun / python -m gptpar.launch --master-port N, or "
+                          "MASTER_PORT=N") from None
 
 
 def init_parallel(tp: int = 1, pp: int = 1, dp: Optional[int] = None, *, backend: Optional[str] = None,
@@ -161,6 +193,16 @@ def is_collective_timeout(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and ("timed out" in str(exc).lower() or "timeout" in str(exc).lower())
 
 
-__all__: List[str] = ["ParallelState", "init_parallel", "init_distributed", "single_process_state",
+# What gloo and NCCL say when the process at the other end of a connection is gone.
+PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused",
+             "remote process exited", "socket closed", "ncclremoteerror")
+
+
+def is_peer_lost(exc: BaseException) -> bool:
+    """A collective that failed because another rank's process is gone (killed, crashed, its node lost)."""
+    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in PEER_LOST)
+
+
+__all__: List[str] = ["ParallelState", "LaunchError", "init_parallel", "init_distributed", "is_peer_lost", "single_process_state",
                       "destroy_parallel", "host_group", "is_collective_timeout", "rank_of", "coords_of", "group_ranks",
                       "resolve_sizes", "check_topology_agrees"]

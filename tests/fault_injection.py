@@ -8,6 +8,10 @@
     GPTPAR_TEST_SLOW_SAVE=N:SECONDS    every rank's checkpoint writer writes the start of each file of iteration N,
                                        then sleeps SECONDS before writing it whole (with checkpoint.async_save the
                                        save stays in flight that long while training goes on)
+    GPTPAR_TEST_KILL_AT=R:N            rank R SIGKILLs itself right after iteration N's step, in the first attempt
+                                       of a launcher that restarts ranks (TORCHELASTIC_RESTART_COUNT 0 or unset)
+    GPTPAR_TEST_PERTURB=N:R:NAME       before the save of iteration N, rank R adds 1 to the first element of its first
+                                       parameter whose name contains NAME (a replica that drifted apart)
 
     python tests/fault_injection.py --config c.json ...   (the same arguments as pretrain_gpt.py)
 """
@@ -22,6 +26,7 @@ import pretrain_gpt  # noqa: E402
 from gptpar.checkpoint import universal  # noqa: E402
 from gptpar.checkpoint import writer as checkpoint_writer  # noqa: E402
 from gptpar.training.engine import TrainEngine  # noqa: E402
+from gptpar.training.trainer import Trainer  # noqa: E402
 
 
 def kill_in_save(iteration: int) -> None:
@@ -33,6 +38,33 @@ def kill_in_save(iteration: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     TrainEngine.save_checkpoint = save_checkpoint
+
+
+def kill_at(rank: int, iteration: int) -> None:
+    real = Trainer.train_step
+
+    def train_step(self):
+        real(self)
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if first_attempt and self.pstate.rank == rank and self.counters.iteration == iteration:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    Trainer.train_step = train_step
+
+
+def perturb(iteration: int, rank: int, name: str) -> None:
+    import torch
+
+    real = Trainer.save
+
+    def save(self, final=False):
+        if self.pstate.rank == rank and self.counters.iteration == iteration:
+            param = next(p for n, p in self.engine.named_parameters() if name in n)
+            with torch.no_grad():
+                param.view(-1)[0] += 1.0
+        real(self, final)
+
+    Trainer.save = save
 
 
 def slow_conversion(seconds: float) -> None:
@@ -63,6 +95,12 @@ if __name__ == "__main__":
         slow_conversion(float(os.environ["GPTPAR_TEST_SLOW_CONVERSION"]))
     if "GPTPAR_TEST_KILL_IN_SAVE" in os.environ:
         kill_in_save(int(os.environ["GPTPAR_TEST_KILL_IN_SAVE"]))
+    if "GPTPAR_TEST_KILL_AT" in os.environ:
+        rank, iteration = os.environ["GPTPAR_TEST_KILL_AT"].split(":")
+        kill_at(int(rank), int(iteration))
+    if "GPTPAR_TEST_PERTURB" in os.environ:
+        iteration, rank, name = os.environ["GPTPAR_TEST_PERTURB"].split(":")
+        perturb(int(iteration), int(rank), name)
     if "GPTPAR_TEST_SLOW_SAVE" in os.environ:
         iteration, seconds = os.environ["GPTPAR_TEST_SLOW_SAVE"].split(":")
         slow_save(int(iteration), float(seconds))

@@ -369,3 +369,15 @@ def test_trace_kernels_reads_a_profiler_trace(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "0.04 ms per iteration in gaps of >= 20 us" in out.stdout
+
+
+@pytest.mark.slow
+def test_bench_straggler_smoke():
+    """bench/bench_straggler.py end to end for 3 iterations: every part timed on both ranks, the shares printed."""
+    out = subprocess.run([sys.executable, "bench/bench_straggler.py", "--iters", "3"], cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    for rank in (0, 1):
+        line = next(line for line in out.stdout.splitlines() if line.startswith(f"rank {rank}: iteration "))
+        assert "collective log" in line and "report" in line and "step clock" in line, line
+    assert "straggler report (step clock + report): " in out.stdout and "% of an iteration's CPU time" in out.stdout

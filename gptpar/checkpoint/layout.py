@@ -9,9 +9,10 @@ which checkpoints are complete, what `latest` points at, what `checkpoint.load` 
     {save}/iter_0000300.old-PID/          the previous folder of a tag being re-saved, during the swap
     {save}/.gptpar.lock                   the job writing this folder (gptpar.checkpoint.save_folder)
     {save}/.gptpar-probe-PID, .latest.tmp-PID   short-lived files of a write probe and of the pointer update
+    {save}/diagnostics/                   what each rank was doing when a collective failed (gptpar.training.diagnostics)
 
-gptpar's own entries are the lock, probe and temporary files and folders, and the recovery scripts DeepSpeed copies
-beside its checkpoints. A folder holding nothing else has no checkpoint: loading from it starts fresh. An `iter_N`
+gptpar's own entries are the lock, probe and temporary files and folders, the diagnostics folder, and the recovery
+scripts DeepSpeed copies beside its checkpoints. A folder holding nothing else has no checkpoint: loading from it starts fresh. An `iter_N`
 folder without a manifest is never gptpar's doing (saves are written under a temporary name and renamed whole): it
 is refused, never taken for a fresh start or for a checkpoint.
 """
@@ -38,6 +39,7 @@ RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # DeepSpeed copies t
 STATE_FILE_RE = re.compile(r"^gptpar_rank_\d{5}\.pt$")
 UNIVERSAL_META = "gptpar_universal.json"  # a universal copy's metadata (gptpar.checkpoint.universal)
 OWNER = ".gptpar-owner.json"  # in a universal copy being converted: the job writing it
+DIAGNOSTICS = "diagnostics"  # written when a collective fails (gptpar.training.diagnostics)
 
 
 def tag_of(iteration: int) -> str:
@@ -113,7 +115,7 @@ def is_complete(path: str) -> bool:
 
 def is_own_entry(directory: str, name: str) -> bool:
     """An entry gptpar may find in a folder without it holding a checkpoint (see the module docstring)."""
-    if name.startswith((LOCK, PROBE_PREFIX, LATEST_TMP_PREFIX)) or name in RECOVERY_SCRIPTS:
+    if name.startswith((LOCK, PROBE_PREFIX, LATEST_TMP_PREFIX)) or name in RECOVERY_SCRIPTS or name == DIAGNOSTICS:
         return True
     return staged(name) is not None and os.path.isdir(os.path.join(directory, name))
 

@@ -191,6 +191,13 @@ class TrainingConfig:
               "iteration (agreed through the per-iteration exit all-reduce), saves a checkpoint (with "
               "checkpoint.save) and exits 0. If it exists at launch the run exits 0 before building the model. "
               "Remove the file to resume. null = off.")
+    check_replicas_interval: Optional[int] = _f(
+        None, "Compare a 64-bit digest (torch.hash_tensor, on the device) of every replicated parameter across its "
+              "replicas (every weight across dp, LayerNorm weights and row-parallel biases across tp, the tied "
+              "embedding across the first and last stage; one all-gather per group): before every save (null, the "
+              "default) and also every this many iterations (N > 0); 0 = never. Replicas that differ end the run "
+              "(exit 1) naming the first parameter and the ranks, and the save is refused: `latest` keeps the last "
+              "checkpoint written while they agreed.")
 
     def __post_init__(self):
         s = "training"
@@ -213,6 +220,7 @@ class TrainingConfig:
                   allow_none=True)
         _positive(s, self, "lr", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "weight_decay",
                   "clip_grad", "loss_scale", "eval_iters", "seed", allow_zero=True)
+        _positive(s, self, "check_replicas_interval", allow_none=True, allow_zero=True)
         if (self.train_iters is None) == (self.train_samples is None):
             raise ConfigError("set exactly one of training.train_iters and training.train_samples "
                               f"(got train_iters={self.train_iters}, train_samples={self.train_samples}); "
@@ -437,9 +445,24 @@ class LoggingConfig:
     profile_dir: Optional[str] = _f(None, "With logging.profile: each rank writes its Chrome trace "
                                           "(`trace_rank<R>.json.gz`, chrome://tracing or Perfetto) into this "
                                           "directory; null = the printed table only.")
+    straggler_threshold: Optional[float] = _f(
+        1.2, "Every log line, each rank's compute time per iteration (its forward, backward and optimizer step, the "
+             "waits inside collectives taken out) is gathered on the host (one small all-gather); a rank slower "
+             "than this many times the median of the others is named: `straggler: rank R (host, pp/dp/tp "
+             "coordinates) ... x the others' median`. Each rank's time also goes to TensorBoard. Must be > 1; null "
+             "= off.")
+    diagnostics_dir: Optional[str] = _f(
+        None, "Where each rank writes what it was doing (its recent collectives, torch's flight recorder, every "
+              "thread's Python stack) when a collective times out or loses its peer, or on SIGUSR2 "
+              "(`rank_R.json`; NCCL's own dump on a watchdog timeout too); `tools/diagnose_hang.py DIR` names the "
+              "rank the others waited for. null = `<checkpoint.save>/diagnostics` (nowhere without "
+              "checkpoint.save).")
 
     def __post_init__(self):
         _check_fields("logging", self)
+        if self.straggler_threshold is not None and not self.straggler_threshold > 1:
+            raise ConfigError(f"logging.straggler_threshold must be > 1 (a ratio to the others' median) or null, "
+                              f"got {self.straggler_threshold!r}")
         try:
             parse_range(self.profile)
         except ValueError as e:
@@ -448,7 +471,7 @@ class LoggingConfig:
             raise ConfigError("logging.profile_dir is set but logging.profile is null: set logging.profile "
                               "(e.g. \"5-6\") or remove profile_dir")
         _positive("logging", self, "log_interval")
-        for name in ("tensorboard_dir", "metrics_file"):
+        for name in ("tensorboard_dir", "metrics_file", "diagnostics_dir"):
             if getattr(self, name) == "":
                 raise ConfigError(f"logging.{name} is an empty string: give a value or null")
 

@@ -78,8 +78,18 @@ def build_model(cfg: Config, pstate, tracker):
     if cfg.training.compile:
         from gptpar.model.gpt import compile_transformer_layers
 
+        deterministic_inductor()
         compile_transformer_layers(model)
     return model
+
+
+def deterministic_inductor() -> None:
+    """Inductor's deterministic mode (torch._inductor.config.deterministic, TORCHINDUCTOR_DETERMINISTIC=1): without
+    it inductor picks reduction kernels by timing them on each rank, and those choices change the numerics, so
+    replicas (dp ranks, the LayerNorms of tp ranks) would drift apart (gptpar.training.replicas checks them)."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.deterministic = True
 
 
 def checkpoint_shape(cfg: Config, pstate) -> dict:
@@ -115,9 +125,10 @@ def save_token(pstate) -> str:
     return str(box[0])
 
 
-def build_trainer(cfg: Config, pstate, log, load_target, init_from=None):
+def build_trainer(cfg: Config, pstate, log, load_target, init_from=None, collectives=None):
     """Seeds, model, data sources, DeepSpeed engine and checkpointer, under one `Trainer`. `init_from`: weights
-    to start from (gptpar.checkpoint.init_weights), put into the model before the engine copies them."""
+    to start from (gptpar.checkpoint.init_weights), put into the model before the engine copies them;
+    `collectives`: the process's gptpar.training.collectives.CollectiveLog (the straggler report reads it)."""
     from gptpar.checkpoint.checkpointer import Checkpointer
     from gptpar.checkpoint.universal import deepspeed_universal_info, gpt_parameter_name
     from gptpar.training.data import build_sources
@@ -159,7 +170,7 @@ def build_trainer(cfg: Config, pstate, log, load_target, init_from=None):
                                 group=checkpoint_group(pstate, cfg.parallel.distributed_timeout_minutes)
                                 if ck.save or load_target is not None else None)
     return Trainer(cfg, pstate, engine, train_source, valid_sources, checkpointer, tracker,
-                   log=functools.partial(print, flush=True))
+                   log=functools.partial(print, flush=True), collectives=collectives)
 
 
 def dry_run(cfg: Config, tp: int, pp: int, dp: int) -> str:

@@ -449,6 +449,10 @@ class TensorBoardWriter:
     def add_memory(self, iteration: int, usage: Dict[str, float]) -> None:
         self._add(self.memory_scalars(iteration, usage))
 
+    def add_rank_compute(self, iteration: int, seconds) -> None:
+        """Each rank's compute seconds per iteration (gptpar.training.straggler): `rank-compute-time/rank R`."""
+        self._add([(f"rank-compute-time/rank {rank}", value, iteration) for rank, value in enumerate(seconds)])
+
     def _add(self, scalars: list) -> None:
         if self.writer is None:
             return

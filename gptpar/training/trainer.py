@@ -39,7 +39,7 @@ import math
 import os
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Callable, List, Optional
 
 import torch
@@ -52,6 +52,8 @@ from gptpar.training.logging import (IntervalStats, LogWriteError, MetricsWriter
                                      format_eval_block, format_log_line, format_memory_line, format_timers_line,
                                      memory_usage, peak_memory_fields)
 from gptpar.training.profiling import IterationProfiler
+from gptpar.training.replicas import ReplicaDivergenceError, check_replicas
+from gptpar.training.straggler import StragglerReport
 from gptpar.schedules import BatchSizeRampup, LearningRateSchedule, SkipRanges, train_iters
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -81,6 +83,31 @@ class Counters:
         if step_applied:
             self.lr_iterations += 1
             self.lr_samples += global_batch_size
+
+
+@dataclass
+class StopFlags:
+    """What the ranks agree on after every iteration, in one all-reduce MAX over the host group: each field is one
+    rank's view, the reduced record every rank's (a stop signal's number, the others 0 or 1)."""
+
+    signal: float = 0  # the number of a stop signal received (SIGTERM, SIGUSR1), 0 for none
+    kill_switch: float = 0  # training.kill_switch_path exists
+    out_of_time: float = 0  # training.exit_duration_in_mins passed
+    stop_requested: float = 0  # asked from inside the process (the launcher watch)
+    save_failed: float = 0  # an async save failed (every rank raises it at this iteration)
+    log_failed: float = 0  # the log rank could not write its logs (save, then stop)
+
+    def values(self) -> List[float]:
+        return [float(getattr(self, f.name)) for f in fields(self)]
+
+    @classmethod
+    def count(cls) -> int:
+        return len(fields(cls))
+
+    @classmethod
+    def from_values(cls, values: List[float]) -> "StopFlags":
+        """The record from the first `count()` reduced values (what follows is the straggler report's)."""
+        return cls(*values[:cls.count()])
 
 
 class StopSignals:
@@ -151,11 +178,14 @@ class Trainer:
     """Runs the loop for one process; every method is called on every rank (they hold collectives)."""
 
     def __init__(self, cfg, pstate, engine, train_source, valid_sources, checkpointer=None, tracker=None,
-                 log=print):
-        """`valid_sources`: {validation set name, or None for the only unnamed set: BatchSource}."""
+                 log=print, collectives=None):
+        """`valid_sources`: {validation set name, or None for the only unnamed set: BatchSource}. `collectives`: the
+        process's gptpar.training.collectives.CollectiveLog (the straggler report times the steps with it)."""
         self.cfg, self.pstate, self.engine, self.log = cfg, pstate, engine, log
         self.train_source, self.valid_sources = train_source, valid_sources
         self.checkpointer, self.tracker = checkpointer, tracker
+        if checkpointer is not None and cfg.training.check_replicas_interval != 0:  # before every save
+            checkpointer.pre_save_checks.append(lambda engine: self.check_replicas(saving=True))
         t = cfg.training
         self.train_iters = train_iters(t, pstate.dp_size)
         self.rampup = BatchSizeRampup.from_config(t, pstate.dp_size)
@@ -188,6 +218,11 @@ class Trainer:
         lg = cfg.logging
         self.profiler = (IterationProfiler(lg.profile, lg.profile_dir, pstate.rank, engine.device, self._say)
                          if lg.profile else None)
+        self.collectives = collectives
+        self.compute_mean = None  # this rank's, from the last log line, until the stop all-reduce sends it
+        self.straggler = (StragglerReport(pstate, self.host_group, lg.straggler_threshold)
+                          if lg.straggler_threshold and self.host_group is not None and collectives is not None
+                          else None)
 
     # -- the loop ------------------------------------------------------------------------------
     def train(self) -> str:
@@ -235,6 +270,10 @@ class Trainer:
                     self.evaluate()
             if self.checkpointer is not None:
                 self.checkpointer.poll()
+            interval = t.check_replicas_interval
+            saving = self.checkpointer is not None and self.checkpointer.due(c.iteration)
+            if interval and c.iteration % interval == 0 and not saving:  # a save checks them itself
+                self.check_replicas()
             reason = self.stop_reason()
             if self.checkpointer is not None and (self.checkpointer.due(c.iteration) or reason):
                 with self.off_the_clock():
@@ -264,7 +303,7 @@ class Trainer:
         start = time.perf_counter() if self.clock_mark is None else self.clock_mark
         micro_batches = self._take_batches(c.consumed_samples, gbs)
         prefetch = self._prefetch_after(c.consumed_samples + gbs, c.iteration + 1)
-        with self.compile_clock:
+        with self.compile_clock, self._step_clock():
             loss = self.engine.train_step(micro_batches, prepare_next=prefetch)
         self.clock_mark = time.perf_counter()
         elapsed = self.clock_mark - start - getattr(self.compile_clock, "spent", 0.0)
@@ -274,6 +313,16 @@ class Trainer:
         self.nan_streak = 0 if math.isfinite(loss) else self.nan_streak + 1
         self.last = {"lr": lr, "global_batch_size": gbs, "grad_norm": self.engine.grad_norm if applied else None,
                      "step_applied": applied}
+
+    @contextlib.contextmanager
+    def _step_clock(self):
+        """The straggler report's clock around the engine's step (its compute: the step less its collective waits)."""
+        if self.straggler is None:
+            yield
+            return
+        with self.collectives.step_clock(self.engine.device) as clock:
+            yield
+        self.straggler.add(clock)
 
     def _take_batches(self, consumed: int, gbs: int) -> List[dict]:
         """The micro-batches of the global batch after `consumed` samples: the ones prefetched during the previous
@@ -346,6 +395,8 @@ class Trainer:
         kept = lg.metrics_file or lg.tensorboard_dir  # where the memory figures go at every log line
         usage = memory_usage(self.pstate.device) if report_memory or kept else {}
         largest = self._largest_over_ranks(usage) if usage and kept else None
+        if self.straggler is not None:  # every rank's goes out with this iteration's stop all-reduce
+            self.compute_mean = self.straggler.local_mean()
         if self.is_log_rank:
             record = self.record(interval, num_zeros, params_norm, largest)
             self.log(format_log_line(**record))
@@ -440,33 +491,50 @@ class Trainer:
         minutes = (time.time() - self.start_time) / 60.0
         killed = t.kill_switch_path is not None and os.path.exists(t.kill_switch_path)
         save_failed = self.checkpointer is not None and self.checkpointer.failed()  # an async save, seen here
-        flags = [self.signals.received or 0, killed, t.exit_duration_in_mins is not None
-                 and minutes > t.exit_duration_in_mins, self.signals.requested is not None, save_failed,
-                 self.log_failure is not None]
+        mine = StopFlags(signal=self.signals.received or 0, kill_switch=killed,
+                         out_of_time=t.exit_duration_in_mins is not None and minutes > t.exit_duration_in_mins,
+                         stop_requested=self.signals.requested is not None, save_failed=save_failed,
+                         log_failed=self.log_failure is not None)
+        values = mine.values()
+        compute, self.compute_mean = self.compute_mean, None
+        if compute is not None:  # a log line's iteration: each rank's compute time in its own slot
+            values += self.straggler.slots(compute)
         if self.host_group is not None:  # on the host: no wait for the step queued on the device
-            flags = torch.tensor(flags, dtype=torch.float64)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.host_group)
-            flags = flags.tolist()
-        if flags[4] > 0:  # every rank raises the save's CheckpointSaveError here, at this iteration
+            values = torch.tensor(values, dtype=torch.float64)
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.host_group)
+            values = values.tolist()
+        flags = StopFlags.from_values(values)
+        if compute is not None:
+            self.report_stragglers(values[StopFlags.count():])
+        if flags.save_failed:  # every rank raises the save's CheckpointSaveError here, at this iteration
             self.checkpointer.wait()
             from gptpar.checkpoint.errors import CheckpointSaveError
 
             raise CheckpointSaveError("another rank's checkpoint writer failed (its message says why); `latest` "
                                       "was not moved")
-        if flags[5] > 0:  # the loop saves, then raises LogWriteError on every rank
+        if flags.log_failed:  # the loop saves, then raises LogWriteError on every rank
             self.logs_failed = True
             return self.log_failure or "the log rank could not write its logs (its line says why)"
-        if flags[0] > 0:
-            return f"received {signal.Signals(int(flags[0])).name}"
-        if flags[3] > 0:  # the reason is said by the ranks that asked (the others only see the flag)
+        if flags.signal > 0:
+            return f"received {signal.Signals(int(flags.signal)).name}"
+        if flags.stop_requested:  # the reason is said by the ranks that asked (the others only see the flag)
             return self.signals.requested or "another rank asked to stop and save (its own line says why)"
-        if flags[1] > 0:
+        if flags.kill_switch:
             return f"kill switch {t.kill_switch_path} found (training.kill_switch_path); remove it to resume"
-        if flags[2] > 0:
+        if flags.out_of_time:
             return f"exit_duration_in_mins ({t.exit_duration_in_mins}) reached"
         if t.exit_interval and self.counters.iteration % t.exit_interval == 0:
             return f"exit_interval ({t.exit_interval}) reached"
         return None
+
+    def report_stragglers(self, slots: List[float]) -> None:
+        """The straggler lines and each rank's compute time in TensorBoard, from the stop all-reduce's slots."""
+        seconds = self.straggler.seconds_of(slots)
+        if seconds is None or not self.is_log_rank:
+            return
+        for line in self.straggler.lines(seconds):
+            self.log(line)
+        self.tensorboard.add_rank_compute(self.counters.iteration, seconds)
 
     def _nan_limit_reached(self) -> bool:
         limit = self.cfg.training.exit_on_nan_iterations
@@ -477,6 +545,20 @@ class Trainer:
         nothing without checkpoint.save or when saved already; refused while the weights hold NaN/Inf)."""
         if self.checkpointer is not None:
             self.checkpointer.save(self.engine, self.counters.iteration, self.client_state(), self.tracker, final)
+
+    def check_replicas(self, saving: bool = False) -> None:
+        """Raise ReplicaDivergenceError when replicated parameters differ across their replicas
+        (gptpar.training.replicas; a collective: every rank calls it)."""
+        divergence = check_replicas(self.engine, self.pstate, self.host_group)
+        if divergence is None:
+            return
+        action = f"not saving iteration {self.counters.iteration}" if saving else \
+            f"stopping at iteration {self.counters.iteration} without saving"
+        raise ReplicaDivergenceError(
+            f"replica check: {divergence}: {action}{self._latest_note()}. Replicas that must be bitwise equal are "
+            "not: the ranks ran different kernels (training.compile without inductor's deterministic mode, "
+            "nondeterministic kernels) or a device corrupted a value; resume from `latest` (look at the named "
+            "ranks' devices first)")
 
     def _latest_note(self) -> str:
         return self.checkpointer.latest_note() if self.checkpointer is not None else ""

@@ -73,6 +73,9 @@ uses them, and the test that breaks when one changes:
     the engine's `_take_model_step` calling BF16_Optimizer.step, then   test_precision.py::test_bf16_training_with_gptpars_step_equals_deepspeeds
       its `zero_grad`, each clearing through the instance's
       `clear_hp_grads` (`clear_fp32_grads_once_per_step`, build.py)
+    PipelineModule.get_tied_weights_and_groups: [(weight, group)] of    test_replicas.py::test_the_tied_embedding_is_checked_across_stages
+      the tied weights this stage holds, each with the group of the
+      stages that hold a copy (`tied_weights`, for the replica check)
 """
 from __future__ import annotations
 
@@ -370,6 +373,13 @@ def clip_by_global_norm(input_tensors, max_norm=1.0, global_norm=None, mpu=None,
     coef = torch.clamp(max_norm / (global_norm + eps), max=1.0)
     torch._foreach_mul_([t.detach() for t in input_tensors], coef)
     return global_norm
+
+
+def tied_weights(model: torch.nn.Module) -> List[Tuple[torch.Tensor, object]]:
+    """[(weight, group of the stages holding a copy)] of the pipeline's tied weights on this stage; [] for pp = 1."""
+    if not is_pipeline_module(model):
+        return []
+    return list(model.get_tied_weights_and_groups())
 
 
 def is_pipeline_module(model: torch.nn.Module) -> bool:

@@ -144,6 +144,13 @@ class TrainEngine:
         """This rank's parameters under the names of the module it trains (GPTModel's or the PipelineModule's)."""
         return self.ds.module.named_parameters()
 
+    def tied_weights(self):
+        """[(weight, group)] of the pipeline's tied weights on this stage (the embedding on the first and last);
+        [] at pp = 1."""
+        from gptpar.training.engine.deepspeed_api import tied_weights
+
+        return tied_weights(self.ds.module)
+
     # -- checkpoints (checkpointing.py) and one parameter's full optimizer state (optimizer_state.py) -------------
     def save_checkpoint(self, save_dir: str, tag: str, client_state: dict) -> None:
         """DeepSpeed's part of checkpoint `tag` (model and optimizer shards); `latest` is gptpar's to move."""
