@@ -346,6 +346,7 @@ def test_elapsed_time_is_wall_clock_between_steps_less_eval_saves_and_skips(tmp_
     class Checkpointer:
         def __init__(self):
             self.saved = []
+            self.pre_save_checks = []
 
         def due(self, iteration):
             return iteration % 2 == 0  # checkpoint.save_interval
