@@ -580,3 +580,27 @@ def test_universal_checkpoint_carries_provenance_and_tokenizer(runs, monkeypatch
 
     monkeypatch.setattr(convert, "read_weights", no_weights)
     assert convert.read_weights_config(universal_dir) == convert.read_weights_config(str(runs["dir"] / "ck"))
+
+
+def test_a_task_that_needs_the_hub_offline_is_one_line_naming_it(tmp_path, monkeypatch):
+    """A task whose dataset lives on the Hugging Face Hub, with the Hub out of reach (offline mode: no retries):
+    UsageError naming the task and the dataset, not the datasets library's traceback."""
+    import datasets
+    import huggingface_hub.constants
+
+    import eval_harness
+    from lm_eval.tasks import TaskManager
+
+    (tmp_path / "hub_task.yaml").write_text(
+        "task: hub_task\ndataset_path: gptpar-tests/not-on-this-machine\ntest_split: test\n"
+        "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+        "metric_list:\n  - {metric: word_perplexity, higher_is_better: false}\n")
+    for module in (datasets.config, huggingface_hub.constants):
+        monkeypatch.setattr(module, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    manager = TaskManager(include_path=str(tmp_path), include_defaults=False)
+    with pytest.raises(eval_harness.UsageError) as refused:
+        eval_harness.load_tasks(manager, ["hub_task"], None)
+    message = str(refused.value)
+    assert message.startswith("--tasks: task hub_task needs the dataset gptpar-tests/not-on-this-machine from the "
+                              "Hugging Face Hub, which cannot be reached") and "\n" not in message

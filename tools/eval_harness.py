@@ -39,6 +39,7 @@ other ranks at once.
 import argparse
 import json
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -230,15 +231,17 @@ def load_tasks(manager, names, num_fewshot):
     few-shot documents are fewer than its prompts draw, raises UsageError naming it."""
     import logging
 
-    datasets_log = logging.getLogger("datasets")
-    level = datasets_log.level
-    datasets_log.setLevel(logging.CRITICAL)  # its own error line would precede ours
+    quiet = [logging.getLogger(name) for name in ("datasets", "huggingface_hub")]  # their error and retry lines
+    levels = [log.level for log in quiet]  # would precede ours
+    for log in quiet:
+        log.setLevel(logging.CRITICAL)
     try:
         loaded = manager.load(names)
     except Exception as e:  # noqa: BLE001 - the datasets library's errors name neither the task nor the file
         raise UsageError(task_load_error(manager, names, e)) from None
     finally:
-        datasets_log.setLevel(level)
+        for log, level in zip(quiet, levels):
+            log.setLevel(level)
     for name, task in loaded["tasks"].items():
         check_fewshot(name, task, num_fewshot)
     groups = list(loaded["groups"].values())
@@ -272,10 +275,9 @@ def check_fewshot(name, task, num_fewshot):
                          f"--num-fewshot {max(most, 0)} or fewer")
 
 
-def task_data_files(manager, names):
-    """The local files that the tasks named (a group's or a tag's tasks included) read through their YAML's
-    dataset_kwargs.data_files."""
-    index, wanted, seen, files = manager.task_index, list(names), set(), []
+def task_configs(manager, names):
+    """(name, YAML config) of every task the names stand for (a group's or a tag's tasks included)."""
+    index, wanted, seen = manager.task_index, list(names), set()
     while wanted:
         name = wanted.pop(0)
         if not isinstance(name, str) or name in seen:
@@ -285,6 +287,13 @@ def task_data_files(manager, names):
         cfg = (index[name].cfg if name in index else None) or {}
         if isinstance(cfg.get("task"), list):  # a group's tasks
             wanted += [t.get("task") if isinstance(t, dict) else t for t in cfg["task"]]
+        yield name, cfg
+
+
+def task_data_files(manager, names):
+    """The local files that the tasks named read through their YAML's dataset_kwargs.data_files."""
+    files = []
+    for _, cfg in task_configs(manager, names):
         data = (cfg.get("dataset_kwargs") or {}).get("data_files")
         paths = data.values() if isinstance(data, dict) else [data]
         for path in paths:
@@ -324,8 +333,20 @@ def task_load_error(manager, names, error):
         if bad:
             return (f"--tasks: {path} line {bad[0]} is not valid JSON ({bad[1]}): each line of a task's jsonl "
                     f"must be one JSON object; fix or remove that line")
-    while error.__cause__ is not None or error.__context__ is not None:
-        error = error.__cause__ or error.__context__
+    chain = [error]
+    while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    unreachable = [e for e in chain if "Couldn't reach" in str(e) or type(e).__name__ in (
+        "LocalEntryNotFoundError", "OfflineModeIsEnabled")]
+    if unreachable:
+        found = re.search(r"Couldn't reach '([^']+)'", " ".join(str(e) for e in unreachable))
+        dataset = found.group(1) if found else None
+        tasks = [name for name, cfg in task_configs(manager, names) if dataset and cfg.get("dataset_path") == dataset]
+        return (f"--tasks: task {', '.join(tasks or names)} needs the dataset {dataset or '(its dataset)'} from the "
+                "Hugging Face Hub, which cannot be reached from here (offline): evaluate it once where the Hub is "
+                "reachable (the datasets cache, HF_DATASETS_CACHE, keeps it for offline runs), or evaluate local "
+                "tasks with --include-path (tools/eval_tasks has examples)")
+    error = chain[-1]
     first = str(error).strip().splitlines()[0] if str(error).strip() else ""
     return f"--tasks: the harness could not load {', '.join(names)} ({type(error).__name__}: {first})"
 
