@@ -49,7 +49,8 @@ from gptpar.training.engine import ZeroCounter
 from gptpar.training.logging import (IntervalStats, MetricsWriter, TensorBoardWriter, eval_record, format_eval_block,
                                      format_log_line, format_memory_line, format_timers_line, memory_usage)
 from gptpar.training.profiling import IterationProfiler
-from gptpar.schedules import BatchSizeRampup, LearningRateSchedule, SkipRanges, train_iters
+from gptpar.schedules import (BatchSizeRampup, LearningRateSchedule, SkipRanges, resumed_schedule, saved_schedule,
+                              train_iters)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -500,16 +501,22 @@ class Trainer:
         c = self.counters
         return dict(asdict(c), global_batch_size=self.rampup.global_batch_size(c.consumed_samples),
                     lr=self.schedule.lr_at(c.lr_iterations, c.lr_samples), train_iters=self.train_iters,
-                    config=self.cfg.to_dict())
+                    lr_schedule=self.schedule.to_dict(), config=self.cfg.to_dict())
 
     def resume(self) -> None:
-        """Load the checkpoint `checkpoint.load` points at (if any) and continue its counters."""
+        """Load the checkpoint `checkpoint.load` points at (if any) and continue its counters and, when it was
+        saved with another LR schedule, follow training.lr_schedule_on_resume (said in one line)."""
         if self.checkpointer is None:
             return
         state = self.checkpointer.load(self.engine, self.tracker)
         if state is not None:
-            self.counters = Counters(**{k: state[k] for k in asdict(Counters())})
-            self.saved_at = self.counters.iteration
+            self.counters = c = Counters(**{k: state[k] for k in asdict(Counters())})
+            self.saved_at = c.iteration
+            self.schedule, note = resumed_schedule(saved_schedule(state), self.schedule, c.lr_iterations,
+                                                   c.lr_samples, c.iteration + 1,
+                                                   self.cfg.training.lr_schedule_on_resume == "checkpoint")
+            if note:
+                self._say(note)
 
     def _say(self, message: str) -> None:
         if self.is_log_rank:
