@@ -4,6 +4,7 @@
     torchrun --nproc_per_node 2 pretrain_gpt.py --config configs/cpu_pp2.json
     python pretrain_gpt.py --config configs/cpu_tiny.json --set training.train_iters=5   # one rank
     python pretrain_gpt.py --config configs/200b.json --dry-run   # the plan only: no process group, no weights
+    python pretrain_gpt.py --config configs/200b.json --dry-run --sec-per-iter 150   # priced at a measured time
 
 Exit codes: 0 done (SIGTERM / SIGUSR1 / the kill switch file save after the current iteration first; a kill
 switch file present at launch exits before building anything); 2 refused before anything changed
@@ -47,7 +48,12 @@ def main(argv=None) -> int:
         print(f"pretrain_gpt.py: config error: {e}", file=sys.stderr, flush=True)
         return 2
     if flags["help"] or flags["dry_run"]:
-        print(USAGE if flags["help"] else dry_run(cfg, *sizes), flush=True)
+        try:
+            print(USAGE if flags["help"] else dry_run(cfg, *sizes, flags["sec_per_iter"], flags["calibration"]),
+                  flush=True)
+        except ConfigError as e:  # a --calibration file that cannot be read
+            print(f"pretrain_gpt.py: config error: {e}", file=sys.stderr, flush=True)
+            return 2
         return 0
 
     # init: first of all, never outlive the launcher (gptpar.training.launcher_watch)

@@ -9,11 +9,12 @@ import dataclasses
 import functools
 import os
 import random
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
-from gptpar.config import Config
+from gptpar.config import Config, ConfigError
 
 
 def share_cpu_threads() -> None:
@@ -147,15 +148,26 @@ def build_trainer(cfg: Config, pstate, log, load_target, init_from=None):
                    log=functools.partial(print, flush=True))
 
 
-def dry_run(cfg: Config, tp: int, pp: int, dp: int) -> str:
-    """The --dry-run report: formulas and a meta-device build, no process group."""
-    from gptpar.estimate.report import render_dry_run
-    from gptpar.model.pipeline import model_parameter_count, partition_layers, stage_report
+def dry_run(cfg: Config, tp: int, pp: int, dp: int, sec_per_iter: Optional[float] = None,
+            calibrations: Sequence[str] = ()) -> str:
+    """The --dry-run report: formulas and a meta-device build, no process group. `sec_per_iter`: a measured time
+    per iteration to price and rate; `calibrations`: GPU kinds to predict for besides the A100 fit and the shipped
+    calibrations (files or shipped names; a bad one raises ConfigError)."""
+    from gptpar.estimate.planner import calibrated_kind
+    from gptpar.estimate.report import default_kinds, render_dry_run
+    from gptpar.estimate.settings import settings_of
+    from gptpar.model.pipeline import model_parameter_count, partition_layers, stage_parameter_counts
 
+    s = settings_of(cfg, dp)
+    try:
+        extra = [calibrated_kind(path, s) for path in calibrations]
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     plan = partition_layers(cfg.model.num_layers, pp, cfg.resolved_partition_method(pp),
                             cfg.parallel.embedding_weight or 1)
-    report = render_dry_run(cfg, dp, meta_param_count=model_parameter_count(cfg.model, tp))
-    return report + "\n== stages of the real model (meta device) ==\n" + stage_report(cfg.model, plan, tp)
+    return render_dry_run(cfg, dp, sec_per_iter=sec_per_iter, meta_param_count=model_parameter_count(cfg.model, tp),
+                          kinds=default_kinds(s) + extra,
+                          meta_stage_params=[row["params"] for row in stage_parameter_counts(cfg.model, plan, tp)])
 
 
 __all__ = ["setup_environment", "seed_everything", "build_gpt", "build_float8", "build_model", "checkpoint_shape",
