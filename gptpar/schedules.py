@@ -221,6 +221,14 @@ class BatchSizeRampup:
         """Micro-batches per data-parallel rank (gradient accumulation steps) at this point."""
         return self.global_batch_size(consumed_samples) // (self.micro_batch_size * self.dp_size)
 
+    def samples_after(self, iterations: int) -> int:
+        """Samples the first `iterations` iterations consume (the batches of the ramp, then the final one)."""
+        consumed = done = 0
+        while self.start is not None and done < iterations and consumed <= self.samples:
+            consumed += self.global_batch_size(consumed)
+            done += 1
+        return consumed + (iterations - done) * self.final_batch_size
+
     def train_iters(self, train_samples: int) -> int:
         """Iterations that `train_samples` takes (Megatron's update_train_iters; a partial last batch is dropped)."""
         if self.start is None:

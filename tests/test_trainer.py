@@ -138,19 +138,23 @@ def test_log_line_and_metrics_fields_recomputed(runs):
     consumed = 0
     for i, (rec, line, (gbs, before)) in enumerate(zip(records, lines, rows), start=1):
         assert set(rec) == set(METRIC_KEYS)
-        assert line == format_log_line(**rec)
+        assert line == format_log_line(**rec, zero_counts=False)
         consumed += gbs
         assert (rec["iteration"], rec["train_iters"], rec["global_batch_size"]) == (i, len(rows), gbs)
         assert rec["consumed_samples"] == consumed and rec["consumed_tokens"] == consumed * SEQ
         assert rec["lr"] == pytest.approx(cosine_lr(before, WARMUP_SAMPLES, TRAIN_SAMPLES, 1e-3, 1e-4), rel=1e-12)
-        assert rec["loss_scale"] == 1.0 and "loss scale: 1.0 |" in line
+        assert rec["loss_scale"] is None and "loss scale" not in line  # fp32: printed in fp16 only, as Megatron
         assert rec["skipped_iterations"] == 0 and rec["nan_iterations"] == 0
+        assert "number of" not in line  # zero counts left out of the line, kept in the record
         assert math.isfinite(rec["lm_loss"]) and rec["grad_norm"] > 0
         # The padded vocab rows of the tied embedding never get a gradient; the only other gradient that is
         # zero in exact arithmetic is the key bias' (softmax ignores a constant added to a row's scores).
         padded_rows = (PADDED_VOCAB - VOCAB) * HIDDEN
         assert padded_rows <= rec["num_zeros"] <= padded_rows + LAYERS * HIDDEN
         assert rec["samples_per_second"] == pytest.approx(gbs / rec["elapsed_s"], rel=1e-12)
+        assert rec["tokens_per_second"] == pytest.approx(gbs * SEQ / rec["elapsed_s"], rel=1e-12)
+        total = sum(g for g, _ in rows)  # every iteration's batch, by Megatron's ramp-up rules
+        assert rec["time_left_s"] == pytest.approx((total - consumed) * rec["elapsed_s"] / gbs, rel=1e-12)
         assert rec["tflops"] == pytest.approx(improved_tflops(gbs, SEQ, LAYERS, HIDDEN, PADDED_VOCAB,
                                                               rec["elapsed_s"], 2, recompute=True), rel=1e-9)
         assert "TFLOPs: 0.00 |" in line  # a CPU at two decimals
@@ -384,6 +388,9 @@ def test_elapsed_time_is_wall_clock_between_steps_less_eval_saves_and_skips(tmp_
     # line + the step (iteration 2's evaluation and save and iteration 3, skipped, with the lines they print, are
     # left out)
     assert [(r["iteration"], r["elapsed_s"]) for r in logged] == [(1, 1.0), (2, 1.5), (4, 1.25)]
+    # the time left: the samples still to train (4 iterations of 1) at the interval's seconds per sample
+    assert [r["time_left_s"] for r in logged] == [3 * 1.0, 2 * 1.5, 0.0]
+    assert [r["tokens_per_second"] for r in logged] == [16 / 1.0, 16 / 1.5, 16 / 1.25]
     assert sum("memory (MB)" in line for line in printed) == 1
     assert len(memory_reads) == 1  # read for that report only: no TensorBoard to write it to at every log line
     assert any("skipping iterations 3-3" in line for line in printed)

@@ -157,6 +157,7 @@ class Trainer:
         t = cfg.training
         self.train_iters = train_iters(t, pstate.dp_size)
         self.rampup = BatchSizeRampup.from_config(t, pstate.dp_size)
+        self.total_samples = self.rampup.samples_after(self.train_iters)  # what train_iters iterations consume
         self.schedule = LearningRateSchedule.from_config(t)
         self.skip_ranges = SkipRanges.parse(t.skip_train_iteration_range)
         self.skipping = None  # the skip range announced last
@@ -337,7 +338,7 @@ class Trainer:
         largest = self._largest_over_ranks(usage) if usage and self.cfg.logging.tensorboard_dir else None
         if self.is_log_rank:
             record = self.record(interval, num_zeros, params_norm)
-            self.log(format_log_line(**record))
+            self.log(format_log_line(**record, zero_counts=False))
             self.metrics.write(record)
             self.tensorboard.add_metrics(record)
             if phases is not None:
@@ -371,15 +372,19 @@ class Trainer:
         return phases
 
     def record(self, interval: dict, num_zeros: Optional[float], params_norm: Optional[float] = None) -> dict:
-        """Every field of the log line (and of a metrics-file object)."""
+        """Every field of the log line (and of a metrics-file object). The loss scale only in fp16 (nothing is
+        scaled otherwise); the time left: the samples still to train at this interval's time per sample."""
         c, gbs, elapsed = self.counters, self.last["global_batch_size"], interval["elapsed_s"]
+        t, seq = self.cfg.training, self.cfg.model.seq_length
         return {"iteration": c.iteration, "train_iters": self.train_iters, "consumed_samples": c.consumed_samples,
                 "consumed_tokens": c.consumed_tokens, "elapsed_s": elapsed, "lr": self.last["lr"],
-                "global_batch_size": gbs, "lm_loss": interval["lm_loss"], "loss_scale": self.engine.loss_scale,
+                "global_batch_size": gbs, "lm_loss": interval["lm_loss"],
+                "loss_scale": self.engine.loss_scale if t.precision == "fp16" else None,
                 "grad_norm": self.last["grad_norm"], "num_zeros": num_zeros, "params_norm": params_norm,
                 "skipped_iterations": interval["skipped_iterations"],
                 "nan_iterations": interval["nan_iterations"], "samples_per_second": gbs / elapsed,
-                "tflops": self.tflops(gbs, elapsed)}
+                "tokens_per_second": gbs * seq / elapsed, "tflops": self.tflops(gbs, elapsed),
+                "time_left_s": max(0, self.total_samples - c.consumed_samples) * elapsed / gbs}
 
     def tflops(self, global_batch_size: int, sec_per_iter: float) -> float:
         m, p = self.cfg.model, self.pstate
