@@ -15,6 +15,7 @@ launch.py lives saves first (gptpar.training.launcher_watch). The run is assembl
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -24,7 +25,9 @@ import torch.distributed as dist
 from gptpar.data.indexed import DataError
 from gptpar.model.kernels import describe_kernels
 from gptpar.parallel import destroy_parallel, init_parallel, is_collective_timeout
-from gptpar.training.build import build_trainer, checkpoint_shape, dry_run, setup_environment
+from gptpar.quiet import held_back_lines
+from gptpar.training.build import (build_trainer, checkpoint_shape, dry_run, setup_environment,
+                                   write_resolved_config)
 from gptpar.checkpoint.checkpointer import CheckpointError, CheckpointSaveError
 from gptpar.training.cli import USAGE, parse
 from gptpar.config import ConfigError
@@ -59,13 +62,16 @@ def main(argv=None) -> int:
     # init: first of all, never outlive the launcher (gptpar.training.launcher_watch)
     watch = watch_launcher(label=f"rank {os.environ.get('RANK', '0')}",
                            save_seconds=60 * cfg.parallel.distributed_timeout_minutes)
-    setup_environment()
+    verbose = flags["verbose"]
+    setup_environment(verbose)
     owns_process_group = not dist.is_initialized()  # a test harness may have made it
     tp, pp, dp = sizes
     pstate = init_parallel(tp, pp, dp, timeout_minutes=cfg.parallel.distributed_timeout_minutes)
     log = print if pstate.rank == 0 else (lambda *args, **kwargs: None)
     log(f"gptpar: {pstate.world_size} rank(s) = tp {tp} x pp {pp} x dp {dp} on {pstate.backend}; "
-        f"{describe_kernels(pstate.device, cfg.training.optimizer, cfg.training.compile)}\nresolved config:\n{cfg.to_json()}", flush=True)
+        f"{describe_kernels(pstate.device, cfg.training.optimizer, cfg.training.compile)}", flush=True)
+    if verbose:
+        log(f"resolved config:\n{cfg.to_json()}", flush=True)
     preflight = None
     try:
         # check what load, save and the data mean before anything is built (rank 0 decides for all)
@@ -73,8 +79,11 @@ def main(argv=None) -> int:
         if preflight.stop:
             log(preflight.stop, flush=True)
             return 0
-        # build
-        trainer = build_trainer(cfg, pstate, log, preflight.load_target, preflight.init_from)
+        if pstate.rank == 0:
+            log(write_resolved_config(cfg, pstate, verbose), flush=True)
+        # build (DeepSpeed's known-harmless lines held back unless --verbose)
+        with contextlib.nullcontext() if verbose else held_back_lines():
+            trainer = build_trainer(cfg, pstate, log, preflight.load_target, preflight.init_from)
         watch.save_with(trainer.signals.request)  # DeepSpeed's runner gone: save, then exit
         if cfg.training.zero_stage_note:
             log(cfg.training.zero_stage_note, flush=True)

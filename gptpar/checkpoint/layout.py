@@ -162,7 +162,7 @@ def is_complete(path: str) -> bool:
 
 def is_own_entry(directory: str, name: str) -> bool:
     """An entry gptpar may find in a folder without it holding a checkpoint (see the module docstring)."""
-    if name.startswith((LOCK, PROBE_PREFIX, LATEST_TMP_PREFIX)) or name in RECOVERY_SCRIPTS:
+    if name.startswith((LOCK, PROBE_PREFIX, LATEST_TMP_PREFIX, "resolved_config.json")) or name in RECOVERY_SCRIPTS:
         return True
     path = os.path.join(directory, name)
     return bool(TAG_RE.match(name)) and os.path.isdir(path) and not is_complete(path)

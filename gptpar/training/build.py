@@ -25,12 +25,18 @@ def share_cpu_threads() -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
 
 
-def setup_environment() -> None:
-    """DeepSpeed's CPU accelerator when there is no CUDA; one share of the cores per local rank."""
+def setup_environment(verbose: bool = False) -> None:
+    """DeepSpeed's CPU accelerator when there is no CUDA; one share of the cores per local rank. Unless `verbose`
+    (or GPTPAR_DEEPSPEED_LOG=info), DeepSpeed's INFO lines and the known-harmless warnings (gptpar.quiet) are held
+    back."""
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     share_cpu_threads()
-    if os.environ.get("GPTPAR_DEEPSPEED_LOG", "warning").lower() != "info":
+    if not verbose:
+        from gptpar.quiet import hold_back_warnings
+
+        hold_back_warnings()
+    if not verbose and os.environ.get("GPTPAR_DEEPSPEED_LOG", "warning").lower() != "info":
         from gptpar.training.engine import quiet_deepspeed_log
 
         quiet_deepspeed_log()
@@ -95,6 +101,41 @@ def saved_config(cfg: Config, pstate) -> Config:
     """The config a checkpoint records (its config.json): the run's, with parallel.data_parallel_size resolved
     (null in the config means "what the world size leaves"), so that the checkpoint says its own shape."""
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, data_parallel_size=pstate.dp_size))
+
+
+RESOLVED_CONFIG = "resolved_config.json"
+
+
+def resolved_config_path(cfg: Config) -> Optional[str]:
+    """Where a run writes its resolved config: beside logging.metrics_file, else in logging.tensorboard_dir's
+    parent, else in checkpoint.save (one of gptpar's own entries there); None when the run names none of them."""
+    lg = cfg.logging
+    if lg.metrics_file:
+        folder = os.path.dirname(lg.metrics_file)
+    elif lg.tensorboard_dir:
+        folder = os.path.dirname(os.path.normpath(lg.tensorboard_dir))
+    elif cfg.checkpoint.save:
+        folder = cfg.checkpoint.save
+    else:
+        return None
+    return os.path.join(folder, RESOLVED_CONFIG)
+
+
+def write_resolved_config(cfg: Config, pstate, verbose: bool = False) -> str:
+    """Write the run's resolved config (every key, defaults included, data_parallel_size resolved) where
+    `resolved_config_path` says (call on one rank, after the preflight accepted the run); the line saying where
+    (with `verbose` the config itself was printed already)."""
+    path = resolved_config_path(cfg)
+    if path is None:
+        return ("resolved config: not written (no logging.metrics_file, logging.tensorboard_dir or checkpoint.save "
+                "to put it beside)" + ("" if verbose else "; --verbose prints it"))
+    if os.path.dirname(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    temporary = f"{path}.tmp-{os.getpid()}"
+    with open(temporary, "w") as f:
+        f.write(saved_config(cfg, pstate).to_json() + "\n")
+    os.replace(temporary, path)
+    return f"resolved config: {path}" + ("" if verbose else " (--verbose prints it)")
 
 
 def checkpoint_group(pstate, timeout_minutes: float):
@@ -171,4 +212,5 @@ def dry_run(cfg: Config, tp: int, pp: int, dp: int, sec_per_iter: Optional[float
 
 
 __all__ = ["setup_environment", "seed_everything", "build_gpt", "build_float8", "build_model", "checkpoint_shape",
-           "saved_config", "checkpoint_group", "build_trainer", "dry_run"]
+           "saved_config", "RESOLVED_CONFIG", "resolved_config_path", "write_resolved_config", "checkpoint_group",
+           "build_trainer", "dry_run"]
