@@ -112,3 +112,16 @@ def test_verbose_prints_the_resolved_config(tmp_path):
     verbose = _run("--set", f"logging.metrics_file={tmp_path / 'run' / 'metrics.jsonl'}", "--verbose")
     path = tmp_path / "run" / RESOLVED_CONFIG
     assert 'resolved config:\n{\n  "model": {' in verbose and f"resolved config: {path}\n" in verbose
+
+
+def test_the_demo_launches_quietly_unless_verbose():
+    """tools/demo.py: DeepSpeed's launcher at --log_level warning (its INFO lines held back); --verbose gives the
+    launcher's default and passes --verbose on to pretrain_gpt.py."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import demo
+
+    quiet, verbose = demo.launch_command("deepspeed", ["--resume-x"]), demo.launch_command("deepspeed", [], True)
+    assert quiet[quiet.index("--log_level") + 1] == "warning" and "--verbose" not in quiet
+    assert quiet.index("--log_level") < quiet.index("pretrain_gpt.py") and quiet[-1] == "--resume-x"
+    assert "--log_level" not in verbose and verbose[-1] == "--verbose"
+    assert demo.launch_command("torchrun", [], True)[-1] == "--verbose"
