@@ -94,6 +94,7 @@ def _run(*extra):
     return out.stdout + out.stderr
 
 
+@pytest.mark.slow  # the same checks run in tests/test_trainer.py's ranks; this is the command a user types
 def test_a_run_is_quiet_by_default(tmp_path):
     """One rank of pretrain_gpt.py as a user starts it: the config's path instead of the config, no DeepSpeed
     op-load line, no warnings; the log line with its tokens per second and time left."""

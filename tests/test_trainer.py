@@ -162,6 +162,18 @@ def test_log_line_and_metrics_fields_recomputed(runs):
     assert os.listdir(d / "tb"), "TensorBoard events written"
 
 
+def test_the_run_is_quiet_and_writes_its_resolved_config(runs):
+    """By default neither rank shows DeepSpeed's op-load line nor the FutureWarnings of its ZeRO-1 calls (both
+    appear once per process: the first run of the harness's ranks), and rank 0 prints where the resolved config is
+    instead of the config."""
+    d, out = runs
+    for rank in out:
+        text = rank["ramp"][1]
+        assert "built successfully" not in text and "FutureWarning" not in text, text
+    assert f"resolved config: {d / 'resolved_config.json'} (--verbose prints it)" in out[0]["ramp"][1]
+    assert '"model": {' not in out[0]["ramp"][1]
+
+
 def test_first_loss_is_the_global_batch_mean(runs):
     """Iteration 1's loss = the tp=pp=dp=1 model's mean loss over the first global batch of synthetic samples."""
     from gptpar.model.config import GPTConfig
