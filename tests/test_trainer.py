@@ -15,8 +15,10 @@ import torch
 
 from gptpar.testing import run_distributed
 from gptpar.training.logging import METRIC_KEYS, format_log_line
-from trainer_runs import (ROOT, cosine_lr, improved_tflops, log_lines, megatron_rampup, read_jsonl, run_mains,
-                          synthetic_sample, write_config)
+from trainer_runs import (ROOT, TINY, cosine_lr, improved_tflops, log_lines, megatron_rampup, read_jsonl,
+                          run_mains, synthetic_sample, write_config)
+
+TINY_TRAINING = TINY["training"]
 
 RAMP = dict(start=4, increment=4, ramp_samples=24, final=12)
 REAL_VOCAB = 300
@@ -49,8 +51,12 @@ def runs(tmp_path_factory):
         resume[name] = [(f"{name}_full", ["--config", full]),
                         (f"{name}_a", ["--config", split, "--set", "training.exit_interval=3"]),
                         (f"{name}_b", ["--config", split])]
-    # Last: resuming dp's checkpoint with another model shape must be refused with a clear message.
+    # Last: resuming dp's checkpoint with another model shape must be refused with a clear message; then longer
+    # (train_iters 6 -> 9) keeping the checkpoint's LR schedule, through the real checkpoint files.
     resume["dp"].append(("dp_wrong_shape", resume["dp"][-1][1] + ["--set", "model.hidden_size=64"]))
+    resume["dp"].append(("dp_longer", resume["dp"][-2][1] + [
+        "--set", "training.train_iters=9", "--set", "training.lr_schedule_on_resume=checkpoint",
+        "--set", f"logging.metrics_file={d / 'dp_longer.jsonl'}", "--set", f"checkpoint.save={d / 'dp_longer_ck'}"]))
     # The same training at pp=2 without ZeRO and at dp=2 with ZeRO-1 (clipping must use one global norm).
     zero0 = write_config(d / "pp_zero0.json", parallel=dict(pipeline_model_parallel_size=2, data_parallel_size=1),
                          training=dict(zero_stage=0), logging=dict(metrics_file=str(d / "pp_zero0.jsonl")))
@@ -126,6 +132,25 @@ def test_resume_with_another_model_shape_is_a_clear_error(runs):
         assert "pretrain_gpt.py: checkpoint error: " in message
         assert "model.hidden_size: checkpoint 32, config 64" in message
     assert (d / "dp_ck" / "latest").read_text().strip() == "iter_0000006"  # untouched by the refused run
+
+
+def test_a_longer_resume_keeps_the_checkpoints_schedule_when_asked(runs):
+    """dp's checkpoint of a 6-iteration cosine run resumed to 9 iterations with
+    training.lr_schedule_on_resume=checkpoint: one line says so, and iterations 7-9 train at the 6-iteration
+    schedule's LR (Megatron's formula written out: past its decay, min_lr), not at a re-stretched decay."""
+    d, out = runs
+    code, text = out[0]["dp_longer"]
+    assert code == 0, text
+    notes = [line for line in text.splitlines() if "LR schedule" in line]
+    assert len(notes) == 1 and "(decay 6 -> 9 iterations); keeping the checkpoint's" in notes[0], notes
+    gbs = TINY_TRAINING["global_batch_size"]
+    lr, min_lr, warmup = TINY_TRAINING["lr"], TINY_TRAINING["min_lr"], TINY_TRAINING["lr_warmup_iters"]
+    records = [r for r in read_jsonl(d / "dp_longer.jsonl") if not r.get("eval")]
+    assert [r["iteration"] for r in records] == [7, 8, 9]
+    for r in records:
+        old = cosine_lr((r["iteration"] - 1) * gbs, warmup * gbs, 6 * gbs, lr, min_lr)
+        assert r["lr"] == pytest.approx(old, rel=1e-12)
+        assert r["lr"] != pytest.approx(cosine_lr((r["iteration"] - 1) * gbs, warmup * gbs, 9 * gbs, lr, min_lr))
 
 
 def test_log_line_and_metrics_fields_recomputed(runs):
