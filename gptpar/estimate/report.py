@@ -74,7 +74,8 @@ def render_dry_run(config: Config, dp_size: int, sec_per_iter: Optional[float] =
                      f"{m['total'] / GIB:>11.1f}")
     tied = v_pad * h if pp > 1 else 0
     lines += [f"sum over stages: {_fmt(sum(unique))} = model {_fmt(exact)} + tied output-embedding copy {_fmt(tied)}",
-              f"model size formula L(12h²+13h) + Vh + sh + 2h (unpadded vocab): {_fmt(model_size_formula(L, h, v, seq))} "
+              "model size formula L(12h²+13h) + Vh + sh + 2h (unpadded vocab): "
+              f"{_fmt(model_size_formula(L, h, v, seq))} "
               f"({model_size_formula(L, h, v, seq) / 1e9:.1f}B)"]
     if meta_param_count is not None:
         lines.append(f"real model on the meta device: {_fmt(meta_param_count)} "

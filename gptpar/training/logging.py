@@ -426,7 +426,8 @@ class TensorBoardWriter:
             self.writer.close()
 
 
-__all__ = ["METRIC_KEYS", "LATER_KEYS", "format_log_line", "format_duration", "parse_duration", "parse_log_line", "format_timers_line", "memory_usage",
+__all__ = ["METRIC_KEYS", "LATER_KEYS", "format_log_line", "format_duration", "parse_duration", "parse_log_line",
+           "format_timers_line", "memory_usage",
            "format_memory_line", "format_eval_line", "format_eval_block", "eval_record", "perplexity",
            "IntervalStats", "MetricsWriter", "read_metrics", "is_training_record", "MEGATRON_TRAIN_TAGS",
            "MEGATRON_TIMER_NAMES", "TAG_STYLES", "megatron_train_scalars", "megatron_eval_scalars",
