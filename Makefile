@@ -12,17 +12,23 @@ export PYTHONUNBUFFERED := 1
 
 install: $(STAMP)
 
+# Each step says what it does before it starts: pip runs quietly, and the set-up takes minutes.
 $(STAMP): setup.py
+	@echo "setting up $(VENV) (once; a few minutes): a Python virtual environment"
 	python3 -m venv $(VENV)
 	# torch first and pinned exactly, in the same command as deepspeed: an unpinned torch pulls a CUDA build.
 	# setup.py asks for torch>=2.11 (the range gptpar supports), which keeps the torch installed here.
+	@echo "$(VENV): installing torch 2.13.0 (the CPU build) and DeepSpeed 0.19.8 (most of the set-up time)"
 	$(VENV)/bin/pip install -q torch==2.13.0 deepspeed==0.19.8
+	@echo "$(VENV): installing gptpar (editable) with its test, evaluation and plotting extras (.[dev])"
 	$(VENV)/bin/pip install -q -e ".[dev]"
 	# DeepSpeed JIT-compiles its CPU shared-memory comm op at the first init_distributed (~30 s): build it
 	# once now, into the venv's extensions folder, instead of inside the first test or the demo.
+	@echo "$(VENV): building DeepSpeed's CPU shared-memory communication op (~30 s)"
 	DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load()" \
 		> /dev/null 2>&1 || echo "note: DeepSpeed's shm op did not prebuild; it will build on first use"
 	touch $(STAMP)
+	@echo "$(VENV) is ready"
 
 demo: $(STAMP)
 	$(PY) tools/demo.py

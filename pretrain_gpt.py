@@ -4,6 +4,7 @@
     torchrun --nproc_per_node 2 pretrain_gpt.py --config configs/cpu_pp2.json
     python pretrain_gpt.py --config configs/cpu_tiny.json --set training.train_iters=5   # one rank
     python pretrain_gpt.py --config configs/200b.json --dry-run   # the plan only: no process group, no weights
+    python pretrain_gpt.py --config configs/200b.json --dry-run --sec-per-iter 150   # priced at a measured time
 
 Exit codes: 0 done (SIGTERM / SIGUSR1 / the kill switch file save after the current iteration first; a kill
 switch file present at launch exits before building anything); 2 refused before anything changed
@@ -17,6 +18,7 @@ once without saving; one whose DeepSpeed runner dies while launch.py lives saves
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -26,7 +28,9 @@ import torch.distributed as dist
 from gptpar.data.indexed import DataError
 from gptpar.model.kernels import describe_kernels
 from gptpar.parallel import LaunchError, destroy_parallel, init_parallel, is_collective_timeout, is_peer_lost
-from gptpar.training.build import build_trainer, checkpoint_shape, dry_run, setup_environment
+from gptpar.quiet import held_back_lines
+from gptpar.training.build import (build_trainer, checkpoint_shape, dry_run, setup_environment,
+                                   write_resolved_config)
 from gptpar.checkpoint.checkpointer import NonFiniteWeightsError
 from gptpar.checkpoint.errors import CheckpointError, CheckpointSaveError
 from gptpar.training.cli import USAGE, parse
@@ -60,13 +64,19 @@ def main(argv=None) -> int:
             print(f"pretrain_gpt.py: config error: {e}", file=sys.stderr, flush=True)
         return 2
     if flags["help"] or flags["dry_run"]:
-        print(USAGE if flags["help"] else dry_run(cfg, *sizes), flush=True)
+        try:
+            print(USAGE if flags["help"] else dry_run(cfg, *sizes, flags["sec_per_iter"], flags["calibration"]),
+                  flush=True)
+        except ConfigError as e:  # a --calibration file that cannot be read
+            print(f"pretrain_gpt.py: config error: {e}", file=sys.stderr, flush=True)
+            return 2
         return 0
 
     # init: first of all, never outlive the launcher (gptpar.training.launcher_watch)
     watch = watch_launcher(label=f"rank {os.environ.get('RANK', '0')}",
                            save_seconds=60 * cfg.parallel.distributed_timeout_minutes)
-    setup_environment()
+    verbose = flags["verbose"]
+    setup_environment(verbose)
     owns_process_group = not dist.is_initialized()  # a test harness may have made it
     tp, pp, dp = sizes
     point_nccl_dump_at(diagnostics_dir(cfg))
@@ -80,7 +90,9 @@ def main(argv=None) -> int:
     diagnostics = Diagnostics(diagnostics_dir(cfg), pstate, collectives).install()
     log = print if pstate.rank == 0 else (lambda *args, **kwargs: None)
     log(f"gptpar: {pstate.world_size} rank(s) = tp {tp} x pp {pp} x dp {dp} on {pstate.backend}; "
-        f"{describe_kernels(pstate.device, cfg.training.optimizer, cfg.training.compile)}\nresolved config:\n{cfg.to_json()}", flush=True)
+        f"{describe_kernels(pstate.device, cfg.training.optimizer, cfg.training.compile)}", flush=True)
+    if verbose:
+        log(f"resolved config:\n{cfg.to_json()}", flush=True)
     preflight = None
     try:
         # check what load, save and the data mean before anything is built (rank 0 decides for all)
@@ -88,8 +100,11 @@ def main(argv=None) -> int:
         if preflight.stop:
             log(preflight.stop, flush=True)
             return 0
-        # build
-        trainer = build_trainer(cfg, pstate, log, preflight.load_target, preflight.init_from, collectives)
+        if pstate.rank == 0:
+            log(write_resolved_config(cfg, pstate, verbose), flush=True)
+        # build (DeepSpeed's known-harmless lines held back unless --verbose)
+        with contextlib.nullcontext() if verbose else held_back_lines():
+            trainer = build_trainer(cfg, pstate, log, preflight.load_target, preflight.init_from, collectives)
         watch.save_with(trainer.signals.request)  # DeepSpeed's runner gone: save, then exit
         if cfg.training.zero_stage_note:
             log(cfg.training.zero_stage_note, flush=True)

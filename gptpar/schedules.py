@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import asdict, dataclass
+from types import SimpleNamespace
+from typing import Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,43 @@ class LearningRateSchedule:
         return cls(t.lr, t.min_lr, t.lr_warmup_samples, t.lr_decay_samples or t.train_samples,
                    t.lr_decay_style, by_samples=True)
 
+    @classmethod
+    def from_dict(cls, fields: dict) -> "LearningRateSchedule":
+        """From `to_dict`'s output (a checkpoint's client state)."""
+        return cls(**fields)
+
+    def to_dict(self) -> dict:
+        """The schedule's own parameters, plain values (saved in every checkpoint, compared at resume)."""
+        return asdict(self)
+
+    def terms(self) -> dict:
+        """The schedule in the config's units: iteration-based lengths in iterations (steps / global batch size,
+        so a changed batch size alone changes nothing), sample-based ones in samples."""
+        unit = self.global_batch_size if not self.by_samples else 1
+        return {"style": self.decay_style, "lr": self.max_lr, "min_lr": self.min_lr,
+                "warmup": self.warmup_steps // unit, "decay": self.decay_steps // unit,
+                "unit": "samples" if self.by_samples else "iterations"}
+
+    def describe(self) -> str:
+        """One phrase: `cosine 0.001 -> 0.0001, warmup 15, decay 150 iterations`."""
+        t = self.terms()
+        if t["style"] == "constant":
+            return f"constant {t['lr']:g}, warmup {t['warmup']} {t['unit']}"
+        return f"{t['style']} {t['lr']:g} -> {t['min_lr']:g}, warmup {t['warmup']}, decay {t['decay']} {t['unit']}"
+
+    def changes_from(self, old: "LearningRateSchedule") -> list:
+        """What differs from schedule `old`, in the config's units (`decay 150 -> 300 iterations`); empty when
+        both give the same learning rates (a constant schedule has no decay or minimum)."""
+        a, b = old.terms(), self.terms()
+        if a["unit"] != b["unit"]:
+            return [f"{a['unit']}-based -> {b['unit']}-based"]
+        keys = ["style", "lr", "warmup"]
+        if not a["style"] == b["style"] == "constant":
+            keys += ["min_lr", "decay"]
+        unit = {"warmup": f" {b['unit']}", "decay": f" {b['unit']}"}
+        return [f"{key} {a[key]:g} -> {b[key]:g}{unit.get(key, '')}" if key != "style" else
+                f"style {a[key]} -> {b[key]}" for key in keys if a[key] != b[key]]
+
     def steps(self, iteration: int, consumed_samples: int) -> int:
         return consumed_samples if self.by_samples else iteration * self.global_batch_size
 
@@ -72,6 +110,41 @@ class LearningRateSchedule:
         else:
             coeff = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
         return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+
+def saved_schedule(state: dict) -> Optional[LearningRateSchedule]:
+    """The LR schedule a checkpoint's client state was trained with: its own record, else (a checkpoint written
+    before it was recorded) rebuilt from the training section of the config saved with it; None when neither is
+    there (a universal folder converted from DeepSpeed's files carries no counters)."""
+    if state.get("lr_schedule") is not None:
+        return LearningRateSchedule.from_dict(state["lr_schedule"])
+    training = (state.get("config") or {}).get("training")
+    try:
+        return LearningRateSchedule.from_config(SimpleNamespace(**training))
+    except (TypeError, AttributeError, ValueError):
+        return None
+
+
+def resumed_schedule(saved: Optional[LearningRateSchedule], configured: LearningRateSchedule,
+                     lr_iterations: int, lr_samples: int, next_iteration: int,
+                     keep_saved: bool) -> Tuple[LearningRateSchedule, str]:
+    """The schedule a resumed run follows and the line that says so ("" when the checkpoint's and the config's give
+    the same learning rates): the config's, or with `keep_saved` (training.lr_schedule_on_resume=checkpoint) the
+    checkpoint's. The line names what changed, both schedules and the learning rate of `next_iteration`, the first
+    after the resume (the LR inputs `lr_iterations`, `lr_samples` are the checkpoint's counters)."""
+    changes = configured.changes_from(saved) if saved is not None else []
+    if not changes:
+        return configured, ""
+    before, after = saved.lr_at(lr_iterations, lr_samples), configured.lr_at(lr_iterations, lr_samples)
+    at, changed = f"at iteration {next_iteration}", ", ".join(changes)
+    if keep_saved:
+        return saved, (f"resume: this config's LR schedule ({configured.describe()}) differs from the checkpoint's "
+                       f"({changed}); keeping the checkpoint's ({saved.describe()}, training.lr_schedule_on_resume="
+                       f"checkpoint): the learning rate continues at {before:.3e} {at}")
+    move = f"jumps from {before:.3e} to {after:.3e}" if after != before else f"stays at {after:.3e}"
+    return configured, (f"resume: the LR schedule changes ({changed}): checkpoint {saved.describe()}, now "
+                        f"{configured.describe()}; the learning rate {move} {at} "
+                        "(training.lr_schedule_on_resume=checkpoint keeps the checkpoint's)")
 
 
 def rampup_split_problem(start: int, increment: int, micro_batch_size: int, dp_size: int) -> Optional[str]:
@@ -148,6 +221,14 @@ class BatchSizeRampup:
         """Micro-batches per data-parallel rank (gradient accumulation steps) at this point."""
         return self.global_batch_size(consumed_samples) // (self.micro_batch_size * self.dp_size)
 
+    def samples_after(self, iterations: int) -> int:
+        """Samples the first `iterations` iterations consume (the batches of the ramp, then the final one)."""
+        consumed = done = 0
+        while self.start is not None and done < iterations and consumed <= self.samples:
+            consumed += self.global_batch_size(consumed)
+            done += 1
+        return consumed + (iterations - done) * self.final_batch_size
+
     def train_iters(self, train_samples: int) -> int:
         """Iterations that `train_samples` takes (Megatron's update_train_iters; a partial last batch is dropped)."""
         if self.start is None:
@@ -203,4 +284,5 @@ def train_iters(training, dp_size: int) -> int:
     return BatchSizeRampup.from_config(training, dp_size).train_iters(training.train_samples)
 
 
-__all__ = ["LearningRateSchedule", "BatchSizeRampup", "SkipRanges", "rampup_split_problem", "train_iters"]
+__all__ = ["LearningRateSchedule", "BatchSizeRampup", "SkipRanges", "rampup_split_problem", "train_iters",
+           "saved_schedule", "resumed_schedule"]

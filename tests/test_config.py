@@ -239,7 +239,8 @@ def test_cli_aliases_and_flags():
         "--bf16", "--checkpoint-activations", "--tensor-model-parallel-size=2", "--data-path", "0.3", "a", "0.7",
         "b", "--rampup-batch-size", "4", "4", "100", "--dry-run", "--sequence-parallel", "--save", "ckpt"])
     assert path == "configs/x.json"
-    assert flags == {"dry_run": True, "help": False, "local_rank": 0}
+    assert flags == {"dry_run": True, "help": False, "verbose": False, "sec_per_iter": None, "calibration": [],
+                     "local_rank": 0}
     assert overrides == [
         "training.micro_batch_size=4", "training.lr=0.5", "training.precision=bf16",
         "training.activation_checkpointing=true", "parallel.tensor_model_parallel_size=2",
@@ -249,6 +250,18 @@ def test_cli_aliases_and_flags():
                                                                          "training.train_samples=1000"])
     assert cfg.training.micro_batch_size == 4 and cfg.training.precision == "bf16"
     assert parse_data_path(cfg.data.data_path) == (["a", "b"], [0.3, 0.7])
+
+
+def test_dry_run_flags():
+    _, _, flags = parse_args(["--config", "x.json", "--dry-run", "--sec-per-iter", "150.5", "--calibration", "h100",
+                              "--calibration=mine.json", "--verbose"])
+    assert (flags["sec_per_iter"], flags["calibration"], flags["verbose"]) == (150.5, ["h100", "mine.json"], True)
+    for bad in ("0", "-3", "abc", "inf", "nan"):
+        with pytest.raises(ConfigError, match="--sec-per-iter needs a positive number of seconds"):
+            parse_args(["--config", "x.json", "--dry-run", "--sec-per-iter", bad])
+    for argv in (["--sec-per-iter", "150"], ["--calibration", "h100"]):
+        with pytest.raises(ConfigError, match="only apply to --dry-run: add --dry-run"):
+            parse_args(["--config", "x.json"] + argv)
 
 
 def test_every_key_has_an_alias():

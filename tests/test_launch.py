@@ -121,9 +121,12 @@ def test_dry_run_big_configs(name, capsys):
     assert pretrain_gpt.main(["--config", f"configs/{name}.json", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert not dist.is_initialized()
-    for part in ("== resolved config ==", "== pipeline partition", "== memory per GPU",
-                 "== TFLOPs per GPU", "real model on the meta device", "matches the formula"):
+    for part in ("== plan ==", "== resolved config ==", "== pipeline partition", "== memory per GPU",
+                 "== TFLOPs per GPU", "real model on the meta device", "matches the formula",
+                 "real model's stages on the meta device: each matches its row of the table"):
         assert part in out, part
+    assert out.startswith("== plan ==\nGPUs: ")  # the answer first
+    assert out.count("== pipeline partition") == 1 and "stages of the real model" not in out  # one table
 
 
 CONFIG_ERRORS = [

@@ -1,13 +1,15 @@
-"""The topology planner and the dry-run report, against seed 003's 48-node measurements."""
+"""The topology planner and the dry-run report (the plan first: GPUs, memory, time, days), against formulas written
+out here and the measured 48-node A100 runs of the reference planning notes."""
 import json
 import os
 
 import pytest
 
 from gptpar.estimate.flops import exact_model_params, params_per_stage, tflops_per_gpu
+from gptpar.estimate.memory import GIB
 from gptpar.estimate.planner import Hardware, plan_topology, predict
 from gptpar.estimate.report import render_dry_run
-from gptpar.estimate.settings import settings_of
+from gptpar.estimate.settings import memory_of, settings_of
 from gptpar.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -164,3 +166,97 @@ def test_dry_run_report_is_cheap(monkeypatch):
     for factory in ("empty", "zeros", "ones", "randn", "tensor"):
         monkeypatch.setattr(torch, factory, refuse)
     assert "TFLOPs" in report(config("200b"))
+
+
+# -- the plan at the top of the dry run ------------------------------------------------------------
+
+def plan_rows(text):
+    """{GPU kind: (memory cell, s/iter, days, GPU-hours, source)} of the plan's table (the lines after its
+    header, up to the first blank line)."""
+    lines = text.split("\n\n")[0].splitlines()
+    header = next(i for i, line in enumerate(lines) if line.strip().startswith("GPU kind"))
+    rows = {}
+    for line in lines[header + 1:]:
+        kind, memory, rest = line[2:28].strip(), line[29:51].strip(), line[51:].split(None, 3)
+        rows[kind] = (memory, float(rest[0]), float(rest[1]), float(rest[2].replace(",", "")), rest[3])
+    return rows
+
+
+def days_and_gpu_hours(samples, gbs, sec, gpus):
+    """Written out: global batches x seconds each, in days, and times the GPUs in hours."""
+    seconds = samples / gbs * sec
+    return seconds / 86400, seconds / 3600 * gpus
+
+
+def test_dry_run_starts_with_the_plan_of_200b(capsys):
+    """pretrain_gpt.py --dry-run of configs/200b.json: GPUs as nodes x GPUs per node, the heaviest stage against
+    each GPU kind's memory, seconds per iteration from the time model (the A100 fit) and from the shipped H100
+    calibration, days and GPU-hours for train_samples, and a measured --sec-per-iter with its TFLOPs."""
+    import pretrain_gpt
+    from gptpar.estimate.planner import calibrated_hardware, load_calibration, predict_layout
+
+    assert pretrain_gpt.main(["--config", "configs/200b.json", "--dry-run", "--sec-per-iter", "150"]) == 0
+    text = capsys.readouterr().out
+    cfg = config("200b")
+    s = settings_of(cfg)
+    samples, gbs, gpus = cfg.training.train_samples, cfg.training.global_batch_size, 8 * 10 * 4
+    lines = text.splitlines()
+    assert lines[0] == "== plan =="
+    assert lines[1] == "GPUs:     320 = 40 nodes x 8 GPUs per node (tp 8 x pp 10 x dp 4)"
+    assert lines[3] == f"training: {samples:,} samples = {samples // gbs:,} global batches of {gbs:,}"
+    need = memory_of(s)["max"]["total"] / GIB
+    assert lines[4].startswith(f"memory:   {need:.1f} GiB per GPU on the heaviest stage (stage 0;")
+    rows = plan_rows(text)
+    assert list(rows) == ["A100 80GB", "NVIDIA H100 80GB HBM3", "measured (--sec-per-iter)"]
+    h100 = calibrated_hardware(load_calibration(os.path.join(ROOT, "gptpar", "estimate", "calibrations",
+                                                             "h100.json")), "full")
+    for kind, hw in (("A100 80GB", Hardware()), ("NVIDIA H100 80GB HBM3", h100)):
+        memory, sec, days, gpu_hours, source = rows[kind]
+        expected = predict_layout(s, hw)["sec_per_iter"]
+        assert sec == pytest.approx(expected, abs=0.05)
+        want_days, want_hours = days_and_gpu_hours(samples, gbs, expected, gpus)
+        assert (days, gpu_hours) == (pytest.approx(want_days, abs=0.05), pytest.approx(want_hours, abs=0.5))
+        assert memory == f"{hw.gpu_mem_gib:.1f} GiB: fits"
+    assert "measured Megatron-DeepSpeed runs on A100 80GB" in rows["A100 80GB"][4]
+    assert rows["NVIDIA H100 80GB HBM3"][4].startswith("calibration gptpar/estimate/calibrations/h100.json")
+    _, sec, days, gpu_hours, source = rows["measured (--sec-per-iter)"]
+    assert sec == 150.0 and days == pytest.approx(days_and_gpu_hours(samples, gbs, 150, gpus)[0], abs=0.05)
+    B, q, L, h, V = 2048, 2048, 80, 14400, 250880   # Narayanan eq. 3, written out
+    narayanan = 96 * B * q * L * h * h * (1 + q / (6 * h) + V / (16 * L * h)) / (150 * gpus * 1e12)
+    assert source == f"= {narayanan:.2f} TFLOPs per GPU (improved formula)"
+    plan = text.split("== resolved config ==")[0]
+    assert "seed" not in plan  # what the sources are, said in words
+    assert plan.count("== pipeline partition") == 1
+
+
+def test_the_plan_says_when_the_heaviest_stage_does_not_fit():
+    from gptpar.estimate.planner import GpuKind
+
+    small = GpuKind("small GPU", "a test kind", Hardware(gpu_mem_gib=20.0))
+    rows = plan_rows(render_dry_run(config("200b"), 4, kinds=[small]))
+    assert rows["small GPU"][0] == "20.0 GiB: DOES NOT FIT"
+
+
+def test_the_plan_of_a_small_world_and_an_iteration_count():
+    """Fewer GPUs than a node, and train_iters instead of train_samples (train_iters global batches)."""
+    cfg = load_config(os.path.join(ROOT, "configs", "cpu_tiny.json"))
+    text = render_dry_run(cfg, 1)
+    assert "GPUs:     1 = 1 node x 1 GPU (tp 1 x pp 1 x dp 1)" in text
+    t = cfg.training
+    assert f"training: {t.train_iters * t.global_batch_size:,} samples = {t.train_iters:,} global batches" in text
+
+
+def test_a_bad_calibration_is_one_line_exit_2(capsys):
+    import pretrain_gpt
+
+    assert pretrain_gpt.main(["--config", "configs/200b.json", "--dry-run", "--calibration", "h900"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--calibration 'h900': no such file (shipped: h100;" in err
+
+
+def test_each_layout_is_priced_in_days_and_gpu_hours():
+    s = settings_of(config("200b"))
+    for c in plan_topology(s, 40)[:10]:
+        days, hours = days_and_gpu_hours(s["train_samples"], s["global_batch_size"], c.sec_per_requested_batch,
+                                         c.tp * c.pp * c.dp)
+        assert (c.days, c.gpu_hours) == (pytest.approx(days, rel=1e-12), pytest.approx(hours, rel=1e-12))

@@ -209,3 +209,26 @@ def test_memory_tool_prints_what_the_dry_run_prints(tmp_path, capsys):
         (dp, mbs, precision, optimizer, zero, recompute), stages, worst = tool
         assert (precision, optimizer, zero, dp, mbs, recompute) == dry[0], config
         assert (stages, worst) == dry[1:], config
+
+
+def documented_planner_lines():
+    """Every `python tools/plan_topology.py ...` command line of README.md and docs/planning.md (comments cut)."""
+    found = []
+    for doc in ("README.md", os.path.join("docs", "planning.md")):
+        with open(os.path.join(ROOT, doc)) as f:
+            for line in f:
+                line = line.strip().strip("`").split(" #")[0].strip()
+                if line.startswith("python tools/plan_topology.py"):
+                    found.append((doc, line))
+    return found
+
+
+def test_every_documented_planner_line_runs_as_written():
+    import shlex
+
+    lines = documented_planner_lines()
+    assert len(lines) >= 3, lines
+    procs = side_by_side(*[(shlex.split(line)[1][len("tools/"):], *shlex.split(line)[2:]) for _, line in lines])
+    for (doc, line), proc in zip(lines, procs):
+        assert proc.returncode == 0, f"{doc}: {line}\n{proc.stderr}"
+        assert "days" in proc.stdout and "GPU-hours" in proc.stdout, line

@@ -127,6 +127,17 @@ def test_train_iters_vs_simulation():
     assert train_iters(training_cfg(train_iters=7), 4) == 7
 
 
+@pytest.mark.parametrize("start, increment, ramp, final, mbs, dp", [(16, 16, 1200, 64, 1, 4), (4, 4, 300, 16, 2, 2),
+                                                                    (None, 0, 0, 64, 1, 4)])
+def test_samples_after_vs_direct_simulation(start, increment, ramp, final, mbs, dp):
+    """The samples the first k iterations consume (the trainer's time left counts what is still to train)."""
+    r = BatchSizeRampup(final, mbs, dp, start, increment, ramp)
+    consumed = 0
+    for k in range(200):
+        assert r.samples_after(k) == consumed, k
+        consumed += direct_rampup_sizes(start, increment, ramp, final, consumed) if start else final
+
+
 def test_rampup_rejects_bad_arithmetic():
     with pytest.raises(ValueError):
         BatchSizeRampup(16, 2, 2, 6, 2, 100)  # start not a multiple of micro x dp

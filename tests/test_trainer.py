@@ -15,8 +15,10 @@ import torch
 
 from gptpar.testing import run_distributed
 from gptpar.training.logging import METRIC_KEYS, format_log_line
-from trainer_runs import (ROOT, cosine_lr, improved_tflops, log_lines, megatron_rampup, read_jsonl, read_tensorboard,
-                          run_mains, synthetic_sample, write_config)
+from trainer_runs import (ROOT, TINY, cosine_lr, improved_tflops, log_lines, megatron_rampup, read_jsonl,
+                          read_tensorboard, run_mains, synthetic_sample, write_config)
+
+TINY_TRAINING = TINY["training"]
 
 RAMP = dict(start=4, increment=4, ramp_samples=24, final=12)
 REAL_VOCAB = 300
@@ -49,8 +51,12 @@ def runs(tmp_path_factory):
         resume[name] = [(f"{name}_full", ["--config", full]),
                         (f"{name}_a", ["--config", split, "--set", "training.exit_interval=3"]),
                         (f"{name}_b", ["--config", split])]
-    # Last: resuming dp's checkpoint with another model shape must be refused with a clear message.
+    # Last: resuming dp's checkpoint with another model shape must be refused with a clear message; then longer
+    # (train_iters 6 -> 9) keeping the checkpoint's LR schedule, through the real checkpoint files.
     resume["dp"].append(("dp_wrong_shape", resume["dp"][-1][1] + ["--set", "model.hidden_size=64"]))
+    resume["dp"].append(("dp_longer", resume["dp"][-2][1] + [
+        "--set", "training.train_iters=9", "--set", "training.lr_schedule_on_resume=checkpoint",
+        "--set", f"logging.metrics_file={d / 'dp_longer.jsonl'}", "--set", f"checkpoint.save={d / 'dp_longer_ck'}"]))
     # The same training at pp=2 without ZeRO and at dp=2 with ZeRO-1 (clipping must use one global norm).
     zero0 = write_config(d / "pp_zero0.json", parallel=dict(pipeline_model_parallel_size=2, data_parallel_size=1),
                          training=dict(zero_stage=0), logging=dict(metrics_file=str(d / "pp_zero0.jsonl")))
@@ -128,6 +134,25 @@ def test_resume_with_another_model_shape_is_a_clear_error(runs):
     assert (d / "dp_ck" / "latest").read_text().strip() == "iter_0000006"  # untouched by the refused run
 
 
+def test_a_longer_resume_keeps_the_checkpoints_schedule_when_asked(runs):
+    """dp's checkpoint of a 6-iteration cosine run resumed to 9 iterations with
+    training.lr_schedule_on_resume=checkpoint: one line says so, and iterations 7-9 train at the 6-iteration
+    schedule's LR (Megatron's formula written out: past its decay, min_lr), not at a re-stretched decay."""
+    d, out = runs
+    code, text = out[0]["dp_longer"]
+    assert code == 0, text
+    notes = [line for line in text.splitlines() if "LR schedule" in line]
+    assert len(notes) == 1 and "(decay 6 -> 9 iterations); keeping the checkpoint's" in notes[0], notes
+    gbs = TINY_TRAINING["global_batch_size"]
+    lr, min_lr, warmup = TINY_TRAINING["lr"], TINY_TRAINING["min_lr"], TINY_TRAINING["lr_warmup_iters"]
+    records = [r for r in read_jsonl(d / "dp_longer.jsonl") if not r.get("eval")]
+    assert [r["iteration"] for r in records] == [7, 8, 9]
+    for r in records:
+        old = cosine_lr((r["iteration"] - 1) * gbs, warmup * gbs, 6 * gbs, lr, min_lr)
+        assert r["lr"] == pytest.approx(old, rel=1e-12)
+        assert r["lr"] != pytest.approx(cosine_lr((r["iteration"] - 1) * gbs, warmup * gbs, 9 * gbs, lr, min_lr))
+
+
 def test_log_line_and_metrics_fields_recomputed(runs):
     d, out = runs
     records = [r for r in read_jsonl(d / "ramp.jsonl") if not r.get("eval")]
@@ -138,24 +163,40 @@ def test_log_line_and_metrics_fields_recomputed(runs):
     consumed = 0
     for i, (rec, line, (gbs, before)) in enumerate(zip(records, lines, rows), start=1):
         assert set(rec) == set(METRIC_KEYS)
-        assert line == format_log_line(**rec)
+        assert line == format_log_line(**rec, zero_counts=False)
         consumed += gbs
         assert (rec["iteration"], rec["train_iters"], rec["global_batch_size"]) == (i, len(rows), gbs)
         assert rec["consumed_samples"] == consumed and rec["consumed_tokens"] == consumed * SEQ
         assert rec["lr"] == pytest.approx(cosine_lr(before, WARMUP_SAMPLES, TRAIN_SAMPLES, 1e-3, 1e-4), rel=1e-12)
-        assert rec["loss_scale"] == 1.0 and "loss scale: 1.0 |" in line
+        assert rec["loss_scale"] is None and "loss scale" not in line  # fp32: printed in fp16 only, as Megatron
         assert rec["skipped_iterations"] == 0 and rec["nan_iterations"] == 0
+        assert "number of" not in line  # zero counts left out of the line, kept in the record
         assert math.isfinite(rec["lm_loss"]) and rec["grad_norm"] > 0
         # The padded vocab rows of the tied embedding never get a gradient; the only other gradient that is
         # zero in exact arithmetic is the key bias' (softmax ignores a constant added to a row's scores).
         padded_rows = (PADDED_VOCAB - VOCAB) * HIDDEN
         assert padded_rows <= rec["num_zeros"] <= padded_rows + LAYERS * HIDDEN
         assert rec["samples_per_second"] == pytest.approx(gbs / rec["elapsed_s"], rel=1e-12)
+        assert rec["tokens_per_second"] == pytest.approx(gbs * SEQ / rec["elapsed_s"], rel=1e-12)
+        total = sum(g for g, _ in rows)  # every iteration's batch, by Megatron's ramp-up rules
+        assert rec["time_left_s"] == pytest.approx((total - consumed) * rec["elapsed_s"] / gbs, rel=1e-12)
         assert rec["tflops"] == pytest.approx(improved_tflops(gbs, SEQ, LAYERS, HIDDEN, PADDED_VOCAB,
                                                               rec["elapsed_s"], 2, recompute=True), rel=1e-9)
         assert "TFLOPs: 0.00 |" in line  # a CPU at two decimals
     assert [gbs for gbs, _ in rows][:6] == [4, 4, 4, 8, 8, 12]  # the ramp really ramps
     assert os.listdir(d / "tb"), "TensorBoard events written"
+
+
+def test_the_run_is_quiet_and_writes_its_resolved_config(runs):
+    """By default neither rank shows DeepSpeed's op-load line nor the FutureWarnings of its ZeRO-1 calls (both
+    appear once per process: the first run of the harness's ranks), and rank 0 prints where the resolved config is
+    instead of the config."""
+    d, out = runs
+    for rank in out:
+        text = rank["ramp"][1]
+        assert "built successfully" not in text and "FutureWarning" not in text, text
+    assert f"resolved config: {d / 'resolved_config.json'} (--verbose prints it)" in out[0]["ramp"][1]
+    assert '"model": {' not in out[0]["ramp"][1]
 
 
 def test_first_loss_is_the_global_batch_mean(runs):
@@ -390,6 +431,9 @@ def test_elapsed_time_is_wall_clock_between_steps_less_eval_saves_and_skips(tmp_
     # line + the step (iteration 2's evaluation and save and iteration 3, skipped, with the lines they print, are
     # left out)
     assert [(r["iteration"], r["elapsed_s"]) for r in logged] == [(1, 1.0), (2, 1.5), (4, 1.25)]
+    # the time left: the samples still to train (4 iterations of 1) at the interval's seconds per sample
+    assert [r["time_left_s"] for r in logged] == [3 * 1.0, 2 * 1.5, 0.0]
+    assert [r["tokens_per_second"] for r in logged] == [16 / 1.0, 16 / 1.5, 16 / 1.25]
     assert sum("memory (MB)" in line for line in printed) == 1
     assert len(memory_reads) == len(logged)  # at every log line, for the metrics file's memory fields
     assert [(r["max_allocated_bytes"], r["max_reserved_bytes"]) for r in logged] == [(2.0, None)] * len(logged)

@@ -86,8 +86,11 @@ def test_interval_counts_skips(runs):
         assert r["lm_loss"] == (pytest.approx(sum(kept) / len(kept), rel=1e-12) if kept else None)
 
 
-def test_bf16_loss_scale_is_one(runs):
-    d, _ = runs
+def test_bf16_has_no_loss_scale(runs):
+    """Nothing is scaled in bf16: the record's loss scale is None and the line leaves it out, as Megatron's."""
+    d, out = runs
     records = read_jsonl(d / "bf16.jsonl")
     assert len(records) == 3
-    assert all(r["loss_scale"] == 1.0 and r["skipped_iterations"] == 0 for r in records)
+    assert all(r["loss_scale"] is None and r["skipped_iterations"] == 0 for r in records)
+    lines = log_lines("".join(rank["bf16"][1] for rank in out))
+    assert len(lines) == 3 and not any("loss scale" in line for line in lines)

@@ -54,18 +54,38 @@ def test_lenient_parse_reads_other_megatron_logs():
     assert lenient == reference
 
 
-def test_loss_scale_always_and_num_zeros_omitted():
+def test_loss_scale_num_zeros_and_zero_counts_omitted():
+    """Loss scale only when given (fp16), num zeros only when counted; the trainer's line (zero_counts=False) drops
+    the skipped and nan counts while they are 0 and prints them when not."""
     record = dict(iteration=10, train_iters=100, consumed_samples=160, consumed_tokens=160 * 64, elapsed_s=0.1234,
                   lr=1e-3, global_batch_size=16, lm_loss=5.5, grad_norm=1.25, skipped_iterations=1,
                   nan_iterations=0, samples_per_second=129.66, tflops=0.001)
     line = format_log_line(**record)
-    assert "| loss scale: 1.0 |" in line  # the default when not fp16
-    assert "num zeros" not in line
-    assert " number of skipped iterations:   1 |" in line
+    assert "loss scale" not in line and "num zeros" not in line
+    assert " number of skipped iterations:   1 | number of nan iterations:   0 |" in line  # Megatron's: always
     assert line.endswith(" TFLOPs: 0.00 |") and line.startswith(" iteration       10/     100 |")
     parsed = parse_log_line("[rank 1] " + line)
-    assert parsed["num_zeros"] is None and parsed["loss_scale"] == 1.0
+    assert parsed["num_zeros"] is None and parsed["loss_scale"] is None
     assert parsed["elapsed_s"] == 0.12 and parsed["consumed_samples"] == 160
+    short = format_log_line(**record, zero_counts=False)
+    assert " number of skipped iterations:   1 |" in short and "nan iterations" not in short
+    assert short == line.replace(" number of nan iterations:   0 |", "")
+    assert "skipped" not in format_log_line(**dict(record, skipped_iterations=0), zero_counts=False)
+    assert "| loss scale: 1.0 |" in format_log_line(**record, loss_scale=1.0)  # fp16 at scale 1
+
+
+@pytest.mark.parametrize("seconds, text", [(0, "0:00:00"), (59.6, "0:01:00"), (151, "0:02:31"), (47100, "13:05:00"),
+                                           (195 * 86400 + 4 * 3600 + 48 * 60, "195d 4:48:00")])
+def test_tokens_per_second_and_time_left(seconds, text):
+    """The fields after Megatron's: tokens per second (whole tokens) before TFLOPs, the time left last, as
+    H:MM:SS past which days are counted; both read back by parse_log_line."""
+    record = dict(iteration=10, train_iters=100, consumed_samples=160, consumed_tokens=160 * 64, elapsed_s=0.5,
+                  lr=1e-3, global_batch_size=16, lm_loss=5.5, samples_per_second=32.0, tokens_per_second=32.0 * 64,
+                  tflops=0.001, time_left_s=seconds)
+    line = format_log_line(**record)
+    assert line.endswith(f" samples per second: 32.000 | tokens per second: 2048 | TFLOPs: 0.00 | time left: {text} |")
+    assert parse_log_line(line)["time_left_s"] == round(seconds)
+    assert parse_log_line(line)["tokens_per_second"] == 2048.0
 
 
 def test_order_of_fields_matches_anchor():
@@ -78,6 +98,14 @@ def test_order_of_fields_matches_anchor():
     assert labels == ["consumed samples", "consumed tokens", "elapsed time per iteration (s)", "learning rate",
                       "global batch size", "lm loss", "loss scale", "grad norm", "num zeros", "params norm",
                       "number of skipped iterations", "number of nan iterations", "samples per second", "TFLOPs"]
+    more = format_log_line(iteration=1, train_iters=2, consumed_samples=3, consumed_tokens=4, elapsed_s=5.0, lr=6.0,
+                           global_batch_size=7, lm_loss=8.0, loss_scale=9.0, grad_norm=10.0, num_zeros=11.0,
+                           params_norm=11.5, skipped_iterations=12, nan_iterations=13, samples_per_second=14.0,
+                           tokens_per_second=14.5, tflops=15.0, time_left_s=16.0)
+    labels_more = [part.split(":")[0].strip() for part in more.strip(" |").split(" | ")[1:]]
+    # gptpar's two fields leave Megatron's in their order
+    assert [label for label in labels_more if label not in ("tokens per second", "time left")] == labels
+    assert labels_more[-3:] == ["tokens per second", "TFLOPs", "time left"]
     assert "| num zeros: 11.0 | params norm: 11.500 | number of skipped" in line
     assert parse_log_line(line)["params_norm"] == 11.5
 
@@ -147,7 +175,7 @@ def test_metrics_writer_full_precision_and_append(tmp_path):
     path = tmp_path / "sub" / "metrics.jsonl"
     record = dict(zip(METRIC_KEYS, [5, 10, 80, 80 * 64, 0.123456789012345, 1.234567890123e-4, 16,
                                     3.14159265358979, 1.0, 0.987654321, None, 12.3456789012345, 0, 0, 129.870129870,
-                                    1.2e-6, 2.5e9, None]))
+                                    129.870129870 * 64, 1.2e-6, 3599.5, 2.5e9, None]))
     assert len(record) == len(METRIC_KEYS)
     MetricsWriter(str(path)).write(record)
     writer = MetricsWriter(str(path))  # a resumed run appends
@@ -167,8 +195,8 @@ def test_metrics_writer_full_precision_and_append(tmp_path):
 
 def test_tensorboard_tags_gptpar(tmp_path):
     pytest.importorskip("tensorboard")
-    record = dict(zip(METRIC_KEYS, [3, 10, 48, 48 * 64, 0.5, 1e-3, 16, 4.5, 1.0, 2.0, None, 6.5, 0, 0, 32.0, 0.0,
-                                    2e9, 3e9]))
+    record = dict(zip(METRIC_KEYS, [3, 10, 48, 48 * 64, 0.5, 1e-3, 16, 4.5, 1.0, 2.0, None, 6.5, 0, 0, 32.0, 32.0 * 64,
+                                    0.0, 65.0, 2e9, 3e9]))
     tb = TensorBoardWriter(str(tmp_path), tags="gptpar")
     tb.add_metrics(record)
     tb.add_eval(eval_record(3, 48, 48 * 64, 4.0))
@@ -189,7 +217,8 @@ def test_tensorboard_tags_megatron(tmp_path):
     """Megatron-DeepSpeed's tags (megatron/training.py training_log and evaluate_and_print_results, written out
     here): each value at step = iteration, and its `vs samples` / `vs tokens` twins at the consumed counts."""
     pytest.importorskip("tensorboard")
-    record = dict(zip(METRIC_KEYS, [3, 10, 48, 48 * 64, 0.5, 1e-3, 16, 4.5, 8.0, 2.0, 7.0, 6.5, 0, 0, 32.0, 0.0]))
+    record = dict(zip(METRIC_KEYS, [3, 10, 48, 48 * 64, 0.5, 1e-3, 16, 4.5, 8.0, 2.0, 7.0, 6.5, 0, 0, 32.0, 32.0 * 64,
+                                    0.0, 65.0]))
     tb = TensorBoardWriter(str(tmp_path))  # megatron is the default
     tb.add_metrics(record)
     tb.add_eval(eval_record(3, 48, 48 * 64, 4.0))
@@ -219,8 +248,9 @@ def test_tensorboard_tags_megatron(tmp_path):
 def test_training_records_of_files_written_before_params_norm():
     """A metrics file from before `params_norm` existed still holds training records (tools/plot_metrics.py reads
     old runs); eval and timer records are not training records."""
-    record = dict(zip(METRIC_KEYS, [3, 10, 48, 48 * 64, 0.5, 1e-3, 16, 4.5, 1.0, 2.0, None, None, 0, 0, 32.0, 0.0]))
-    older = {k: v for k, v in record.items() if k != "params_norm"}
+    record = dict(zip(METRIC_KEYS, [3, 10, 48, 48 * 64, 0.5, 1e-3, 16, 4.5, 1.0, 2.0, None, None, 0, 0, 32.0, 32.0 * 64,
+                                    0.0, 65.0]))
+    older = {k: v for k, v in record.items() if k not in ("params_norm", "tokens_per_second", "time_left_s")}
     assert is_training_record(record) and is_training_record(older)
     assert not is_training_record({k: v for k, v in older.items() if k != "tflops"})
     assert not is_training_record(eval_record(3, 48, 48 * 64, 4.0))

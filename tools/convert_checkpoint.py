@@ -41,7 +41,13 @@ def main(argv=None):
                              "their manifest records (checked by default, in the pass that reads them)")
     parser.add_argument("--tp", type=int, help="--to gptpar: tensor-parallel size of the layout (default 1)")
     parser.add_argument("--pp", type=int, help="--to gptpar: pipeline-parallel size of the layout (default 1)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show the third-party warnings held back by default (gptpar.quiet)")
     args = parser.parse_args(argv)
+    if not args.verbose:
+        from gptpar.quiet import hold_back_warnings
+
+        hold_back_warnings()  # before transformers imports torchao
     if args.to != "gptpar" and (args.tp or args.pp):
         parser.error("--tp / --pp set the layout of --to gptpar only")
     if args.to != "hf" and args.tokenizer:

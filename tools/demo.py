@@ -15,7 +15,8 @@ multiple-choice, a perplexity and a generation task on Python; a few seconds, of
 Every `make demo` trains from scratch: the demo's checkpoints and metrics (checkpoints/demo, runs/demo) are
 cleared first; `--resume` keeps them and continues from the last checkpoint instead.
 
-    python tools/demo.py [--launcher deepspeed|torchrun] [--resume] [pretrain_gpt.py options, e.g. --set ...]
+    python tools/demo.py [--launcher deepspeed|torchrun] [--resume] [--verbose]
+                         [pretrain_gpt.py options, e.g. --set ...]
 """
 import argparse
 import json
@@ -44,6 +45,9 @@ def parse():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--launcher", choices=("deepspeed", "torchrun"), default="deepspeed")
     p.add_argument("--resume", action="store_true", help="keep checkpoints/demo and continue from it")
+    p.add_argument("--verbose", action="store_true",
+                   help="everything: the launcher's INFO lines, the resolved config, third-party warnings "
+                        "(pretrain_gpt.py --verbose)")
     p.add_argument("--prepare-only", action="store_true",
                    help="build data/demo (corpus, tokenizer, .bin/.idx) and stop (bench/gpu.sh prepare uses it)")
     return p.parse_known_args()
@@ -84,14 +88,17 @@ def prepare_data(cfg, env):
              "--no-progress"], env)
 
 
-def launch_command(launcher, extra):
+def launch_command(launcher, extra, verbose=False):
+    """The training command; quiet by default: DeepSpeed's launcher at `--log_level warning` (its INFO lines, e.g.
+    `Setting CUDA_VISIBLE_DEVICES=0,1` on a CPU, held back), `--verbose` passed on to pretrain_gpt.py otherwise."""
     bindir = os.path.dirname(sys.executable)
     port = _free_port()
     if launcher == "deepspeed":
         head = [os.path.join(bindir, "deepspeed"), "--num_gpus", "2", "--master_port", str(port)]
+        head += [] if verbose else ["--log_level", "warning"]
     else:
         head = [os.path.join(bindir, "torchrun"), "--nproc_per_node", "2", "--master_port", str(port)]
-    return head + ["pretrain_gpt.py", "--config", CONFIG] + extra
+    return head + ["pretrain_gpt.py", "--config", CONFIG] + extra + (["--verbose"] if verbose else [])
 
 
 def summary(cfg, seconds):
@@ -136,7 +143,7 @@ def main():
         for path in (cfg["checkpoint"]["save"], os.path.dirname(cfg["logging"]["metrics_file"])):
             shutil.rmtree(os.path.join(ROOT, path), ignore_errors=True)
     start = time.time()
-    cmd = launch_command(args.launcher, extra)
+    cmd = launch_command(args.launcher, extra, args.verbose)
     print("$ " + shlex.join([os.path.relpath(cmd[0], ROOT)] + cmd[1:]), flush=True)
     rc = subprocess.run(cmd, cwd=ROOT, env=env).returncode
     if rc != 0:

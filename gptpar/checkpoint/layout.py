@@ -10,6 +10,7 @@ which checkpoints are complete, what `latest` points at, what `checkpoint.load` 
     {save}/.gptpar.lock                   the job writing this folder (gptpar.checkpoint.save_folder)
     {save}/.gptpar-probe-PID, .latest.tmp-PID   short-lived files of a write probe and of the pointer update
     {save}/diagnostics/                   what each rank was doing when a collective failed (gptpar.training.diagnostics)
+    {save}/resolved_config.json           the run's resolved config, without metrics_file or TensorBoard folder
 
 gptpar's own entries are the lock, probe and temporary files and folders, the diagnostics folder, and the recovery
 scripts DeepSpeed copies beside its checkpoints. A folder holding nothing else has no checkpoint: loading from it starts fresh. An `iter_N`
@@ -40,6 +41,7 @@ STATE_FILE_RE = re.compile(r"^gptpar_rank_\d{5}\.pt$")
 UNIVERSAL_META = "gptpar_universal.json"  # a universal copy's metadata (gptpar.checkpoint.universal)
 OWNER = ".gptpar-owner.json"  # in a universal copy being converted: the job writing it
 DIAGNOSTICS = "diagnostics"  # written when a collective fails (gptpar.training.diagnostics)
+RESOLVED_CONFIG = "resolved_config.json"  # the run's resolved config, when it is written here (gptpar.training.build)
 
 
 def tag_of(iteration: int) -> str:
@@ -115,7 +117,8 @@ def is_complete(path: str) -> bool:
 
 def is_own_entry(directory: str, name: str) -> bool:
     """An entry gptpar may find in a folder without it holding a checkpoint (see the module docstring)."""
-    if name.startswith((LOCK, PROBE_PREFIX, LATEST_TMP_PREFIX)) or name in RECOVERY_SCRIPTS or name == DIAGNOSTICS:
+    if name.startswith((LOCK, PROBE_PREFIX, LATEST_TMP_PREFIX)) or name in RECOVERY_SCRIPTS or \
+            name in (DIAGNOSTICS, RESOLVED_CONFIG):
         return True
     return staged(name) is not None and os.path.isdir(os.path.join(directory, name))
 

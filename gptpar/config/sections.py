@@ -101,6 +101,14 @@ class TrainingConfig:
     lr_decay_samples: Optional[int] = _f(None, "Sample count where decay reaches min_lr; null = train_samples.")
     lr_decay_style: str = _f("linear", "Decay after warmup: constant, linear or cosine (Megatron's "
                                        "AnnealingLR).", choices=("constant", "linear", "cosine"))
+    lr_schedule_on_resume: str = _f(
+        "config", "When a resumed checkpoint was saved with another LR schedule (peak or minimum LR, warmup, decay "
+                  "length or style; e.g. a longer train_iters re-stretches the decay): `config` follows this config's "
+                  "schedule from the checkpoint's counters (Megatron's --override-opt_param-scheduler) and says so in "
+                  "one line with the old and new schedule and the learning rate it jumps to; `checkpoint` keeps the "
+                  "checkpoint's schedule, so the learning rate continues smoothly (Megatron's "
+                  "--use-checkpoint-opt_param-scheduler); the run still trains to this config's train_iters or "
+                  "train_samples.", choices=("config", "checkpoint"))
     optimizer: str = _f("adamw", "`adamw`: torch's fused AdamW (apex FusedAdam on a GPU that has it), fp32 moments, 8 "
                                  "bytes of state per parameter. `adamw8bit`: bitsandbytes' 8-bit AdamW (CUDA and "
                                  "CPU; `pip install bitsandbytes`), both moments block-wise quantised to 8 bits, ~2 "

@@ -26,17 +26,18 @@ from gptpar.schedules import rampup_split_problem
 
 @dataclass(frozen=True)
 class Hardware:
-    """Assumptions of the time model (defaults: A100 80GB nodes as in seed 003)."""
+    """Assumptions of the time model (defaults: the A100 80GB nodes of the measured Megatron-DeepSpeed runs in
+    docs/planning.md)."""
 
     gpus_per_node: int = 8
     gpu_mem_gib: float = 80.0
     achieved_tflops: float = 197.0      # GEMM-bound model TFLOPs/GPU at a large micro batch, no communication:
-                                        # the rate at which this model reproduces seed 003's best 1-node row
-                                        # (6 layers, tp 8, mbs 2, gbs 512: 119.19 s = 157 TFLOPs)
+                                        # the rate at which this model reproduces the measured A100 runs' best
+                                        # 1-node row (6 layers, tp 8, mbs 2, gbs 512: 119.19 s = 157 TFLOPs)
     mbs_half_point: float = 0.25        # efficiency(b) = b / (b + 0.25): small GEMMs and launches at small b
     intra_node_gbps: float = 150.0      # GB/s all-reduce bus bandwidth inside a node (NVLink)
-    inter_node_gbps: float = 400 / 8    # GB/s per node between nodes (400 Gbps: seed 001's link maximum)
-    tile_penalty: float = 0.80          # hidden % 128 != 0 (seed 003: 14400 vs 13824, 94 vs 120 TFLOPs)
+    inter_node_gbps: float = 400 / 8    # GB/s per node between nodes (400 Gbps: those runs' link maximum)
+    tile_penalty: float = 0.80          # hidden % 128 != 0 (measured: 14400 vs 13824, 94 vs 120 TFLOPs)
     softmax_penalty: float = 0.90       # (heads/tp)*mbs % 4 != 0: no fused softmax kernel
     soft_rank_penalty: float = 0.05     # ranking penalty per batch-ramp-up incompatibility
 
@@ -60,6 +61,8 @@ class Candidate:
     dp_comm_s: float
     score: float
     soft: List[str] = field(default_factory=list)
+    days: Optional[float] = None     # to train the settings' train_samples at sec_per_requested_batch
+    gpu_hours: Optional[float] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -131,6 +134,55 @@ def predict_layout(s: dict, hw: Hardware) -> dict:
     return out
 
 
+def training_time(train_samples: Optional[int], global_batch_size: int, sec_per_iter: float,
+                  num_gpus: int) -> Optional[dict]:
+    """Days and GPU-hours to train `train_samples` at `sec_per_iter` per global batch (a ramp-up's smaller
+    batches counted at the full batch's time per sample); None without a sample count."""
+    if not train_samples:
+        return None
+    seconds = train_samples / global_batch_size * sec_per_iter
+    return {"days": seconds / 86400, "gpu_hours": seconds / 3600 * num_gpus}
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU kinds: the A100 fit, and calibrations (measured seconds per layer, bench/bench_layer.py)
+# ---------------------------------------------------------------------------------------------
+
+CALIBRATIONS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibrations")
+A100_KIND = "A100 80GB"
+A100_SOURCE = "time model fitted to measured Megatron-DeepSpeed runs on A100 80GB nodes (docs/planning.md)"
+
+
+@dataclass(frozen=True)
+class GpuKind:
+    """A GPU kind the plan predicts for: its name, where its compute rate comes from, its Hardware, and how the
+    calibrated shape differs from the config's (empty for the A100 fit)."""
+
+    name: str
+    source: str
+    hardware: Hardware
+    notes: tuple = ()
+
+
+def a100_kind(gpus_per_node: int = 8, gpu_mem_gib: float = 80.0) -> GpuKind:
+    return GpuKind(A100_KIND, A100_SOURCE, Hardware(gpus_per_node=gpus_per_node, gpu_mem_gib=gpu_mem_gib))
+
+
+def shipped_calibrations() -> List[str]:
+    """The calibration files gptpar ships (gptpar/estimate/calibrations/*.json), by name."""
+    if not os.path.isdir(CALIBRATIONS_DIR):
+        return []
+    return sorted(f[:-len(".json")] for f in os.listdir(CALIBRATIONS_DIR) if f.endswith(".json"))
+
+
+def calibrated_kind(path: str, s: dict, base: Hardware = Hardware()) -> GpuKind:
+    """The GpuKind of a calibration file (or a shipped one's name, e.g. `h100`) for settings `s`."""
+    cal = load_calibration(path)
+    hardware = calibrated_hardware(cal, s["activation_checkpointing"], base)
+    when = f", measured {cal['date']}" if cal.get("date") else ""
+    return GpuKind(cal["gpu"], f"calibration {cal['path']}{when}", hardware, tuple(calibration_notes(cal, s)))
+
+
 # ---------------------------------------------------------------------------------------------
 # Calibration: measured seconds per layer on a GPU kind (bench/bench_layer.py) -> that kind's Hardware
 # ---------------------------------------------------------------------------------------------
@@ -140,9 +192,15 @@ _CALIBRATION_SHAPE = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "
 
 
 def load_calibration(path: str) -> dict:
-    """Read a calibration file written by bench/bench_layer.py --json; ValueError naming the file and the fix."""
+    """Read a calibration file written by bench/bench_layer.py --json, or a shipped one by name (`h100`: see
+    `shipped_calibrations`); ValueError naming the file and the fix."""
+    if not os.path.isfile(path) and path in shipped_calibrations():
+        return dict(load_calibration(os.path.join(CALIBRATIONS_DIR, path + ".json")),
+                    path=f"gptpar/estimate/calibrations/{path}.json")
     if not os.path.isfile(path):
-        raise ValueError(f"--calibration {path!r}: no such file (write one with bench/bench_layer.py --json FILE)")
+        shipped = ", ".join(shipped_calibrations()) or "none"
+        raise ValueError(f"--calibration {path!r}: no such file (shipped: {shipped}; write one with "
+                         "bench/bench_layer.py --json FILE)")
     try:
         with open(path) as f:
             cal = json.load(f)
@@ -260,12 +318,15 @@ def _candidate(s, tp, pp, dp, mbs, gbs_req, nodes, hw) -> Optional[Candidate]:
     t = predict(s, tp, pp, dp, mbs, gbs, hw)
     per_req = t["sec_per_iter"] * gbs_req / gbs
     n_ramp = sum(1 for f in soft if f == "rampup" or f.startswith("gbs"))
+    cost = training_time(s.get("train_samples"), gbs_req, per_req, tp * pp * dp) or {}
     return Candidate(tp=tp, pp=pp, dp=dp, mbs=mbs, nodes=nodes, global_batch_size=gbs,
                      micro_batches=gbs // (dp * mbs), mem_gib=round(mem, 1), sec_per_iter=t["sec_per_iter"],
                      sec_per_requested_batch=per_req, compute_s=t["compute_s"], bubble_s=t["bubble_s"],
                      tp_comm_s=t["tp_comm_s"], pp_comm_s=t["pp_comm_s"], dp_comm_s=t["dp_comm_s"],
-                     score=per_req * (1 + hw.soft_rank_penalty * n_ramp), soft=soft)
+                     score=per_req * (1 + hw.soft_rank_penalty * n_ramp), soft=soft, days=cost.get("days"),
+                     gpu_hours=cost.get("gpu_hours"))
 
 
-__all__ = ["Hardware", "Candidate", "compute_rate", "predict", "predict_layout", "load_calibration", "calibrated_hardware",
-           "calibration_notes", "plan_topology"]
+__all__ = ["Hardware", "Candidate", "GpuKind", "compute_rate", "predict", "predict_layout", "training_time",
+           "a100_kind", "shipped_calibrations", "calibrated_kind", "load_calibration", "calibrated_hardware",
+           "calibration_notes", "plan_topology", "A100_KIND", "A100_SOURCE", "CALIBRATIONS_DIR"]

@@ -1,18 +1,22 @@
 """The dry-run report: what a config means before any GPU is touched.
 
-`render_dry_run(config, dp_size)` is pure formulas (gptpar.estimate.flops / memory): the resolved config,
-the pipeline partition, parameters per stage and per tp rank, memory per GPU, and the TFLOPs that given
-seconds per iteration (or measured runs of the same shape) would mean. The trainer's `--dry-run` prints it,
-adding the exact count of the real model built on the meta device.
+`render_dry_run(config, dp_size)` is pure formulas (gptpar.estimate.flops / memory / planner): first the plan
+(GPUs, the heaviest stage's memory against each GPU kind's, predicted seconds per iteration and the days and
+GPU-hours to train the config's samples), then the details: the pipeline partition, parameters per stage and per
+tp rank, memory per GPU, the TFLOPs that given seconds per iteration (or measured runs of the same shape) would
+mean, and the resolved config. The trainer's `--dry-run` prints it, adding the exact counts of the real model
+built on the meta device.
 """
 from __future__ import annotations
 
 import json
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from gptpar.estimate.flops import (exact_model_params, model_size_formula, params_per_stage, resolve_partition_method,
                                    stage_layer_ranges, tflops_per_gpu)
 from gptpar.estimate.memory import GIB
+from gptpar.estimate.planner import (GpuKind, a100_kind, calibrated_kind, predict_layout, shipped_calibrations,
+                                     training_time)
 from gptpar.estimate.settings import embedding_kind, memory_of, settings_of
 from gptpar.model.config import pad_vocab_size
 from gptpar.estimate.float8_gemms import describe_float8_gemms, layer_float8_gemms
@@ -24,11 +28,13 @@ def _fmt(n: float) -> str:
 
 
 def render_dry_run(config: Config, dp_size: int, sec_per_iter: Optional[float] = None,
-                   meta_param_count: Optional[int] = None, measured: Sequence[Tuple] = ()) -> str:
+                   meta_param_count: Optional[int] = None, measured: Sequence[Tuple] = (),
+                   kinds: Optional[Sequence[GpuKind]] = None, meta_stage_params: Optional[Sequence[int]] = None) -> str:
     """The report for `config` on dp_size data-parallel ranks; meta_param_count (the real model's unique
-    parameters on the meta device) is compared. `measured`: rows (where, layers, hidden, tp, pp, dp, mbs, gbs,
-    sec/it, printed TFLOPs, formula) of runs whose TFLOPs to recompute when their shape is this model's
-    (tests/data/seed_runs.json holds the seeds' runs)."""
+    parameters on the meta device) and meta_stage_params (each stage's) are compared with the formulas.
+    `measured`: rows (where, layers, hidden, tp, pp, dp, mbs, gbs, sec/it, printed TFLOPs, formula) of runs whose
+    TFLOPs to recompute when their shape is this model's (tests/data/seed_runs.json holds the measured A100 runs).
+    `kinds`: the GPU kinds to predict for; None = the A100 fit and every shipped calibration."""
     s = settings_of(config, dp_size)
     cfg = config.to_dict()
     cfg["parallel"]["data_parallel_size"] = dp_size
@@ -40,19 +46,21 @@ def render_dry_run(config: Config, dp_size: int, sec_per_iter: Optional[float] =
                  ffn_hidden_size=s["ffn_hidden_size"],
                  max_position_embeddings=s["max_position_embeddings"],
                  make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"], **embedding_kind(s))
-    lines = ["== resolved config =="]
-    for section in ("model", "parallel", "training", "data", "checkpoint", "logging", "deepspeed"):
-        if cfg.get(section):
-            lines.append(f"{section}: {json.dumps(cfg[section], sort_keys=True)}")
+    exact = exact_model_params(**{k: shape[k] for k in ("num_layers", "hidden_size", "vocab_size", "seq_length",
+                                                           "tp_size", "ffn_hidden_size", "max_position_embeddings",
+                                                           "make_vocab_size_divisible_by",
+                                                           "position_embedding_type", "embed_layernorm")})
+    mem = memory_of(s)
+    lines = render_plan(s, exact, mem["max"], default_kinds(s) if kinds is None else kinds, sec_per_iter)
     world = tp * pp * dp
-    lines.append(f"derived: world_size={world} (tp {tp} x pp {pp} x dp {dp}), padded_vocab_size={v_pad}, "
-                 f"micro_batches={gbs // (mbs * dp) if gbs else '?'} per step, ffn_hidden_size={s['ffn_hidden_size']}")
+    lines += ["", f"derived: world_size={world} (tp {tp} x pp {pp} x dp {dp}), padded_vocab_size={v_pad}, "
+                  f"micro_batches={gbs // (mbs * dp) if gbs else '?'} per step, "
+                  f"ffn_hidden_size={s['ffn_hidden_size']}"]
 
     ranges = stage_layer_ranges(L, pp, s["partition_method"], s["embedding_weight"])
     method = resolve_partition_method(s["partition_method"], L, pp, s["embedding_weight"])
     unique = params_per_stage(**shape)
     per_rank = params_per_stage(**shape, per_tp_rank=True)
-    mem = memory_of(s)
     lines += ["", f"== pipeline partition ({method}, from {s['partition_method']!r}) and parameters ==",
               f"{'stage':>5} {'blocks':>11} {'extra':<28} {'params':>17} {'per tp rank':>15} {'mem/GPU GiB':>11}"]
     for i, ((a, b), u, r, m) in enumerate(zip(ranges, unique, per_rank, mem["stages"])):
@@ -64,17 +72,19 @@ def render_dry_run(config: Config, dp_size: int, sec_per_iter: Optional[float] =
             extra.append("tied embedding + final LN" if pp > 1 else "final LN")
         lines.append(f"{i:>5} {f'[{a}, {b})':>11} {', '.join(extra):<28} {_fmt(u):>17} {_fmt(r):>15} "
                      f"{m['total'] / GIB:>11.1f}")
-    exact = exact_model_params(**{k: shape[k] for k in ("num_layers", "hidden_size", "vocab_size", "seq_length",
-                                                           "tp_size", "ffn_hidden_size", "max_position_embeddings",
-                                                           "make_vocab_size_divisible_by",
-                                                           "position_embedding_type", "embed_layernorm")})
     tied = v_pad * h if pp > 1 else 0
     lines += [f"sum over stages: {_fmt(sum(unique))} = model {_fmt(exact)} + tied output-embedding copy {_fmt(tied)}",
-              f"model size formula (seed 000, unpadded vocab): {_fmt(model_size_formula(L, h, v, seq))} "
+              "model size formula L(12h²+13h) + Vh + sh + 2h (unpadded vocab): "
+              f"{_fmt(model_size_formula(L, h, v, seq))} "
               f"({model_size_formula(L, h, v, seq) / 1e9:.1f}B)"]
     if meta_param_count is not None:
         lines.append(f"real model on the meta device: {_fmt(meta_param_count)} "
                      f"({'matches' if meta_param_count == exact else 'DIFFERS FROM'} the formula {_fmt(exact)})")
+    if meta_stage_params is not None:
+        differ = [f"stage {i}: {_fmt(m)} vs {_fmt(u)}" for i, (m, u) in enumerate(zip(meta_stage_params, unique))
+                  if m != u]
+        lines.append("real model's stages on the meta device: " + (
+            "each matches its row of the table" if not differ else "DIFFER FROM the table: " + "; ".join(differ)))
 
     worst = mem["max"]
     lines += ["", f"== memory per GPU ({s['precision']}, {s['optimizer']}, ZeRO-{s['zero_stage']} over dp={dp}, "
@@ -97,17 +107,80 @@ def render_dry_run(config: Config, dp_size: int, sec_per_iter: Optional[float] =
     if sec_per_iter:
         runs.insert(0, ("given --sec-per-iter", L, h, tp, pp, dp, mbs, gbs, sec_per_iter, None, ""))
     if not runs:
-        lines.append("no measured run of this shape given (pass sec_per_iter)")
+        lines.append("no measured run of this shape given (pass --sec-per-iter S)")
     for where, _, _, rtp, rpp, rdp, rmbs, rgbs, sec, printed, how in runs:
         kw = dict(num_layers=L, hidden_size=h, seq_length=seq, global_batch_size=rgbs, sec_per_iter=sec,
                   num_gpus=rtp * rpp * rdp, tp_size=rtp, ffn_hidden_size=s["ffn_hidden_size"])
         vr = pad_vocab_size(v, rtp, s["make_vocab_size_divisible_by"])   # padded for that run's tp
         imp = tflops_per_gpu(vocab_size=vr, **kw)
         leg = tflops_per_gpu(vocab_size=vr, formula="legacy", **kw)
-        seed = f"seed printed {printed} ({how})" if printed is not None else ""
+        logged = f"its log printed {printed} ({how})" if printed is not None else ""
         lines.append(f"{where}: tp{rtp} pp{rpp} dp{rdp} mbs{rmbs} gbs{rgbs} {sec} s/it -> improved {imp:.2f}, "
-                     f"legacy {leg:.2f} TFLOPs; {seed}")
+                     f"legacy {leg:.2f} TFLOPs; {logged}")
+    lines += ["", "== resolved config =="]
+    for section in ("model", "parallel", "training", "data", "checkpoint", "logging", "deepspeed"):
+        if cfg.get(section):
+            lines.append(f"{section}: {json.dumps(cfg[section], sort_keys=True)}")
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["render_dry_run"]
+def default_kinds(s: dict) -> List[GpuKind]:
+    """The A100 fit and each shipped calibration that measured the config's recompute mode."""
+    kinds = [a100_kind()]
+    for name in shipped_calibrations():
+        try:
+            kinds.append(calibrated_kind(name, s))
+        except ValueError:  # no measurement of this recompute mode
+            continue
+    return kinds
+
+
+def nodes_phrase(world: int, gpus_per_node: int) -> str:
+    """`40 nodes x 8 GPUs per node`, or what the world is when it is not whole nodes."""
+    if world < gpus_per_node:
+        return f"1 node x {world} GPU{'s' if world > 1 else ''}"
+    if world % gpus_per_node:
+        return f"{world / gpus_per_node:.2f} nodes of {gpus_per_node} GPUs (not whole nodes)"
+    nodes = world // gpus_per_node
+    return f"{nodes} node{'s' if nodes > 1 else ''} x {gpus_per_node} GPUs per node"
+
+
+def render_plan(s: dict, params: int, heaviest: dict, kinds: Sequence[GpuKind],
+                sec_per_iter: Optional[float] = None) -> List[str]:
+    """The answer first: GPUs, the heaviest stage's memory against each kind's, predicted seconds per iteration and
+    the days and GPU-hours to train the config's samples (and the same for a measured --sec-per-iter)."""
+    tp, pp, dp, gbs, samples = s["tp_size"], s["pp_size"], s["dp_size"], s["global_batch_size"], s["train_samples"]
+    world, per_node = tp * pp * dp, kinds[0].hardware.gpus_per_node if kinds else 8
+    need = heaviest["total"] / GIB
+    lines = ["== plan ==",
+             f"GPUs:     {world:,} = {nodes_phrase(world, per_node)} (tp {tp} x pp {pp} x dp {dp})",
+             f"model:    {params / 1e9:.1f}B parameters, {s['num_layers']} layers x hidden {s['hidden_size']}, seq "
+             f"{s['seq_length']}, {s['precision']}, recompute {s['activation_checkpointing']}",
+             f"training: {samples:,} samples = {samples / gbs:,.0f} global batches of {gbs:,}",
+             f"memory:   {need:.1f} GiB per GPU on the heaviest stage (stage {heaviest['stage']}; the estimate is a "
+             "lower bound: leave ~15% headroom)",
+             f"  {'GPU kind':<26} {'GPU memory':<22} {'s/iter':>8} {'days':>8} {'GPU-hours':>12}  source"]
+    for kind in kinds:
+        t = predict_layout(s, kind.hardware)
+        fits = "fits" if need <= kind.hardware.gpu_mem_gib else "DOES NOT FIT"
+        lines.append(_time_row(kind.name, f"{kind.hardware.gpu_mem_gib:.1f} GiB: {fits}", t["sec_per_iter"], s,
+                               kind.source + (f"; measured at another shape ({', '.join(kind.notes)}), the rate "
+                                              "carried over" if kind.notes else "")))
+    if sec_per_iter:
+        rate = tflops_per_gpu(num_layers=s["num_layers"], hidden_size=s["hidden_size"],
+                              vocab_size=s["padded_vocab_size"], seq_length=s["seq_length"], global_batch_size=gbs,
+                              sec_per_iter=sec_per_iter, num_gpus=world, tp_size=tp,
+                              recompute=s["activation_checkpointing"], ffn_hidden_size=s["ffn_hidden_size"])
+        lines.append(_time_row("measured (--sec-per-iter)", "", sec_per_iter, s,
+                               f"= {rate:.2f} TFLOPs per GPU (improved formula)"))
+    return lines
+
+
+def _time_row(kind: str, memory: str, sec: float, s: dict, source: str) -> str:
+    world = s["tp_size"] * s["pp_size"] * s["dp_size"]
+    cost = training_time(s["train_samples"], s["global_batch_size"], sec, world)
+    return (f"  {kind[:26]:<26} {memory:<22} {sec:>8.1f} {cost['days']:>8.1f} {cost['gpu_hours']:>12,.0f}  "
+            f"{source}")
+
+
+__all__ = ["render_dry_run", "render_plan", "default_kinds", "nodes_phrase"]

@@ -31,6 +31,8 @@ def settings_of(cfg: Config, dp_size: Optional[int] = None) -> dict:
         "precision": t.precision, "fp8_recipe": t.fp8_recipe, "zero_stage": t.zero_stage, "optimizer": t.optimizer,
         "activation_checkpointing": recompute_mode(t.activation_checkpointing),
         "rampup_batch_size": t.rampup_batch_size,
+        # what the run trains: training.train_samples, or train_iters global batches
+        "train_samples": t.train_samples or t.train_iters * t.global_batch_size,
     }
 
 

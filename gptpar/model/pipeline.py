@@ -188,12 +188,3 @@ def model_parameter_count(config: GPTConfig, tp: int = 1) -> int:
     return (counts["input_embedding"][0] + config.num_layers * counts["transformer_layer"][0]
             + counts["final_layernorm"][0])
 
-
-def stage_report(config: GPTConfig, plan: PartitionPlan, tp: int = 1) -> str:
-    lines = [plan.describe(), f"  {'stage':>5} {'layers':>6} {'embeddings':>10} {'params':>16} "
-                              f"{'params/tp rank':>16}"]
-    for row in stage_parameter_counts(config, plan, tp):
-        lines.append(f"  {row['stage']:>5} {row['layers']:>6} {row['embeddings'] or '-':>10} "
-                     f"{row['params']:>16,} {row['params_per_tp_rank']:>16,}")
-    lines.append(f"  model parameters (tied embedding once): {model_parameter_count(config, tp):,}")
-    return "\n".join(lines)

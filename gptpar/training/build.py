@@ -9,11 +9,12 @@ import dataclasses
 import functools
 import os
 import random
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
-from gptpar.config import Config
+from gptpar.config import Config, ConfigError
 
 
 def share_cpu_threads() -> None:
@@ -24,12 +25,18 @@ def share_cpu_threads() -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
 
 
-def setup_environment() -> None:
-    """DeepSpeed's CPU accelerator when there is no CUDA; one share of the cores per local rank."""
+def setup_environment(verbose: bool = False) -> None:
+    """DeepSpeed's CPU accelerator when there is no CUDA; one share of the cores per local rank. Unless `verbose`
+    (or GPTPAR_DEEPSPEED_LOG=info), DeepSpeed's INFO lines and the known-harmless warnings (gptpar.quiet) are held
+    back."""
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     share_cpu_threads()
-    if os.environ.get("GPTPAR_DEEPSPEED_LOG", "warning").lower() != "info":
+    if not verbose:
+        from gptpar.quiet import hold_back_warnings
+
+        hold_back_warnings()
+    if not verbose and os.environ.get("GPTPAR_DEEPSPEED_LOG", "warning").lower() != "info":
         from gptpar.training.engine import quiet_deepspeed_log
 
         quiet_deepspeed_log()
@@ -106,6 +113,40 @@ def saved_config(cfg: Config, pstate) -> Config:
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, data_parallel_size=pstate.dp_size))
 
 
+def resolved_config_path(cfg: Config) -> Optional[str]:
+    """Where a run writes its resolved config: beside logging.metrics_file, else in logging.tensorboard_dir's
+    parent, else in checkpoint.save (one of gptpar's own entries there); None when the run names none of them."""
+    lg = cfg.logging
+    if lg.metrics_file:
+        folder = os.path.dirname(lg.metrics_file)
+    elif lg.tensorboard_dir:
+        folder = os.path.dirname(os.path.normpath(lg.tensorboard_dir))
+    elif cfg.checkpoint.save:
+        folder = cfg.checkpoint.save
+    else:
+        return None
+    from gptpar.checkpoint.layout import RESOLVED_CONFIG
+
+    return os.path.join(folder, RESOLVED_CONFIG)
+
+
+def write_resolved_config(cfg: Config, pstate, verbose: bool = False) -> str:
+    """Write the run's resolved config (every key, defaults included, data_parallel_size resolved) where
+    `resolved_config_path` says (call on one rank, after the preflight accepted the run); the line saying where
+    (with `verbose` the config itself was printed already)."""
+    path = resolved_config_path(cfg)
+    if path is None:
+        return ("resolved config: not written (no logging.metrics_file, logging.tensorboard_dir or checkpoint.save "
+                "to put it beside)" + ("" if verbose else "; --verbose prints it"))
+    if os.path.dirname(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    temporary = f"{path}.tmp-{os.getpid()}"
+    with open(temporary, "w") as f:
+        f.write(saved_config(cfg, pstate).to_json() + "\n")
+    os.replace(temporary, path)
+    return f"resolved config: {path}" + ("" if verbose else " (--verbose prints it)")
+
+
 def checkpoint_group(pstate, timeout_minutes: float):
     """The gloo group a save's and a resume's ranks agree over (None for one rank): its own, because an async save
     agrees from the writer thread while training's collectives run on theirs. Collective: every rank calls it."""
@@ -173,16 +214,28 @@ def build_trainer(cfg: Config, pstate, log, load_target, init_from=None, collect
                    log=functools.partial(print, flush=True), collectives=collectives)
 
 
-def dry_run(cfg: Config, tp: int, pp: int, dp: int) -> str:
-    """The --dry-run report: formulas and a meta-device build, no process group."""
-    from gptpar.estimate.report import render_dry_run
-    from gptpar.model.pipeline import model_parameter_count, partition_layers, stage_report
+def dry_run(cfg: Config, tp: int, pp: int, dp: int, sec_per_iter: Optional[float] = None,
+            calibrations: Sequence[str] = ()) -> str:
+    """The --dry-run report: formulas and a meta-device build, no process group. `sec_per_iter`: a measured time
+    per iteration to price and rate; `calibrations`: GPU kinds to predict for besides the A100 fit and the shipped
+    calibrations (files or shipped names; a bad one raises ConfigError)."""
+    from gptpar.estimate.planner import calibrated_kind
+    from gptpar.estimate.report import default_kinds, render_dry_run
+    from gptpar.estimate.settings import settings_of
+    from gptpar.model.pipeline import model_parameter_count, partition_layers, stage_parameter_counts
 
+    s = settings_of(cfg, dp)
+    try:
+        extra = [calibrated_kind(path, s) for path in calibrations]
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     plan = partition_layers(cfg.model.num_layers, pp, cfg.resolved_partition_method(pp),
                             cfg.parallel.embedding_weight or 1)
-    report = render_dry_run(cfg, dp, meta_param_count=model_parameter_count(cfg.model, tp))
-    return report + "\n== stages of the real model (meta device) ==\n" + stage_report(cfg.model, plan, tp)
+    return render_dry_run(cfg, dp, sec_per_iter=sec_per_iter, meta_param_count=model_parameter_count(cfg.model, tp),
+                          kinds=default_kinds(s) + extra,
+                          meta_stage_params=[row["params"] for row in stage_parameter_counts(cfg.model, plan, tp)])
 
 
 __all__ = ["setup_environment", "seed_everything", "build_gpt", "build_float8", "build_model", "checkpoint_shape",
-           "saved_config", "checkpoint_group", "save_token", "build_trainer", "dry_run"]
+           "saved_config", "resolved_config_path", "write_resolved_config", "checkpoint_group",
+           "save_token", "build_trainer", "dry_run"]

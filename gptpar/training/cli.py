@@ -34,9 +34,14 @@ LIST_ALIASES = {"--data-path": None, "--rampup-batch-size": 3,  # nargs: None = 
                 "--valid-weighted-split-paths": None}
 STRING_LISTS = ("--data-path", "--skip-train-iteration-range", "--valid-weighted-split-paths")  # kept as strings
 
-USAGE = """usage: pretrain_gpt.py --config CONFIG.json [--set section.key=value ...] [--dry-run]
+USAGE = """usage: pretrain_gpt.py --config CONFIG.json [--set section.key=value ...] [--verbose]
+                       [--dry-run [--sec-per-iter S] [--calibration FILE|NAME ...]]
                        [Megatron-style aliases, e.g. --micro-batch-size 4 --train-iters 100 --bf16]
-Every config key has an alias --<key-with-dashes> (e.g. --tensor-model-parallel-size 2). --local_rank is
+--dry-run prints the plan (GPUs, memory against the GPU's, seconds per iteration, days and GPU-hours to train)
+and its details without starting anything; --sec-per-iter prices and rates a measured time per iteration,
+--calibration adds a GPU kind (a bench/bench_layer.py --json file, or a shipped one: h100). --verbose prints the
+resolved config and DeepSpeed's info lines (by default the config is written to the run's folder and its path
+printed). Every config key has an alias --<key-with-dashes> (e.g. --tensor-model-parallel-size 2). --local_rank is
 accepted and ignored (the DeepSpeed launcher passes it; ranks come from the environment)."""
 
 
@@ -56,11 +61,13 @@ def parse_args(argv: Sequence[str]) -> Tuple[Optional[str], List[str], Dict[str,
     """(config_path, overrides, flags) from a command line (without the program name).
 
     Overrides come out as `section.key=value` strings in command-line order, aliases included. flags holds
-    `dry_run` (bool), `help` (bool) and `local_rank` (int or None, from the DeepSpeed launcher).
+    `dry_run` (bool), `help` (bool), `verbose` (bool), `sec_per_iter` (float or None) and `calibration` (a list,
+    both for --dry-run) and `local_rank` (int or None, from the DeepSpeed launcher).
     """
     aliases = cli_aliases()
     config_path, overrides = None, []
-    flags: Dict[str, Any] = {"dry_run": False, "help": False, "local_rank": None}
+    flags: Dict[str, Any] = {"dry_run": False, "help": False, "verbose": False, "sec_per_iter": None,
+                             "calibration": [], "local_rank": None}
     args, i = list(argv), 0
 
     def value_of(flag: str, inline: Optional[str]) -> str:
@@ -87,6 +94,12 @@ def parse_args(argv: Sequence[str]) -> Tuple[Optional[str], List[str], Dict[str,
             flags["dry_run"] = True
         elif flag in ("--help", "-h"):
             flags["help"] = True
+        elif flag in ("--verbose", "-v"):
+            flags["verbose"] = True
+        elif flag == "--sec-per-iter":
+            flags["sec_per_iter"] = _seconds(flag, value_of(flag, inline))
+        elif flag == "--calibration":
+            flags["calibration"].append(value_of(flag, inline))
         elif flag in ("--local_rank", "--local-rank"):
             flags["local_rank"] = int(value_of(flag, inline))
         elif flag in LIST_ALIASES:
@@ -120,8 +133,22 @@ def parse_args(argv: Sequence[str]) -> Tuple[Optional[str], List[str], Dict[str,
             else:
                 overrides.append(f"{target}={value_of(flag, inline)}")
         else:
-            raise ConfigError(f"unknown option {flag}{suggest(flag, list(aliases) + ['--config', '--set', '--dry-run'])}")
+            known = list(aliases) + ["--config", "--set", "--dry-run", "--verbose", "--sec-per-iter", "--calibration"]
+            raise ConfigError(f"unknown option {flag}{suggest(flag, known)}")
+    if (flags["sec_per_iter"] is not None or flags["calibration"]) and not flags["dry_run"]:
+        raise ConfigError("--sec-per-iter and --calibration only apply to --dry-run: add --dry-run")
     return config_path, overrides, flags
+
+
+def _seconds(flag: str, value: str) -> float:
+    """A positive number of seconds, or ConfigError naming the flag."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ConfigError(f"{flag} needs a positive number of seconds per iteration, got {value!r}")
+    return seconds
 
 
 def launched_world_size() -> Optional[int]:

@@ -15,11 +15,15 @@ with these formats (the iteration field is ' iteration {:8d}/{:8d} |'):
     consumed samples {:12d} · consumed tokens {:12d} · elapsed time per iteration (s) {:.2f} ·
     learning rate {:.3E} · global batch size {:5d} · lm loss {:.6E} · loss scale {:.1f} · grad norm {:.3f} ·
     num zeros {:.1f} · params norm {:.3f} · number of skipped iterations {:3d} ·
-    number of nan iterations {:3d} · samples per second {:.3f} · TFLOPs {:.2f}
+    number of nan iterations {:3d} · samples per second {:.3f} · tokens per second {:.0f} · TFLOPs {:.2f} ·
+    time left H:MM:SS (Dd H:MM:SS past a day)
 
-Differences from the reference, on purpose: loss scale is always printed (1.0 unless fp16), num zeros is
-omitted (never a constant) when it is not counted, skipped and nan iterations are counted honestly. Num zeros
-and params norm are omitted unless asked for (logging.log_num_zeros, logging.log_params_norm), as in Megatron.
+Loss scale is printed only in fp16 (the record's loss_scale is None otherwise), as Megatron prints it; num zeros
+and params norm only when asked for (logging.log_num_zeros, logging.log_params_norm), as in Megatron. Skipped and
+nan iterations are counted honestly (the reference hard-codes them); the trainer's line (`zero_counts=False`)
+prints each only when it is not 0, the record keeps it either way. Tokens per second (samples per second x
+seq length, as torchtitan and nanoGPT show throughput) and the time left (the samples still to train at the
+interval's time per sample; evaluations and saves not counted) are gptpar's, after Megatron's fields.
 """
 from __future__ import annotations
 
@@ -32,12 +36,12 @@ from typing import Dict, Optional
 
 METRIC_KEYS = ("iteration", "train_iters", "consumed_samples", "consumed_tokens", "elapsed_s", "lr",
                "global_batch_size", "lm_loss", "loss_scale", "grad_norm", "num_zeros", "params_norm",
-               "skipped_iterations", "nan_iterations", "samples_per_second", "tflops",
-               "max_allocated_bytes", "max_reserved_bytes")
+               "skipped_iterations", "nan_iterations", "samples_per_second", "tokens_per_second", "tflops",
+               "time_left_s", "max_allocated_bytes", "max_reserved_bytes")
 # The record's memory fields (`peak_memory_fields`): in the metrics file, not in the line.
 MEMORY_KEYS = ("max_allocated_bytes", "max_reserved_bytes")
 # Keys a training record gained after metrics files were first written: older files lack them.
-LATER_KEYS = ("params_norm",) + MEMORY_KEYS
+LATER_KEYS = ("params_norm", "tokens_per_second", "time_left_s") + MEMORY_KEYS
 
 # (label in the line, record key, format) after the iteration field, in Megatron-DeepSpeed's order.
 _FIELDS = (
@@ -54,30 +58,55 @@ _FIELDS = (
     ("number of skipped iterations", "skipped_iterations", "{:3d}"),
     ("number of nan iterations", "nan_iterations", "{:3d}"),
     ("samples per second", "samples_per_second", "{:.3f}"),
+    ("tokens per second", "tokens_per_second", "{:.0f}"),
     ("TFLOPs", "tflops", "{:.2f}"),
+    ("time left", "time_left_s", None),  # format_duration
 )
+_COUNTS = ("skipped_iterations", "nan_iterations")
 _INT_KEYS = {"iteration", "train_iters", "consumed_samples", "consumed_tokens", "global_batch_size",
              "skipped_iterations", "nan_iterations"}
 
 
 def format_log_line(*, iteration: int, train_iters: int, consumed_samples: int, consumed_tokens: int,
                     elapsed_s: float, lr: float, global_batch_size: int, lm_loss: Optional[float],
-                    loss_scale: float = 1.0, grad_norm: Optional[float] = None, num_zeros: Optional[float] = None,
-                    params_norm: Optional[float] = None, skipped_iterations: int = 0, nan_iterations: int = 0,
-                    samples_per_second: float, tflops: float, max_allocated_bytes: Optional[float] = None,
+                    loss_scale: Optional[float] = None, grad_norm: Optional[float] = None,
+                    num_zeros: Optional[float] = None, params_norm: Optional[float] = None,
+                    skipped_iterations: int = 0, nan_iterations: int = 0, samples_per_second: float,
+                    tokens_per_second: Optional[float] = None, tflops: float, time_left_s: Optional[float] = None,
+                    zero_counts: bool = True, max_allocated_bytes: Optional[float] = None,
                     max_reserved_bytes: Optional[float] = None) -> str:
-    """The per-iteration line; `None` omits lm loss, grad norm, num zeros or params norm (as Megatron omits
-    them). The memory fields are not in the line (Megatron prints memory in its own report line)."""
+    """The per-iteration line; `None` omits lm loss, loss scale, grad norm, num zeros, params norm, tokens per
+    second or the time left (as Megatron omits its optional fields). `zero_counts` False omits the skipped and nan
+    iteration counts while they are 0 (the trainer's shorter line); True prints them always, as Megatron does. The
+    memory fields are not in the line (Megatron prints memory in its own report line)."""
     values = dict(consumed_samples=consumed_samples, consumed_tokens=consumed_tokens, elapsed_s=elapsed_s,
                   lr=lr, global_batch_size=global_batch_size, lm_loss=lm_loss, loss_scale=loss_scale,
                   grad_norm=grad_norm, num_zeros=num_zeros, params_norm=params_norm,
-                  skipped_iterations=skipped_iterations,
-                  nan_iterations=nan_iterations, samples_per_second=samples_per_second, tflops=tflops)
+                  skipped_iterations=skipped_iterations, nan_iterations=nan_iterations,
+                  samples_per_second=samples_per_second, tokens_per_second=tokens_per_second, tflops=tflops,
+                  time_left_s=time_left_s)
     line = " iteration {:8d}/{:8d} |".format(iteration, train_iters)
     for label, key, fmt in _FIELDS:
-        if values[key] is not None:
-            line += f" {label}: {fmt.format(values[key])} |"
+        value = values[key]
+        if value is None or (not zero_counts and key in _COUNTS and value == 0):
+            continue
+        line += f" {label}: {format_duration(value) if fmt is None else fmt.format(value)} |"
     return line
+
+
+def format_duration(seconds: float) -> str:
+    """`0:02:31`, `13:05:00`, `195d 4:48:00` (whole seconds)."""
+    seconds = int(round(seconds))
+    days, rest = divmod(seconds, 86400)
+    clock = f"{rest // 3600}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+    return f"{days}d {clock}" if days else clock
+
+
+def parse_duration(text: str) -> float:
+    """`format_duration`'s text back into seconds."""
+    days, _, clock = text.strip().rpartition("d ")
+    hours, minutes, seconds = (int(part) for part in clock.split(":"))
+    return float((int(days) if days else 0) * 86400 + hours * 3600 + minutes * 60 + seconds)
 
 
 def parse_log_line(line: str, strict: bool = True) -> Dict[str, object]:
@@ -95,7 +124,7 @@ def parse_log_line(line: str, strict: bool = True) -> Dict[str, object]:
         part = part.strip()
         if not part:
             continue
-        label, _, value = part.rpartition(":")
+        label, _, value = part.partition(":")
         label = label.strip()
         if label == "elapsed time per iteration (ms)" and not strict:
             record["elapsed_s"] = float(value) / 1000.0
@@ -105,7 +134,10 @@ def parse_log_line(line: str, strict: bool = True) -> Dict[str, object]:
             if strict:
                 raise ValueError(f"unknown field {label!r} in log line")
             continue
-        record[key] = int(value) if key in _INT_KEYS else float(value)
+        if key == "time_left_s":
+            record[key] = parse_duration(value)
+        else:
+            record[key] = int(value) if key in _INT_KEYS else float(value)
     return record
 
 
@@ -502,7 +534,8 @@ def _quiet_tensorboard_writer_thread() -> None:
     threading.excepthook = hook
 
 
-__all__ = ["METRIC_KEYS", "LATER_KEYS", "format_log_line", "parse_log_line", "format_timers_line", "memory_usage",
+__all__ = ["METRIC_KEYS", "LATER_KEYS", "format_log_line", "format_duration", "parse_duration", "parse_log_line",
+           "format_timers_line", "memory_usage",
            "format_memory_line", "format_eval_line", "format_eval_block", "eval_record", "perplexity",
            "IntervalStats", "MetricsWriter", "read_metrics", "is_training_record", "MEGATRON_TRAIN_TAGS",
            "MEGATRON_TIMER_NAMES", "TAG_STYLES", "megatron_train_scalars", "megatron_eval_scalars",

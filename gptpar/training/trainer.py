@@ -54,7 +54,8 @@ from gptpar.training.logging import (IntervalStats, LogWriteError, MetricsWriter
 from gptpar.training.profiling import IterationProfiler
 from gptpar.training.replicas import ReplicaDivergenceError, check_replicas
 from gptpar.training.straggler import StragglerReport
-from gptpar.schedules import BatchSizeRampup, LearningRateSchedule, SkipRanges, train_iters
+from gptpar.schedules import (BatchSizeRampup, LearningRateSchedule, SkipRanges, resumed_schedule, saved_schedule,
+                              train_iters)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -189,6 +190,7 @@ class Trainer:
         t = cfg.training
         self.train_iters = train_iters(t, pstate.dp_size)
         self.rampup = BatchSizeRampup.from_config(t, pstate.dp_size)
+        self.total_samples = self.rampup.samples_after(self.train_iters)  # what train_iters iterations consume
         self.schedule = LearningRateSchedule.from_config(t)
         self.skip_ranges = SkipRanges.parse(t.skip_train_iteration_range)
         self.skipping = None  # the skip range announced last
@@ -399,7 +401,7 @@ class Trainer:
             self.compute_mean = self.straggler.local_mean()
         if self.is_log_rank:
             record = self.record(interval, num_zeros, params_norm, largest)
-            self.log(format_log_line(**record))
+            self.log(format_log_line(**record, zero_counts=False))
             if phases is not None:
                 self.log(format_timers_line(phases))
             with self.writing_logs():
@@ -439,15 +441,20 @@ class Trainer:
     def record(self, interval: dict, num_zeros: Optional[float], params_norm: Optional[float] = None,
                memory: Optional[dict] = None) -> dict:
         """Every field of the log line and of a metrics-file object (`memory`: the largest `memory_usage` over the
-        ranks, for the memory fields)."""
+        ranks, for the memory fields). The loss scale only in fp16 (nothing is scaled otherwise); the time left: the
+        samples still to train at this interval's time per sample."""
         c, gbs, elapsed = self.counters, self.last["global_batch_size"], interval["elapsed_s"]
+        t, seq = self.cfg.training, self.cfg.model.seq_length
         return {"iteration": c.iteration, "train_iters": self.train_iters, "consumed_samples": c.consumed_samples,
                 "consumed_tokens": c.consumed_tokens, "elapsed_s": elapsed, "lr": self.last["lr"],
-                "global_batch_size": gbs, "lm_loss": interval["lm_loss"], "loss_scale": self.engine.loss_scale,
+                "global_batch_size": gbs, "lm_loss": interval["lm_loss"],
+                "loss_scale": self.engine.loss_scale if t.precision == "fp16" else None,
                 "grad_norm": self.last["grad_norm"], "num_zeros": num_zeros, "params_norm": params_norm,
                 "skipped_iterations": interval["skipped_iterations"],
                 "nan_iterations": interval["nan_iterations"], "samples_per_second": gbs / elapsed,
-                "tflops": self.tflops(gbs, elapsed), **peak_memory_fields(memory)}
+                "tokens_per_second": gbs * seq / elapsed, "tflops": self.tflops(gbs, elapsed),
+                "time_left_s": max(0, self.total_samples - c.consumed_samples) * elapsed / gbs,
+                **peak_memory_fields(memory)}
 
     def tflops(self, global_batch_size: int, sec_per_iter: float) -> float:
         m, p = self.cfg.model, self.pstate
@@ -567,15 +574,21 @@ class Trainer:
         c = self.counters
         return dict(asdict(c), global_batch_size=self.rampup.global_batch_size(c.consumed_samples),
                     lr=self.schedule.lr_at(c.lr_iterations, c.lr_samples), train_iters=self.train_iters,
-                    config=self.cfg.to_dict())
+                    lr_schedule=self.schedule.to_dict(), config=self.cfg.to_dict())
 
     def resume(self) -> None:
-        """Load the checkpoint `checkpoint.load` points at (if any) and continue its counters."""
+        """Load the checkpoint `checkpoint.load` points at (if any) and continue its counters and, when it was
+        saved with another LR schedule, follow training.lr_schedule_on_resume (said in one line)."""
         if self.checkpointer is None:
             return
         state = self.checkpointer.load(self.engine, self.tracker)
         if state is not None:
-            self.counters = Counters(**{k: state[k] for k in asdict(Counters())})
+            self.counters = c = Counters(**{k: state[k] for k in asdict(Counters())})
+            self.schedule, note = resumed_schedule(saved_schedule(state), self.schedule, c.lr_iterations,
+                                                   c.lr_samples, c.iteration + 1,
+                                                   self.cfg.training.lr_schedule_on_resume == "checkpoint")
+            if note:
+                self._say(note)
 
     def _after_log_failure(self, reason: str) -> str:
         """The line a log write that failed ends the run with: why, and the checkpoint saved before stopping."""
