@@ -157,3 +157,47 @@ def test_host_scalar_does_not_wait_for_work_queued_after_it_cuda():
     y = x * 2
     torch.cuda._sleep(200_000_000)
     assert float(y) == 7.0 and torch.cuda.current_stream().query()  # float() waited for the whole stream
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+def test_device_skip_steps_torchs_fused_adamw_without_a_host_read(device):
+    """`DeviceSkip` on a stand-in of DeepSpeed's engine around torch's fused AdamW: a NaN or Inf norm leaves the
+    weights, both moments and the step count as they were, a finite one steps; deciding queues work only (on a
+    GPU the step returns while the device still sleeps before the norm), and `settle` then counts the skip as
+    DeepSpeed's engine does."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.utils import is_invalid_grad_norm
+
+    from gptpar.training.engine.deepspeed_api import DeviceSkip, global_grad_norm
+
+    g = torch.Generator().manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(300, generator=g).to(device))
+    client = torch.optim.AdamW([param], lr=0.1, weight_decay=0.1, fused=True)
+    param.grad = torch.randn(300, generator=g).to(device)
+    client.step()  # the state exists: later steps are decided on the device
+    engine = SimpleNamespace(optimizer=SimpleNamespace(optimizer=client, overflow=False, _global_grad_norm=None),
+                             _global_grad_norm=None, _step_applied=True, skipped_steps=0)
+    skip = DeviceSkip(engine, is_invalid_grad_norm)
+    for bad, skipped in ((float("nan"), 1), (None, 1), (float("inf"), 2)):
+        grad = torch.randn(300, generator=g).to(device)
+        if bad is not None:
+            grad[7] = bad
+        before = [param.detach().clone()] + [v.clone() for v in client.state[param].values()]
+        engine._step_applied = True  # as DeepSpeed's _take_model_step leaves it, not knowing
+        if device == "cuda":
+            torch.cuda._sleep(1_000_000_000)  # ~0.5 s of device time before the norm
+        norm = global_grad_norm([grad])
+        assert skip.decide(norm) is False
+        param.grad = grad
+        client.step()
+        skip.step_done()
+        if device == "cuda":
+            assert not torch.cuda.current_stream().query()  # nothing waited for the device
+        skip.settle()
+        after = [param.detach()] + list(client.state[param].values())
+        assert all(torch.equal(a, b) for a, b in zip(before, after)) == (bad is not None)
+        assert engine._step_applied == (bad is None) and engine.skipped_steps == skipped
+        assert "found_inf" not in vars(client)
+    assert engine.optimizer.overflow and engine._global_grad_norm == float("inf")
