@@ -12,7 +12,7 @@ one record per iteration) at the iterations its `done` record names. A ratio (`R
 another's, the same tokens per iteration asserted) is taken within each round, between turns seconds apart; the
 summary gives each round's, their median and the worst round, against the targets. Memory: each run's peaks over
 the whole run (its last `done` record: the caching allocator's max allocated and max reserved on CUDA), and the
-largest of any `max ... allocated/reserved` field the trainer's metrics records carry.
+largest of any `max`/`peak` ... `allocated`/`reserved` field the trainer's metrics records carry.
 
 Also read when present (earlier calls' layouts): peer_compiled.json (bench_peer_loop.py), trainer_*.jsonl and
 .log (one run each; the Megatron memory line gives its peak), layer_{bf16,fp8}.json (bench_layer.py). A missing
@@ -157,7 +157,8 @@ def _trainer_turn(record: dict, out_dir: str):
     for r in recs.values():
         for key, value in r.items():
             low = key.lower()
-            if "max" in low and ("alloc" in low or "reserv" in low) and isinstance(value, (int, float)):
+            peak = ("max" in low or "peak" in low) and ("alloc" in low or "reserv" in low)
+            if peak and isinstance(value, (int, float)):
                 memory[key] = max(memory.get(key, value), value)
     return [r["elapsed_s"] for r in timed], tokens, {i: r["lm_loss"] for i, r in recs.items()}, memory
 
@@ -201,8 +202,9 @@ def rounds_figures(out_dir: str):
         ratio = {"per_round": per_round, "median": statistics.median(values), "worst": min(values),
                  "spread": max(values) - min(values), "same_tokens_per_iteration": same_tokens,
                  "median_target": median_target, "every_round_target": every_target}
-        ratio["met"] = None if median_target is None else (
-            same_tokens and ratio["median"] >= median_target and (every_target is None or ratio["worst"] >= every_target))
+        every_round = every_target is None or ratio["worst"] >= every_target
+        met = same_tokens and ratio["median"] >= median_target and every_round if median_target is not None else None
+        ratio["met"] = met
         ratios[key] = ratio
     return {"runs": runs, "rounds": rounds, "ratios": ratios}
 
@@ -286,7 +288,8 @@ def legacy_summary(out_dir, res):
     else:
         res.update({"peer_compiled": peer, "model_alone_compiled": None})
     res.update({name: trainer_figures(out_dir, name) for name in TRAINERS})
-    res.update({f"layer_{kind}": layer_figures(os.path.join(out_dir, f"layer_{kind}.json")) for kind in ("bf16", "fp8")})
+    res.update({f"layer_{kind}": layer_figures(os.path.join(out_dir, f"layer_{kind}.json"))
+                for kind in ("bf16", "fp8")})
     lines = []
     peer = res["peer_compiled"]
     if peer:
@@ -309,8 +312,9 @@ def legacy_summary(out_dir, res):
         if lay:
             lines.append(f"layer_{kind}: {lay['sec_per_layer'] * 1e3:.2f} ms fwd+bwd, {lay['tflops']:.0f} TFLOPs")
         if lay and lay.get("sec_per_layer_uncached"):
-            lines.append(f"layer_{kind} with the weights cast every micro-batch: {lay['sec_per_layer_uncached'] * 1e3:.2f}"
-                         f" ms (cached vs uncached max abs differences {lay['cached_vs_uncached_max_abs_diff']})")
+            lines.append(f"layer_{kind} with the weights cast every micro-batch: "
+                         f"{lay['sec_per_layer_uncached'] * 1e3:.2f} ms (cached vs uncached max abs differences "
+                         f"{lay['cached_vs_uncached_max_abs_diff']})")
     tc, te, t8 = res["trainer_compiled"], res["trainer_eager"], res["trainer_fp8"]
     same_batch = bool(tc and peer and tc["global_batch_size"] == peer["global_batch_size"])
     ratios = {"trainer_compiled_vs_peer_compiled": _ratio(tc and tc["tokens_per_s"], peer and same_batch

@@ -51,7 +51,8 @@ def gate_train_step(turns: Turns, pre: int) -> None:
         expected = pre + turns.rounds * (turns.warmup + turns.timed)
         if self.train_iters != expected:
             raise SystemExit(f"pretrain_in_rounds.py: training.train_iters is {self.train_iters}; the rounds need "
-                             f"ROUNDS_PRE + rounds x (warmup + timed) = {expected}: set training.train_iters={expected}")
+                             f"ROUNDS_PRE + rounds x (warmup + timed) = {expected}: set "
+                             f"training.train_iters={expected}")
         if k in first:
             with self.off_the_clock():
                 turns.wait(first[k])

@@ -17,7 +17,8 @@ ROUNDS_DIR, ROUNDS_NAME, ROUNDS, ROUNDS_WARMUP, ROUNDS_TIMED): bench/bench_peer_
 bench/pretrain_in_rounds.py (pretrain_gpt.py, gated) do. Files in OUT/rounds/: `ready.NAME`, `go.NAME.R` (run
 NAME's turn in round R, 1-based), `done.NAME.R` (JSON: what the run timed in that turn, written by the run),
 `turns.jsonl` (one line per turn: name, round, place, start and end in seconds since the coordinator started),
-`NAME.log` (the run's output). Exit 0 when every run took every turn and exited 0.
+`NAME.log` (the run's output), `go.NAME.end` (every turn is over: the runs may exit). Exit 0 when every run took
+every turn and exited 0.
 """
 from __future__ import annotations
 
@@ -78,8 +79,14 @@ class Turns:
         self.started = time.time()
 
     def done(self, round_number: int, record: dict) -> None:
+        """The turn's record; after the last round's, wait until every run has had its turns (`go.NAME.end`): a
+        run's exit (its memory and context released) must not fall into another run's turn."""
         record = dict(record, active=[self.started, time.time()])
         write_json(os.path.join(self.directory, f"done.{self.name}.{round_number}"), record)
+        if round_number == self.rounds:
+            end = os.path.join(self.directory, f"go.{self.name}.end")
+            while not os.path.exists(end):
+                time.sleep(POLL_S)
 
 
 def _launch(name: str, command: str, args, directory: str) -> subprocess.Popen:
@@ -144,6 +151,8 @@ def coordinate(runs: Dict[str, str], args) -> int:
                                         "start_s": begin - start, "end_s": end - start}) + "\n")
                 turns.flush()
                 print(f"rounds: round {r + 1} {name} {end - begin:.1f} s", flush=True)
+    for name in live:
+        write_json(os.path.join(directory, f"go.{name}.end"), {})
     for name, proc in live.items():
         try:
             code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))

@@ -272,6 +272,11 @@ for r in range(1, turns.rounds + 1):
 """
 
 
+# bench/rounds.py's turns over three runs, three rounds: (round, run), the order rotated by one place per round
+ROTATED = [(1, "peer"), (1, "bf16"), (1, "fp8"), (2, "bf16"), (2, "fp8"), (2, "peer"), (3, "fp8"), (3, "peer"),
+           (3, "bf16")]
+
+
 def _rounds_of_stand_ins(tmp_path, speeds):
     """bench/rounds.py over stand-in runs {name: speed}: (exit code, output folder)."""
     runs = [arg for name, speed in speeds.items()
@@ -296,8 +301,7 @@ def test_rounds_give_the_runs_turns_and_the_summary_reads_them(tmp_path):
     out, rounds_dir = _rounds_of_stand_ins(tmp_path, speeds)
     assert out.returncode == 0, out.stdout + out.stderr
     turns = [json.loads(line) for line in (rounds_dir / "turns.jsonl").read_text().splitlines()]
-    assert [(t["round"], t["name"]) for t in turns] == [
-        (1, "peer"), (1, "bf16"), (1, "fp8"), (2, "bf16"), (2, "fp8"), (2, "peer"), (3, "fp8"), (3, "peer"), (3, "bf16")]
+    assert [(t["round"], t["name"]) for t in turns] == ROTATED
     active = sorted(_done(rounds_dir, t["name"], t["round"])["active"] for t in turns)
     assert all(a[1] <= b[0] for a, b in zip(active, active[1:]))  # one run at a time
     fig = rounds_figures(str(tmp_path))
@@ -336,8 +340,7 @@ def test_gpu_speed_script_flow_on_cpu(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     rounds = raw / "rounds"
     turns = [json.loads(line) for line in (rounds / "turns.jsonl").read_text().splitlines()]
-    assert [(t["round"], t["name"]) for t in turns] == [
-        (1, "peer"), (1, "bf16"), (1, "fp8"), (2, "bf16"), (2, "fp8"), (2, "peer"), (3, "fp8"), (3, "peer"), (3, "bf16")]
+    assert [(t["round"], t["name"]) for t in turns] == ROTATED
     done = {(t["name"], t["round"]): json.loads((rounds / f"done.{t['name']}.{t['round']}").read_text()) for t in turns}
     active = sorted(d["active"] for d in done.values())
     assert all(a[1] <= b[0] for a, b in zip(active, active[1:]))  # one run at a time

@@ -508,11 +508,11 @@ ITERATIONS = 6
 
 def _nonfinite_steps_three_ways(tp, dp):
     """ITERATIONS bf16 steps (clip 0.05, weight decay 0.1) where rank 1 alone writes POISONS into one fp32 gradient
-    before the backward passes add into it (and DeepSpeed all-reduces it over dp), with the trainer's engine (the skip decided on the device), with the same
-    engine deciding on the host (`skip_on_device=False`, the previous code) and with DeepSpeed's own step
-    (its `step` and `_take_model_step`, the instances' wrappers removed). After each step: the loss, whether the
-    device decided the skip (a decision pending for the host), the step applied, the skipped steps, the grad norm,
-    and the fp32 master weights, Adam's state and the bf16 weights, copied."""
+    before the backward passes add into it (and DeepSpeed all-reduces it over dp): with the trainer's engine (the
+    skip decided on the device), with the same engine deciding on the host (`skip_on_device=False`, the previous
+    code) and with DeepSpeed's own step (its `step` and `_take_model_step`, the instances' wrappers removed). After
+    each step: the loss, whether the device decided the skip (a decision pending for the host), the step applied,
+    the skipped steps, the grad norm, and the fp32 master weights, Adam's state and the bf16 weights, copied."""
     from gptpar.parallel import init_parallel
 
     pstate = init_parallel(tp, 1, dp)
