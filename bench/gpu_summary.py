@@ -231,7 +231,8 @@ def rounds_lines(fig: dict) -> list:
                      + " ".join(f"{v:.3f}" for v in ratio["per_round"].values()) + target + tokens)
     for name in names:
         run = fig["runs"][name]
-        peaks = ", ".join(f"{label} {value / 2 ** 30:.2f} GiB" for label, value in (run["memory_bytes"] or {}).items())
+        peaks = ", ".join(f"{label} {value / 2 ** 30:.2f} GiB" for label, value in (run["memory_bytes"] or {}).items()
+                          if label.startswith("max"))
         metrics = ", ".join(f"{k} {v}" for k, v in run["metrics_memory"].items())
         lines.append(f"{name}: memory peaks over the run: {peaks or 'not reported'}"
                      + (f"; in its metrics records: {metrics}" if metrics else ""))
