@@ -325,7 +325,7 @@ def test_rounds_go_on_without_a_run_that_fails(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_speed_script_flow_on_cpu(tmp_path):
-    """`bench/gpu.sh speed` at tiny shapes on the CPU (~11 min on 2 shared cores, compiling): the peer, the trainer
+    """`bench/gpu.sh speed` at tiny shapes on the CPU (3-11 min on 2 shared cores, most of it compiling): the peer, the trainer
     in bf16 and in fp8 take turns in three rounds (the order rotated, one run active at a time by the runs' own
     clocks), then the layer in bf16 and fp8 and the two profiles (named in STEPS), then the summary. Its per-round
     ratios, their
