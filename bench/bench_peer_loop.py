@@ -180,10 +180,12 @@ def build_gptpar(model_section: dict, device, compile_model: bool, seed: int):
 
 
 def run(cfg: PeerConfig, *, micro_batch_size, global_batch_size, device, dtype, compile_model, iters, warmup,
-        clip=1.0, lr=2e-4, seed=0, gptpar_model: dict = None, profile: int = 0) -> dict:
+        clip=1.0, lr=2e-4, seed=0, gptpar_model: dict = None, profile: int = 0, turns=None) -> dict:
     """Time the peer loop, or with `gptpar_model` (a config's model section) gptpar's model in the same loop;
     then, with `profile`, run that many more iterations under torch.profiler (the trainer's logging.profile
-    report: the top kernels by device time and the device's busy share), printed and kept under "profile"."""
+    report: the top kernels by device time and the device's busy share), printed and kept under "profile".
+    With `turns` (bench/rounds.py's `Turns`) the timed iterations are its rounds' instead of `iters` in a row
+    (`run_turns`), and the memory peaks cover the whole run."""
     if global_batch_size % micro_batch_size:
         raise SystemExit(f"--global-batch-size {global_batch_size} must divide by the micro-batch {micro_batch_size}")
     accum = global_batch_size // micro_batch_size
@@ -214,24 +216,30 @@ def run(cfg: PeerConfig, *, micro_batch_size, global_batch_size, device, dtype, 
         optimizer.zero_grad(set_to_none=True)
         return total
 
+    def timed() -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        loss = iteration()
+        sync(device)
+        losses.append(float(loss))
+        return time.perf_counter() - t0
+
     start = time.perf_counter()
     losses = []
     for _ in range(warmup):
         losses.append(float(iteration()))
     sync(device)
     warmup_s = time.perf_counter() - start
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(iters):
-        sync(device)
-        t0 = time.perf_counter()
-        loss = iteration()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
-    sec = statistics.median(times)
     tokens = global_batch_size * cfg.block_size
+    rounds = None
+    if turns is not None:
+        rounds = run_turns(turns, iteration, timed, device, tokens)
+        times = [t for r in rounds for t in r["sec_per_iter"]]
+    else:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        times = [timed() for _ in range(iters)]
+    sec = statistics.median(times)
     tflops = tflops_per_gpu(num_layers=cfg.n_layer, hidden_size=cfg.n_embd, vocab_size=cfg.padded_vocab,
                             seq_length=cfg.block_size, global_batch_size=global_batch_size, sec_per_iter=sec,
                             num_gpus=1, recompute="none", ffn_hidden_size=4 * cfg.n_embd)
@@ -243,6 +251,8 @@ def run(cfg: PeerConfig, *, micro_batch_size, global_batch_size, device, dtype, 
            "tokens_per_s": tokens / sec, "tflops": tflops, "losses": losses}
     if device.type == "cuda":
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+    if rounds is not None:
+        out["rounds"] = rounds
     if profile:
         from gptpar.training.profiling import IterationProfiler
 
@@ -255,6 +265,35 @@ def run(cfg: PeerConfig, *, micro_batch_size, global_batch_size, device, dtype, 
         out["profile"] = reports[0].replace("logging.profile:", f"{out['loop']} profile:", 1)
         print(out["profile"])
     return out
+
+
+def run_turns(turns, iteration, timed, device, tokens_per_iteration: int) -> list:
+    """bench/rounds.py's turns: in each, `turns.warmup` untimed iterations, `turns.timed` timed ones (`timed()`),
+    the device's work finished, then `done` with the turn's seconds per iteration; the last adds the memory peaks
+    over the whole run (`memory_peaks`). Returns the turns' records."""
+    records = []
+    for r in range(1, turns.rounds + 1):
+        turns.wait(r)
+        for _ in range(turns.warmup):
+            float(iteration())
+        record = {"sec_per_iter": [timed() for _ in range(turns.timed)], "tokens_per_iteration": tokens_per_iteration}
+        sync(device)
+        if r == turns.rounds:
+            record["memory_bytes"] = memory_peaks(device)
+        turns.done(r, record)
+        records.append(record)
+    return records
+
+
+def memory_peaks(device) -> dict:
+    """This process's memory peaks in bytes, labelled as the trainer's memory report labels them: on CUDA the
+    caching allocator's max allocated and max reserved; on a CPU the peak resident set."""
+    if device.type == "cuda":
+        return {"max allocated": float(torch.cuda.max_memory_allocated(device)),
+                "max reserved": float(torch.cuda.max_memory_reserved(device))}
+    import resource
+
+    return {"max resident": float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)}
 
 
 def device_name(device) -> str:
@@ -295,7 +334,16 @@ def main(argv=None):
     p.add_argument("--gptpar", action="store_true", help="also time gptpar's GPTModel the same way (see above)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, profile N more iterations of each loop (top kernels, device busy share)")
+    p.add_argument("--rounds", action="store_true", help="time bench/rounds.py's turns (it starts this script "
+                                                         "with the environment that says which) instead of --iters")
     args = p.parse_args(argv)
+    turns = None
+    if args.rounds:
+        from rounds import Turns  # bench/rounds.py, beside this script
+
+        turns = Turns.from_env()
+        if turns is None or args.gptpar:
+            raise SystemExit("bench_peer_loop.py: --rounds runs under bench/rounds.py, without --gptpar")
 
     device = torch.device(args.device)
     cfg, mbs, model_section = config_from_file(args.config)
@@ -308,7 +356,7 @@ def main(argv=None):
     mbs = args.micro_batch_size or mbs
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     kw = dict(micro_batch_size=mbs, global_batch_size=gbs, device=device, dtype=dtype, compile_model=args.compile,
-              iters=iters, warmup=warmup, profile=args.profile)
+              iters=iters, warmup=warmup, profile=args.profile, turns=turns)
     res = run(cfg, **kw)
     print(summary_line(res, cfg, mbs, gbs, args.compile))
     if args.gptpar:

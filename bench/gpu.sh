@@ -2,42 +2,44 @@
 # gptpar's one GPU entry point: every GPU figure and check of docs/benchmarks.md, for one lent CUDA GPU.
 #
 #   bash bench/gpu.sh prepare               # on a machine with PyPI: wheels -> .whl/, the demo data -> data/demo/
-#   OUT=gpu_out bash bench/gpu.sh speed     # on the GPU (the device call carries .whl and data/demo): <= 8 min
+#   OUT=gpu_out bash bench/gpu.sh speed     # on the GPU (the device call carries .whl and data/demo): ~5 min, <= 7.5
 #   OUT=gpu_out bash bench/gpu.sh checks    # on the GPU: correctness (tests -k cuda), bf16 save/resume, fp16 scaling
 #   OUT=gpu_out bash bench/gpu.sh calibrate # on the GPU: the planner's per-layer calibration files (~7 min)
 #   GPU_CPU_SMOKE=1 OUT=/tmp/s bash bench/gpu.sh speed    # the same flow at tiny shapes on the CPU (make test-slow)
-#   STEPS="peer_compiled trainer_compiled" TRAIN_ITERS=8 ... # only those steps, fewer iterations (a short lease)
+#   STEPS="rounds summary" ROUNDS_TIMED=4 ... # only those steps, fewer timed iterations (a short lease)
 #
 # The GPU image has CUDA torch, transformers and sentencepiece but no DeepSpeed, no torchao and no package
 # registry: `prepare` downloads their wheels for its Python 3.12 into .whl/ (git-ignored), and every GPU mode
 # installs them into /tmp/site first. How this repository's device calls use it: docs/benchmarks.md.
 #
-# `speed` (issue 21), all at configs/1.3b.json's shape (24 x 2048, seq 2048, micro-batch 4, global batch 32 = 8
-# micro-batches, bf16, dropout 0.1, no recompute) on the demo's real tokens (so the losses move and compare), in
-# this order, each under its own timeout and all under BUDGET_S (default 470 s):
-#   1. peer_compiled   bench/bench_peer_loop.py --compile: the nanoGPT-style loop the trainer must beat, and
-#                        gptpar's model alone in the same loop (--gptpar; PEER_GPTPAR=0 leaves it out)
-#      peer_profile    the same under torch.profiler for 2 iterations (top kernels, device busy share)
-#   2. trainer_compiled  pretrain_gpt.py, training.compile=true                  (target: >= 1.05x step 1 tokens/s)
-#      trainer_compiled_unfused  the same with training.gradient_accumulation_fusion=false: the fusion's gain
-#      trainer_profile   the same over 5 iterations with logging.profile=4-5 (top kernels, device busy share)
-#      trainer_compiled_before  the same run on an earlier tree carried in .before/ (when there is one): a
-#                        change's gain in the same call, and its losses (within bf16 rounding of the new ones)
-#   3. trainer_fp8       the same with training.precision=fp8 (torchao float8, tensorwise)
-#   4. layer_bf16 / layer_fp8  bench/bench_layer.py: one configs/200b.json layer as a tp-8 GPU sees it, compiled,
-#                        bf16 and fp8 (weight casts cached, and not), forward + backward  (target: fp8 >= 1.3x bf16)
-#      cuda_checks       the int32 dropout hash under Triton, torchao's float8 GEMMs against their emulation, the
-#                        fused fp32 weight-gradient GEMM and embedding lookup against fp64, the batched fp32 adds
-#   5. trainer_eager     pretrain_gpt.py, training.compile=false (what the H100 measured at 0.90x)
-#   6. summary           bench/gpu_summary.py: the tree that ran (machine.txt, tree.json), tokens/s, TFLOPs and
-#                        the peak memory over each run, the ratios, the checks
-# (STEPS="..." runs only the named steps; a step the budget cannot start is skipped and said in skipped.txt.)
-# $OUT gets machine.txt, summary.{json,txt} and raw.tgz (every log, metrics file and JSON): at most 8 files.
+# `speed`: at configs/1.3b.json's shape (24 x 2048, seq 2048, micro-batch 4, global batch 32 = 8 micro-batches,
+# dropout 0.1, no recompute, compiled) on the demo's real tokens, each step under its own timeout and all under
+# BUDGET_S (default 450 s), in this order:
+#   rounds        bench/rounds.py: the runs of ROUND_RUNS (default "peer bf16 fp8") start together and share the GPU's
+#                 memory, then take it in turns: ROUNDS (3) rounds, each giving every run one turn of ROUNDS_WARMUP (2)
+#                 untimed and ROUNDS_TIMED (6) timed iterations, the order rotated each round; all of it within
+#                 ROUNDS_TIMEOUT (330 s). The runs:
+#                   peer    bench/bench_peer_loop.py --compile --rounds: the nanoGPT-style loop the trainer must beat
+#                   bf16    pretrain_gpt.py (bench/pretrain_in_rounds.py), training.compile=true, bf16
+#                   fp8     the same with training.precision=fp8 (torchao float8, tensorwise, weight casts cached)
+#                   before  bf16 on an earlier tree carried in .before/ (`git archive`): a change's gain, its losses
+#                 (three at a time: four 1.3B runs do not fit an H200's memory together)
+#   cuda_checks   the CUDA forms of what the speed relies on (tests -k cuda; below)
+#   layer_bf16 / layer_fp8  bench/bench_layer.py: one configs/200b.json layer as a tp-8 GPU sees it, compiled,
+#                 bf16 and fp8 (weight casts cached, and not), forward + backward        (target: fp8 >= 1.3x bf16)
+#   summary       bench/gpu_summary.py: per round each run's seconds per iteration, the ratios (trainer bf16 / peer
+#                 target: median >= 1.08, every round >= 1.03; fp8 / bf16 >= 1.20), their median and worst round,
+#                 each run's memory peaks over the whole run, the losses, the tree that ran (machine.txt, tree.json), the
+#                 call's wall time
+# Named in STEPS only (not run by default): peer_profile and trainer_profile, torch.profiler over two iterations of
+# the peer's loop and of the bf16 trainer (the top kernels, the device's busy share and idle gaps; TRACE=1 keeps the
+# trainer's Chrome trace). STEPS="..." runs only the named steps; a step the budget cannot start is skipped and
+# said in skipped.txt. $OUT gets machine.txt, summary.{json,txt} and raw.tgz (every log, metrics file and JSON).
 set -u
 MODE=${1:-speed}
 OUT=${OUT:-gpu_out}
 PY=${PYTHON:-python3}
-BUDGET_S=${BUDGET_S:-470}
+BUDGET_S=${BUDGET_S:-450}
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 
@@ -74,6 +76,17 @@ step() {
   if [ -n "${STEPS:-}" ] && [[ " $STEPS summary " != *" $name "* ]]; then
     return 0
   fi
+  run_step "$name" "$limit" "$@"
+}
+
+# named_step NAME TIMEOUT CMD...: a step that runs only when STEPS names it.
+named_step() {
+  [[ " ${STEPS:-} " == *" $1 "* ]] && run_step "$@"
+  return 0
+}
+
+run_step() {
+  local name=$1 limit=$2; shift 2
   local left=$(( BUDGET_S - ($(date +%s) - START) ))
   if [ "$left" -lt 20 ]; then
     echo "== $name: skipped, the ${BUDGET_S}s budget is spent" | tee -a "$OUT/skipped.txt"
@@ -107,6 +120,8 @@ pack() {
 
 speed() {
   local dev trainer peer layer
+  local rounds=${ROUNDS:-3} warm=${ROUNDS_WARMUP:-2} timed=${ROUNDS_TIMED:-6}
+  export ROUNDS_PRE=2  # the trainer's iterations before its first turn: the compile, the optimizer state's first step
   if [ "${GPU_CPU_SMOKE:-0}" = 1 ]; then
     export DS_ACCELERATOR=cpu
     dev="--device cpu"
@@ -114,12 +129,13 @@ speed() {
     layer="$dev --tiny --modes none --iters 2 --warmup 1"
     trainer=(--set model.num_layers=2 --set model.hidden_size=64 --set model.num_attention_heads=4
              --set model.seq_length=32 --set model.max_position_embeddings=32 --set training.micro_batch_size=2
-             --set training.global_batch_size=4 --set training.train_iters=4)
+             --set training.global_batch_size=4 --set model.vocab_size=4096)
+    warm=${ROUNDS_WARMUP:-1} timed=${ROUNDS_TIMED:-2}
   else
     dev="--device cuda"
-    peer="$dev --config configs/1.3b.json --global-batch-size 32 --iters ${PEER_ITERS:-8} --warmup 3"
+    peer="$dev --config configs/1.3b.json --global-batch-size 32 --iters 2 --warmup 3"
     layer="$dev --config configs/200b.json --modes none --iters 10 --warmup 3"
-    trainer=(--set training.global_batch_size=32 --set training.train_iters=${TRAIN_ITERS:-12})
+    trainer=(--set training.global_batch_size=32)
   fi
   if [ ! -f data/demo/demo_text_document.idx ]; then
     if [ "${GPU_CPU_SMOKE:-0}" = 1 ]; then $PY tools/demo.py --prepare-only >"$OUT/prepare.log" 2>&1
@@ -128,52 +144,52 @@ speed() {
   fi
   # The trainer: one rank, DeepSpeed's launcher, the demo's tokens under 1.3b.json's vocabulary (its ids < 4096
   # fit; the shape stays the peer's), an iteration-based schedule, a log record every iteration.
-  local run=($PY -m deepspeed.launcher.runner --num_gpus 1 pretrain_gpt.py --config configs/1.3b.json "${trainer[@]}"
-             --set data.synthetic=false --set data.data_path=data/demo/demo_text_document
-             --set data.tokenizer_model=data/demo/tokenizer.model --set data.split=1000,0,0
-             --set training.train_samples=null --set training.lr_warmup_samples=0 --set training.lr_decay_samples=null
-             --set training.lr_warmup_iters=2 --set training.activation_checkpointing=none
-             --set training.eval_interval=null --set checkpoint.save=null --set checkpoint.load=null
-             --set checkpoint.save_interval=null --set checkpoint.keep_last=null --set logging.log_interval=1
-             --set logging.tensorboard_dir=null)
-  echo "== 1. the ratio: the trainer compiled vs the compiled peer loop"
-  local alone=--gptpar  # gptpar's model alone in the peer's loop too (PEER_GPTPAR=0: the peer only, ~40 s less)
-  [ "${PEER_GPTPAR:-1}" = 1 ] || alone=
-  step peer_compiled 190 $PY bench/bench_peer_loop.py $peer --compile $alone --json "$OUT/peer_compiled.json"
-  # Where the peer's time goes, next to trainer_profile's table: its loop (and gptpar's model in it) profiled.
-  step peer_profile 150 $PY bench/bench_peer_loop.py $peer --compile $alone --iters 1 --warmup 2 --profile 2
-  step trainer_compiled 170 "${run[@]}" --set training.compile=true \
-      --set logging.metrics_file="$OUT/trainer_compiled.jsonl"
-  # Gradient-accumulation fusion's gain: the same run with the bf16 weight gradients added by a second kernel.
-  step trainer_compiled_unfused 170 "${run[@]}" --set training.compile=true \
-      --set training.gradient_accumulation_fusion=false --set logging.metrics_file="$OUT/trainer_compiled_unfused.jsonl"
-  # Where the time goes: torch.profiler over two iterations (the top kernels, the device's busy share).
-  # TRACE=1: its Chrome trace too ($OUT/trace/trace_rank0.json.gz in raw.tgz; every kernel, for Perfetto).
-  step trainer_profile 120 "${run[@]}" --set training.compile=true --set training.train_iters=5 \
-      --set logging.profile=4-5 ${TRACE:+--set logging.profile_dir=$OUT/trace}
-  if [ -f .before/pretrain_gpt.py ]; then
-    # The same run on an earlier tree carried in .before/ (git archive of a commit): what a change gained.
-    [ -e .before/data ] || ln -s "$PWD/data" .before/data
-    step trainer_compiled_before 170 env -C .before PYTHONPATH="$PWD/.before${PYTHONPATH:+:$PYTHONPATH}" \
-        "${run[@]}" --set training.compile=true \
-        --set logging.metrics_file="$OUT/trainer_compiled_before.jsonl"
-  fi
-  echo "== 2. fp8: the trainer, and one 200B tp-8 layer"
-  step trainer_fp8 170 "${run[@]}" --set training.compile=true --set training.precision=fp8 \
-      --set logging.metrics_file="$OUT/trainer_fp8.jsonl"
-  step layer_bf16 90 $PY bench/bench_layer.py $layer --compile --dtype bf16 --json "$OUT/layer_bf16.json"
-  step layer_fp8 90 $PY bench/bench_layer.py $layer --compile --dtype fp8 --json "$OUT/layer_fp8.json"
-  # The CUDA forms of what the speed steps rely on: the int32 dropout hash under Triton equals the int64 formula,
+  local launch=($PY -m deepspeed.launcher.runner --num_gpus 1)
+  local args=(--config configs/1.3b.json "${trainer[@]}"
+              --set data.synthetic=false --set data.data_path=data/demo/demo_text_document
+              --set data.tokenizer_model=data/demo/tokenizer.model --set data.split=1000,0,0
+              --set training.train_samples=null --set training.lr_warmup_samples=0 --set training.lr_decay_samples=null
+              --set training.lr_warmup_iters=2 --set training.activation_checkpointing=none
+              --set training.eval_interval=null --set checkpoint.save=null --set checkpoint.load=null
+              --set checkpoint.save_interval=null --set checkpoint.keep_last=null --set logging.log_interval=1
+              --set logging.tensorboard_dir=null --set training.compile=true)
+  echo "== 1. rounds: ${ROUND_RUNS:-peer bf16 fp8} in turns, $rounds x ($warm untimed + $timed timed iterations)"
+  local runs=() port=29501 name iters=$(( ROUNDS_PRE + rounds * (warm + timed) ))
+  for name in ${ROUND_RUNS:-peer bf16 fp8}; do
+    local in=(--master_port $port "$PWD/bench/pretrain_in_rounds.py" "${args[@]}" --set training.train_iters=$iters
+              --set logging.metrics_file="$OUT/rounds/$name.jsonl")
+    port=$(( port + 1 ))
+    case $name in
+      peer) runs+=(--run "peer=$PY bench/bench_peer_loop.py $peer --compile --rounds --json $OUT/rounds/peer.json") ;;
+      bf16) runs+=(--run "bf16=$(printf '%q ' "${launch[@]}" "${in[@]}")") ;;
+      fp8) runs+=(--run "fp8=$(printf '%q ' "${launch[@]}" "${in[@]}" --set training.precision=fp8)") ;;
+      before)
+        # the earlier tree's gptpar and pretrain_gpt.py, this tree's turn-taking wrapper
+        [ -e .before/data ] || ln -s "$PWD/data" .before/data
+        runs+=(--run "before=$(printf '%q ' env -C .before ROUNDS_CODE_ROOT="$PWD/.before" \
+                PYTHONPATH="$PWD/.before${PYTHONPATH:+:$PYTHONPATH}" "${launch[@]}" "${in[@]}")") ;;
+      *) echo "gpu.sh: ROUND_RUNS: unknown run $name (peer, bf16, fp8, before)" >&2 ;;
+    esac
+  done
+  local limit=${ROUNDS_TIMEOUT:-330}
+  step rounds $(( limit + 10 )) $PY bench/rounds.py --out "$OUT" --rounds "$rounds" --warmup "$warm" --timed "$timed" \
+      --timeout "$limit" "${runs[@]}"
+  echo "== 2. the CUDA checks, one 200B tp-8 layer"
+  # The CUDA forms of what the speed relies on: the int32 dropout hash under Triton equals the int64 formula,
   # torchao's float8 GEMMs equal their emulation, the fused fp32 gradient sums (the GEMM's, the embedding
   # lookup's, the side stream's batched adds) equal fp64's or DeepSpeed's, the step's loss and norm are read
-  # without waiting for the optimizer step.
+  # without waiting for the optimizer step, the NaN/Inf skip is decided without a host read.
   [ "${GPU_CPU_SMOKE:-0}" = 1 ] || step cuda_checks 90 $PY -m pytest -q -p no:cacheprovider -k "cuda" \
       tests/test_compile.py::test_counter_dropout_int32_hash_is_the_int64_hash tests/test_float8.py \
       tests/test_grad_accumulation_fusion.py tests/test_step_syncs.py \
       tests/test_precision.py::test_fused_accumulation_adds_small_gradients_together_at_the_end_of_backward
-  echo "== 3. the trainer eager"
-  step trainer_eager 120 "${run[@]}" --set training.compile=false --set logging.metrics_file="$OUT/trainer_eager.jsonl"
-  step summary 60 $PY bench/gpu_summary.py --out "$OUT"
+  step layer_bf16 90 $PY bench/bench_layer.py $layer --compile --dtype bf16 --json "$OUT/layer_bf16.json"
+  step layer_fp8 90 $PY bench/bench_layer.py $layer --compile --dtype fp8 --json "$OUT/layer_fp8.json"
+  # Where the time goes (named in STEPS only): the peer's loop, and the bf16 trainer over iterations 4-5.
+  named_step peer_profile 150 $PY bench/bench_peer_loop.py $peer --compile --iters 1 --warmup 2 --profile 2
+  named_step trainer_profile 120 "${launch[@]}" pretrain_gpt.py "${args[@]}" --set training.train_iters=5 \
+      --set logging.profile=4-5 ${TRACE:+--set logging.profile_dir=$OUT/trace}
+  step summary 60 $PY bench/gpu_summary.py --out "$OUT" --call-start "$START"
   cat "$OUT/summary.txt" 2>/dev/null
 }
 
@@ -215,7 +231,7 @@ calibrate() {
 case "$MODE" in
   prepare) prepare ;;
   speed|checks|calibrate)
-    mkdir -p "$OUT"
+    mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: some steps run in other folders
     [ "${GPU_CPU_SMOKE:-0}" = 1 ] || install_wheels
     machine 2>&1 | tee "$OUT/machine.txt"
     $MODE

@@ -26,8 +26,9 @@ def _config(precision, zero_stage, pp=1, dp=1, micro_batches=2, **training):
                              "training": t, "data": {"synthetic": True}})
 
 
-def _engine(cfg, pstate, ds_edit=None):
-    """The trainer's model and engine for `cfg` (ds_edit may alter the generated DeepSpeed dict)."""
+def _engine(cfg, pstate, ds_edit=None, **build):
+    """The trainer's model and engine for `cfg` (ds_edit may alter the generated DeepSpeed dict; `build`: more
+    build_engine arguments)."""
     from gptpar.training.build import build_model, seed_everything
     from gptpar.training.engine import build_engine, deepspeed_config
 
@@ -36,7 +37,7 @@ def _engine(cfg, pstate, ds_edit=None):
     if ds_edit is not None:
         ds_edit(ds)
     t = cfg.training
-    return build_engine(model, pstate, ds, optimizer=t.optimizer, lr=t.lr, weight_decay=0.0)
+    return build_engine(model, pstate, ds, optimizer=t.optimizer, lr=t.lr, weight_decay=0.0, **build)
 
 
 def _batches(cfg, pstate, consumed=0):
@@ -497,6 +498,83 @@ def test_nonfinite_gradient_skips_gptpars_bf16_step():
             assert run["zero_after_step"]
         assert ours["losses"] == theirs["losses"] and ours["grad_norms"] == theirs["grad_norms"]
         assert all(torch.equal(a, b) for a, b in zip(ours["master"], theirs["master"]))
+
+
+# Iterations whose gradient gets a non-finite value on one rank, and what: the first step (no optimizer state yet:
+# DeepSpeed's host read decides it), then two the device decides.
+POISONS = {0: float("nan"), 2: float("nan"), 4: float("inf")}
+ITERATIONS = 6
+
+
+def _nonfinite_steps_three_ways(tp, dp):
+    """ITERATIONS bf16 steps (clip 0.05, weight decay 0.1) where rank 1 alone writes POISONS into one fp32 gradient
+    before the backward passes add into it (and DeepSpeed all-reduces it over dp): with the trainer's engine (the
+    skip decided on the device), with the same engine deciding on the host (`skip_on_device=False`, the previous
+    code) and with DeepSpeed's own step (its `step` and `_take_model_step`, the instances' wrappers removed). After
+    each step: the loss, whether the device decided the skip (a decision pending for the host), the step applied,
+    the skipped steps, the grad norm, and the fp32 master weights, Adam's state and the bf16 weights, copied."""
+    from gptpar.parallel import init_parallel
+
+    pstate = init_parallel(tp, 1, dp)
+    runs = {}
+    for name in ("device", "host", "deepspeed"):
+        cfg = _config("bf16", 1, dp=dp, micro_batches=2, clip_grad=0.05)
+        engine = _engine(cfg, pstate, skip_on_device=name == "device")
+        engine.ds.optimizer.optimizer.param_groups[0]["weight_decay"] = 0.1  # decoupled decay: skipped too
+        opt = engine.ds.optimizer
+        if name == "deepspeed":
+            del opt.step, engine.ds._take_model_step
+        steps = []
+        for k in range(ITERATIONS):
+            if pstate.rank == 1 and k in POISONS:  # the buffer the backward passes add into (zero here)
+                opt.fp32_groups_gradients[0][0].view(-1)[0].fill_(POISONS[k])
+            loss = engine.train_step(_batches(cfg, pstate, consumed=k * cfg.training.global_batch_size))
+            on_device = engine.skip is not None and engine.skip.pending is not None
+            steps.append({"loss": loss, "on_device": on_device, "applied": engine.step_applied,
+                          "skipped": engine.skipped_steps, "grad_norm": engine.grad_norm,
+                          "master": [p.detach().clone() for p in opt.fp32_groups_flat_partition],
+                          "adam": [{key: v.clone() for key, v in opt.optimizer.state.get(p, {}).items()}
+                                   for group in opt.optimizer.param_groups for p in group["params"]],
+                          "bf16": [p.detach().clone() for p in engine.parameters()]})
+        runs[name] = {"installed": engine.skip is not None, "steps": steps}
+    return runs
+
+
+def _same(a, b) -> bool:
+    """Equal bit for bit: numbers (NaN equal to NaN), tensors, and lists and dicts of them."""
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b) or bool(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(),
+                                                                                          b.nan_to_num()))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b or (a != a and b != b)
+
+
+@pytest.mark.parametrize("tp, dp", [pytest.param(2, 1, marks=pytest.mark.slow), (1, 2)])  # ~40 s each on 2 cores
+def test_nonfinite_gradient_skip_decided_on_the_device_equals_deepspeeds(tp, dp):
+    """A NaN or Inf in one rank's gradient, at tp 2 (a shard only that rank holds) and at dp 2 (before the gradient
+    all-reduce): with the skip decided on the device, every rank skips the same iterations as with DeepSpeed's own
+    step (the host reading the norm) and as with the previous code, the log line's skipped steps count the same,
+    and after every iteration the fp32 master weights, Adam's moments and step count, the bf16 weights, the
+    losses and grad norms are bit for bit DeepSpeed's; the finite steps around the skips too. The first step,
+    whose skip must not create Adam's state, is decided on the host; every later one on the device."""
+    expected = [k not in POISONS for k in range(ITERATIONS)]
+    for rank in run_distributed(_nonfinite_steps_three_ways, 2, (tp, dp), timeout=600):
+        device, host, deepspeed = rank["device"], rank["host"], rank["deepspeed"]
+        assert device["installed"] and not host["installed"] and not deepspeed["installed"]
+        assert [s["on_device"] for s in device["steps"]] == [False, False] + [True] * (ITERATIONS - 2)
+        for run in (device, host, deepspeed):
+            assert [s["applied"] for s in run["steps"]] == expected
+            assert [s["skipped"] for s in run["steps"]] == [1, 1, 2, 2, 3, 3]
+            moved = [not _same(a["master"], b["master"]) for a, b in zip(run["steps"], run["steps"][1:])]
+            assert moved == expected[1:]
+        assert not deepspeed["steps"][0]["adam"][0] and device["steps"][1]["adam"][0]  # made by the first applied step
+        for k, ours in enumerate(device["steps"]):
+            for other in (deepspeed["steps"][k], host["steps"][k]):
+                differ = [key for key in ours if key != "on_device" and not _same(ours[key], other[key])]
+                assert not differ, (k, differ)
 
 
 def _gradients_summed_and_stepped_on(comm):

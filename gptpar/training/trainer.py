@@ -335,8 +335,8 @@ class Trainer:
         return self.train_source.micro_batches(consumed, gbs)
 
     def _prefetch_after(self, consumed: int, iteration: int) -> Optional[Callable[[], None]]:
-        """What the engine calls once iteration `iteration`'s last backward is queued, where the host would next
-        wait for the device (the optimizer step's first read of the gradient norm): draw the next global batch,
+        """What the engine calls once iteration `iteration`'s last backward is queued, before the host next waits
+        for the device (for the loss, or in DeepSpeed's own step for the gradient norm): draw the next global batch,
         the one after `consumed` samples, and queue its copy to the device, so that neither is left between that
         step's end and the next forward, with the device idle. None when the next iteration draws no batch to
         train on (there is none, or it is skipped). A batch that fails to draw is drawn again in its own

@@ -113,13 +113,17 @@ def make_optimizer(name: str, param_groups: List[dict], *, lr: float, betas, eps
 def build_engine(model: torch.nn.Module, pstate, ds_config: dict, *, optimizer: str = "adamw", lr: float = 1e-4,
                  weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8,
                  has_attention_mask: bool = False, universal_checkpoint_info: Optional[dict] = None,
-                 gradient_accumulation_fusion: bool = True) -> TrainEngine:
+                 gradient_accumulation_fusion: bool = True, skip_on_device: bool = True) -> TrainEngine:
     """Wrap `model` in a DeepSpeed engine with the client `optimizer` (`make_optimizer`). Call on every rank.
 
     `gradient_accumulation_fusion` (training.gradient_accumulation_fusion): where DeepSpeed accumulates bf16
     gradients in fp32 (BF16_Optimizer), the bf16 GEMM weights of the tensor-parallel layers accumulate theirs
     into its fp32 buffers inside their backward (gptpar.tensor_parallel.grad_accumulation); the precision plan
     line says how many, or why none.
+
+    `skip_on_device`: where the step can (deepspeed_api.DeviceSkip.install), a NaN/Inf gradient norm skips it on
+    the device, without the host read DeepSpeed's step makes (the same iterations skipped, the same weights and
+    optimizer state); False keeps DeepSpeed's read.
 
     `universal_checkpoint_info` (gptpar.checkpoint.universal.deepspeed_universal_info) is saved into every
     checkpoint, where DeepSpeed's ds_to_universal.py reads how the tp slices merge."""
@@ -131,7 +135,10 @@ def build_engine(model: torch.nn.Module, pstate, ds_config: dict, *, optimizer: 
     engine = deepspeed_api.initialize(model, optimizer, ds_config, None if pipelined else ParallelStateMPU(pstate))
     release_shm_buffer(pstate)
     deepspeed_api.fuse_fp32_grad_accumulation(engine)  # bf16: one kernel per gradient into its fp32 buffer
-    deepspeed_api.foreach_norm_and_clip(engine)  # bf16: the step's norm and clip in a few kernels, no host sync
+    skip = deepspeed_api.DeviceSkip.install(engine) if skip_on_device else None
+    # bf16: the step's norm and clip in a few kernels; with `skip`, no host read of the norm in the step at all
+    if not deepspeed_api.foreach_norm_and_clip(engine, skip):
+        skip = None
     deepspeed_api.clear_fp32_grads_once_per_step(engine)  # bf16: one zeroing of the fp32 gradients per step, not two
     fusion = _install_gradient_accumulation_fusion(engine, model) if gradient_accumulation_fusion else None
     if pipelined and has_attention_mask:
@@ -140,7 +147,7 @@ def build_engine(model: torch.nn.Module, pstate, ds_config: dict, *, optimizer: 
         # Plain fp32 without ZeRO: DeepSpeed's clip_grad_norm_ drops the norm, and under the pipeline grid
         # counts the tied embedding copy and skips later stages' replicated (LayerNorm, bias) parameters.
         engine.clip_fp32_gradients = functools.partial(clip_and_keep_norm, engine, pstate)
-    return TrainEngine(engine, pstate, pipelined, fusion)
+    return TrainEngine(engine, pstate, pipelined, fusion, skip)
 
 
 def _install_gradient_accumulation_fusion(engine, model: torch.nn.Module) -> Optional[str]:

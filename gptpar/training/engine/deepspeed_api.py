@@ -76,6 +76,12 @@ uses them, and the test that breaks when one changes:
     PipelineModule.get_tied_weights_and_groups: [(weight, group)] of    test_replicas.py::test_the_tied_embedding_is_checked_across_stages
       the tied weights this stage holds, each with the group of the
       stages that hold a copy (`tied_weights`, for the replica check)
+    BF16_Optimizer.step going on to the client optimizer's step, the   test_precision.py::test_nonfinite_gradient_skip_decided_on_the_device_equals_deepspeeds,
+      hp -> lp copy and the gradient clear when `is_invalid_grad_norm`   tests/test_step_syncs.py::test_a_bf16_step_reads_nothing_from_the_device
+      says no; its `overflow` and `_global_grad_norm`, and the engine's
+      `_step_applied`, `skipped_steps`, `_global_grad_norm` and
+      `lr_scheduler` as `_take_model_step` sets them after a skipped step
+      (`DeviceSkip`, installed by build.py)
 """
 from __future__ import annotations
 
@@ -250,7 +256,7 @@ class FusedGradAccumulation:
         self.task = None
 
 
-def foreach_norm_and_clip(engine) -> bool:
+def foreach_norm_and_clip(engine, skip: Optional["DeviceSkip"] = None) -> bool:
     """BF16_Optimizer.step with the gradient norm and the clip as multi-tensor kernels: `global_grad_norm` and
     `clip_by_global_norm` stand in for DeepSpeed's `get_global_norm_of_tensors` and `clip_tensors_by_global_norm`
     while the optimizer's `step` runs (the names `step` reads from its module, swapped back after it). DeepSpeed's
@@ -263,7 +269,9 @@ def foreach_norm_and_clip(engine) -> bool:
     The clip is also queued before the step reads the norm on the host (`is_invalid_grad_norm`, its one wait for
     the device: NaN/Inf skips the step), not after: the device then has the clip's multiplies to run while the host
     comes back from that wait and queues AdamW, instead of idling (~2 ms in the H200 trace). A skipped step clears
-    the gradients it clipped. Returns whether it was installed: only on a BF16_Optimizer without MoE layers."""
+    the gradients it clipped. With `skip` (a `DeviceSkip`) that read goes too: the step goes on and the client
+    optimizer skips its update on the device. Returns whether it was installed: only on a BF16_Optimizer without
+    MoE layers."""
     from deepspeed.runtime import bf16_optimizer
 
     opt = engine.optimizer
@@ -280,7 +288,7 @@ def foreach_norm_and_clip(engine) -> bool:
                 clip_by_global_norm(opt.get_grads_for_norm(for_clipping=True), max_norm=opt.clip_grad,
                                     global_norm=norm, mpu=opt.mpu)
                 clipped.append(True)
-            return is_invalid(norm)
+            return skip.decide(norm) if skip is not None else is_invalid(norm)
 
         def clip_unless_clipped(input_tensors, max_norm=1.0, global_norm=None, mpu=None, eps=1e-6):
             if clipped:
@@ -297,9 +305,80 @@ def foreach_norm_and_clip(engine) -> bool:
         finally:
             (bf16_optimizer.get_global_norm_of_tensors, bf16_optimizer.clip_tensors_by_global_norm,
              bf16_optimizer.is_invalid_grad_norm) = theirs
+            if skip is not None:
+                skip.step_done()
 
     opt.step = step_with_foreach_norm_and_clip
     return True
+
+
+class DeviceSkip:
+    """BF16_Optimizer's NaN/Inf skip decided on the device, read by the host later, where it reads anyway.
+
+    DeepSpeed's step reads the gradient norm on the host (`is_invalid_grad_norm`) to choose between stepping and
+    skipping: the host waits there for the backward, the reductions and the norm, and the device then idles until
+    the host has queued AdamW. Here that read goes (`decide`, standing in for the read inside `foreach_norm_and_clip`'s
+    step): the step always goes on, and torch's fused AdamW gets `found_inf`, 1.0 where the norm is NaN, Inf or
+    negative (DeepSpeed's test, on the device), with which its kernel leaves the master weights and both moments
+    untouched and takes its step count back. The rest of the step then does what a skip leaves unchanged: the
+    bf16 copy of unchanged fp32 weights is the same bits, the gradients are cleared as after a skip. The host
+    learns the outcome from the norm's host copy (`HostScalar`), which the log line reads every iteration anyway,
+    and `settle` then does what DeepSpeed's engine does after a skipped step (`overflow`, the norm reported as
+    inf, the step not applied, `skipped_steps` + 1; DeepSpeed steps no LR scheduler here: `install` requires none).
+    The decision is DeepSpeed's predicate on the same norm, so the same iterations are skipped.
+
+    A step stays DeepSpeed's (the host reads the norm) while the client optimizer holds no state: DeepSpeed's skip
+    does not create it, an AdamW step does, even when it skips its update; that is the first step of a run only."""
+
+    def __init__(self, engine, is_invalid):
+        self.engine, self.opt, self.client = engine, engine.optimizer, engine.optimizer.optimizer
+        self.is_invalid = is_invalid  # DeepSpeed's is_invalid_grad_norm
+        self.pending: Optional[HostScalar] = None  # the norm of a step decided on the device, not settled yet
+
+    @classmethod
+    def install(cls, engine) -> Optional["DeviceSkip"]:
+        """A DeviceSkip for `engine`, or None where the skip cannot be decided on the device: not a BF16_Optimizer
+        (or one with MoE layers), a DeepSpeed LR scheduler (stepped by `_take_model_step` before the outcome is
+        known), or a client optimizer other than torch's fused Adam / AdamW (apex's, bitsandbytes')."""
+        from deepspeed.runtime import bf16_optimizer
+
+        opt = engine.optimizer
+        if not isinstance(opt, bf16_optimizer.BF16_Optimizer) or opt.has_moe_layers:
+            return None
+        client = opt.optimizer
+        fused = isinstance(client, torch.optim.Adam) and all(g.get("fused") for g in client.param_groups)
+        if not fused or getattr(engine, "lr_scheduler", None) is not None:
+            return None
+        return cls(engine, bf16_optimizer.is_invalid_grad_norm)
+
+    def decide(self, norm) -> bool:
+        """The step's `is_invalid_grad_norm(norm)`: False (step on) with the client's `found_inf` set on the
+        device, for gptpar's norm (the tensor carrying its host copy) once the client optimizer has state;
+        otherwise DeepSpeed's host read."""
+        host = getattr(norm, "host_scalar", None)
+        if host is None or not self._client_has_state():
+            return self.is_invalid(norm)
+        self.client.found_inf = (~torch.isfinite(norm) | (norm < 0)).float()
+        self.pending = host
+        return False
+
+    def _client_has_state(self) -> bool:
+        state = self.client.state  # a defaultdict: read with get, which adds no entry
+        return all(state.get(p) for group in self.client.param_groups for p in group["params"])
+
+    def step_done(self) -> None:
+        vars(self.client).pop("found_inf", None)
+
+    def settle(self) -> None:
+        """Read the last decision (waits for the norm only, not for the step queued after it) and, for a skip,
+        leave DeepSpeed's optimizer and engine as its own skipped step leaves them."""
+        host, self.pending = self.pending, None
+        if host is None or not self.is_invalid(host.value()):
+            return
+        self.opt.overflow = True
+        self.opt._global_grad_norm = self.engine._global_grad_norm = float("inf")
+        self.engine._step_applied = False
+        self.engine.skipped_steps += 1
 
 
 def clear_fp32_grads_once_per_step(engine) -> bool:

@@ -30,9 +30,12 @@ from gptpar.training.engine.host_scalar import HostScalar
 class TrainEngine:
     """One optimizer step per `train_step`, for a plain (pp = 1) or pipelined model."""
 
-    def __init__(self, ds_engine, pstate, pipelined: bool, fusion: Optional[str] = None):
+    def __init__(self, ds_engine, pstate, pipelined: bool, fusion: Optional[str] = None, skip=None):
         self.ds, self.pstate, self.pipelined = ds_engine, pstate, pipelined
         self.fusion = fusion  # what build_engine did about gradient-accumulation fusion (None: not asked for)
+        # deepspeed_api.DeviceSkip where the NaN/Inf skip is decided on the device: its outcome is settled into
+        # DeepSpeed's counters before anything reads them (`_settle`)
+        self.skip = skip
         self.device = torch.device(ds_engine.device)
         self.checkpoint_writer = None  # gptpar's CheckpointWriter once `install_checkpoint_writer` ran
         self.phase_seconds: Optional[Dict[str, float]] = None  # `time_phases()` turns the timers on
@@ -43,9 +46,10 @@ class TrainEngine:
 
         Returns the loss averaged over the micro-batches and the data-parallel ranks (on every rank).
         `prepare_next` (the trainer's prefetch of the next batch) is called once the last backward is queued,
-        before the optimizer step, whose first read of the gradient norm makes the host wait for the device. Under
+        before the optimizer step is queued and the loss read (the host's next wait for the device). Under
         precision fp8 the weights' float8 casts are made once here, used by every micro-batch, and invalidated
         when the step ends (DeepSpeed's update writes the weights where no forward can see it)."""
+        self._settle()
         with self._float8_weights_cast():
             return self._train_step(micro_batches, prepare_next)
 
@@ -61,6 +65,12 @@ class TrainEngine:
             yield
         finally:
             invalidate_float8_weights(self.ds.module)
+
+    def _settle(self) -> None:
+        """The last step's outcome, where the device decided it, into DeepSpeed's counters (skipped steps, step
+        applied, grad norm): read from the norm's host copy, without waiting for the optimizer step."""
+        if self.skip is not None:
+            self.skip.settle()
 
     def _train_step(self, micro_batches: List[dict], prepare_next) -> float:
         self.ds.train()
@@ -114,6 +124,7 @@ class TrainEngine:
     @torch.no_grad()
     def eval_step(self, micro_batches: List[dict]) -> float:
         """Mean loss over the micro-batches and dp ranks, without updating anything (fp8: casts as train_step)."""
+        self._settle()
         with self._float8_weights_cast():
             return self._eval_step(micro_batches)
 
@@ -154,6 +165,7 @@ class TrainEngine:
     # -- checkpoints (checkpointing.py) and one parameter's full optimizer state (optimizer_state.py) -------------
     def save_checkpoint(self, save_dir: str, tag: str, client_state: dict) -> None:
         """DeepSpeed's part of checkpoint `tag` (model and optimizer shards); `latest` is gptpar's to move."""
+        self._settle()  # DeepSpeed saves its skipped steps
         checkpointing.save(self.ds, save_dir, tag, client_state)
 
     def install_checkpoint_writer(self, writer) -> None:
@@ -163,6 +175,7 @@ class TrainEngine:
 
     def load_checkpoint(self, directory: str, tag: str) -> bool:
         """Restore DeepSpeed's part of checkpoint `tag`; False when DeepSpeed found nothing to load."""
+        self._settle()
         return checkpointing.load(self.ds, directory, tag)
 
     def set_full_state(self, param: torch.Tensor, fp32: torch.Tensor, moments: Dict[str, torch.Tensor],
@@ -198,6 +211,7 @@ class TrainEngine:
 
     @property
     def grad_norm(self) -> Optional[float]:
+        self._settle()
         norm = self.ds.get_global_grad_norm()
         if norm is None:
             return None
@@ -206,11 +220,13 @@ class TrainEngine:
 
     @property
     def step_applied(self) -> bool:
-        """False when the last step was skipped (fp16 overflow)."""
+        """False when the last step was skipped (fp16 overflow; bf16: a NaN/Inf gradient norm)."""
+        self._settle()
         return bool(self.ds.was_step_applied())
 
     @property
     def skipped_steps(self) -> int:
+        self._settle()
         return int(self.ds.skipped_steps)
 
     def params_norm(self) -> float:
