@@ -327,8 +327,8 @@ def test_writes_that_fail_raise_one_error_naming_the_key(tmp_path, capfd, monkey
 
     monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)
 
-    record = dict(zip(METRIC_KEYS, [3, 10, 48, 48 * 64, 0.5, 1e-3, 16, 4.5, 1.0, 2.0, None, 6.5, 0, 0, 32.0, 0.0,
-                                    None, None]))
+    record = dict(zip(METRIC_KEYS, [3, 10, 48, 48 * 64, 0.5, 1e-3, 16, 4.5, 1.0, 2.0, None, 6.5, 0, 0, 32.0, 32.0 * 64,
+                                    0.0, 65.0, None, None]))
     logs = tmp_path / "logs"
     metrics, tb = MetricsWriter(str(logs / "m.jsonl")), TensorBoardWriter(str(logs / "tb"))
     metrics.write(record)

@@ -210,8 +210,11 @@ def build_trainer(cfg: Config, pstate, log, load_target, init_from=None, collect
                                 checksums=ck.checksums, verify=ck.verify_checksums, token=save_token(pstate),
                                 group=checkpoint_group(pstate, cfg.parallel.distributed_timeout_minutes)
                                 if ck.save or load_target is not None else None)
-    return Trainer(cfg, pstate, engine, train_source, valid_sources, checkpointer, tracker,
-                   log=functools.partial(print, flush=True), collectives=collectives)
+    trainer = Trainer(cfg, pstate, engine, train_source, valid_sources, checkpointer, tracker,
+                      log=functools.partial(print, flush=True), collectives=collectives)
+    if cfg.training.check_replicas_interval != 0:  # replicas bitwise equal before every save, else it is refused
+        checkpointer.pre_save_checks.append(lambda _: trainer.check_replicas(saving=True))
+    return trainer
 
 
 def dry_run(cfg: Config, tp: int, pp: int, dp: int, sec_per_iter: Optional[float] = None,

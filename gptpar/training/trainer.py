@@ -185,8 +185,6 @@ class Trainer:
         self.cfg, self.pstate, self.engine, self.log = cfg, pstate, engine, log
         self.train_source, self.valid_sources = train_source, valid_sources
         self.checkpointer, self.tracker = checkpointer, tracker
-        if checkpointer is not None and cfg.training.check_replicas_interval != 0:  # before every save
-            checkpointer.pre_save_checks.append(lambda engine: self.check_replicas(saving=True))
         t = cfg.training
         self.train_iters = train_iters(t, pstate.dp_size)
         self.rampup = BatchSizeRampup.from_config(t, pstate.dp_size)
