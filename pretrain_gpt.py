@@ -14,7 +14,7 @@ replicas that diverged, a log write that failed mid-run (after a save), or a col
 stopped answering) or lost its peer (another rank's process is gone): those two write this rank's diagnostics first
 (gptpar.training.diagnostics; SIGUSR2 writes them live) and exit without saving. A rank whose launcher dies exits at
 once without saving; one whose DeepSpeed runner dies while launch.py lives saves first
-(gptpar.training.launcher_watch). The run is assembled in gptpar.training.build.
+(gptpar.training.launcher_watch). The run is assembled in gptpar.training.assembly.
 """
 from __future__ import annotations
 
@@ -29,16 +29,16 @@ from gptpar.data.indexed import DataError
 from gptpar.model.kernels import describe_kernels
 from gptpar.parallel import LaunchError, destroy_parallel, init_parallel, is_collective_timeout, is_peer_lost
 from gptpar.quiet import held_back_lines
-from gptpar.training.build import (build_trainer, checkpoint_shape, dry_run, setup_environment,
+from gptpar.training.assembly import (build_trainer, checkpoint_shape, dry_run, setup_environment,
                                    write_resolved_config)
 from gptpar.checkpoint.checkpointer import NonFiniteWeightsError
-from gptpar.checkpoint.errors import CheckpointError, CheckpointSaveError
+from gptpar.checkpoint.exceptions import CheckpointError, CheckpointSaveError
 from gptpar.training.cli import USAGE, parse
 from gptpar.training.collectives import CollectiveLog
 from gptpar.training.diagnostics import Diagnostics, diagnostics_dir, point_nccl_dump_at
 from gptpar.config import ConfigError
 from gptpar.training.launcher_watch import watch_launcher
-from gptpar.training.logging import LogPathError, LogWriteError
+from gptpar.training.reporting import LogPathError, LogWriteError
 from gptpar.training.preflight import run_preflight
 from gptpar.training.replicas import ReplicaDivergenceError
 from gptpar.training.trainer import NonFiniteError

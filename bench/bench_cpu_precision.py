@@ -23,7 +23,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from gptpar.training.logging import read_metrics  # noqa: E402
+from gptpar.training.reporting import read_metrics  # noqa: E402
 
 SHAPE = ["model.num_layers=4", "model.hidden_size=256", "model.num_attention_heads=4", "model.seq_length=256",
          "model.max_position_embeddings=256", "model.vocab_size=2048", "training.micro_batch_size=4",

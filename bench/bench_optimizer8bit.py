@@ -33,7 +33,7 @@ def state_bytes(optimizer):
     parameters) of this rank."""
     from gptpar.parallel import init_parallel
     from gptpar.training.batches import SyntheticDataset, rank_micro_batches
-    from gptpar.training.build import build_model, seed_everything
+    from gptpar.training.assembly import build_model, seed_everything
     from gptpar.config import load_config
     from gptpar.training.engine import build_engine, deepspeed_config
 
@@ -80,7 +80,7 @@ def train_demo(optimizer, out_dir, overrides):
     start = time.time()
     with open(os.path.join(os.path.dirname(metrics), "train.log"), "w") as log:  # the run's own output, kept
         subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
-    from gptpar.training.logging import read_metrics
+    from gptpar.training.reporting import read_metrics
 
     records = read_metrics(metrics)
     print(f"  {optimizer}: {time.time() - start:.0f} s", flush=True)

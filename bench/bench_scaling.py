@@ -70,7 +70,7 @@ def train_rank(model: dict, tp: int, pp: int, dp: int, micro_batch: int, micro_b
 
     from gptpar.model.config import GPTConfig
     from gptpar.parallel import init_parallel
-    from gptpar.training.build import build_gpt
+    from gptpar.training.assembly import build_gpt
     from gptpar.training.engine import build_engine, deepspeed_config
 
     cfg = run_config(model, tp, pp, dp, micro_batch, micro_batches)

@@ -47,7 +47,7 @@ def rank_main(iters: int) -> dict:
     import collections
 
     from gptpar.parallel import init_parallel
-    from gptpar.training.build import build_trainer, setup_environment
+    from gptpar.training.assembly import build_trainer, setup_environment
     from gptpar.training.cli import parse
     from gptpar.training.collectives import CollectiveLog, StepClock
     from gptpar.training.straggler import StragglerReport

@@ -33,7 +33,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gptpar.training.logging import is_training_record, read_metrics  # noqa: E402
+from gptpar.training.reporting import is_training_record, read_metrics  # noqa: E402
 
 SKIP = 3
 TARGETS = {"trainer_compiled_vs_peer_compiled": 1.05,   # tokens/s, same shape, batch and GPU

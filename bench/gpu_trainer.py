@@ -33,7 +33,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from gptpar.training.logging import read_metrics  # noqa: E402
+from gptpar.training.reporting import read_metrics  # noqa: E402
 
 ITERS, SPLIT = 16, 12
 # bf16 losses of two runs of the same math on a GPU (atomics, recompute, split-K GEMMs): relative agreement

@@ -13,7 +13,7 @@ first iteration waits for the run's turn and its last one waits for the device's
 both off the trainer's clock (`Trainer.off_the_clock`), so the log line's time per iteration is the trainer's own
 measure of its iterations. Each turn's `done` record names the iterations it timed (the last `timed` of its turn)
 and the metrics file holding their times; the last one adds the process's memory peaks over the whole run
-(gptpar.training.logging.memory_usage: on CUDA the caching allocator's max allocated and max reserved).
+(gptpar.training.reporting.memory_usage: on CUDA the caching allocator's max allocated and max reserved).
 """
 import os
 import sys
@@ -40,7 +40,7 @@ def gate_train_step(turns: Turns, pre: int) -> None:
     """Wrap gptpar's Trainer.train_step in the rounds' turns (see the module's docstring)."""
     import torch
 
-    from gptpar.training.logging import memory_usage
+    from gptpar.training.reporting import memory_usage
     from gptpar.training.trainer import Trainer
 
     first, last, timed = round_plan(pre, turns)

@@ -23,7 +23,7 @@ import torch
 
 from gptpar.testing import run_distributed
 from gptpar.checkpoint.checkpointer import read_latest
-from gptpar.training.logging import parse_log_line
+from gptpar.training.reporting import parse_log_line
 from trainer_runs import ROOT, finish_ranks, launch_ranks, log_lines, read_jsonl, run_mains, write_config
 
 FAULTS = os.path.join(ROOT, "tests", "fault_injection.py")

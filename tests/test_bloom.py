@@ -189,7 +189,7 @@ def test_176b_bloom_dry_run_prints_bloom_parameter_count(capsys):
 
 
 def test_bad_architecture_options_are_clear_errors(tmp_path):
-    from gptpar.checkpoint.errors import ConversionError
+    from gptpar.checkpoint.exceptions import ConversionError
     from gptpar.checkpoint.huggingface import load_hf, save_hf
     from gptpar.config import ConfigError, config_from_dict
 

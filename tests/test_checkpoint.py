@@ -15,7 +15,7 @@ import pytest
 from gptpar.testing import free_port
 from gptpar.checkpoint.durable import publish_latest
 from gptpar.checkpoint.layout import read_latest, tag_of
-from gptpar.training.logging import parse_log_line
+from gptpar.training.reporting import parse_log_line
 from gptpar.training.trainer import StopSignals
 from trainer_runs import ROOT, finish_ranks as _finish, launch_ranks as _launch, log_lines, rank_env as _env, write_config
 

@@ -129,7 +129,7 @@ def test_a_flipped_byte_ends_a_resume_on_every_rank(d):
     assert rc == 2 and f"{manifest} is unreadable" in text and "Traceback" not in text, text
     rc, text = out[0]["gone"]
     assert rc == 2 and "iter_0000004 is incomplete (it has no gptpar_manifest.json)" in text, text
-    assert f"the newest complete checkpoint there is iter_0000002" in text
+    assert "the newest complete checkpoint there is iter_0000002" in text
 
     for rank in (0, 1):
         rc, text = out[rank]["fail"]
@@ -265,7 +265,7 @@ def test_tools_name_a_dangling_or_missing_latest_as_resume_does(d):
     import generate
 
     from gptpar.checkpoint.init_weights import check_weights_fit
-    from gptpar.checkpoint.errors import CheckpointError
+    from gptpar.checkpoint.exceptions import CheckpointError
     from gptpar.model.config import GPTConfig
 
     dangling, half, none = str(d / "dangling"), str(d / "half"), str(d / "none")

@@ -35,7 +35,7 @@ def _micro_batches(seed):
 def _train_and_save(tp, pp, save_dir, cfg=CFG):
     from gptpar.checkpoint.durable import write_manifest
     from gptpar.parallel import init_parallel
-    from gptpar.training.build import build_gpt
+    from gptpar.training.assembly import build_gpt
     from gptpar.training.engine import build_engine
 
     st = init_parallel(tp=tp, pp=pp)

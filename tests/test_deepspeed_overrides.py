@@ -11,7 +11,7 @@ import torch.distributed as dist
 from gptpar.testing import run_distributed
 from gptpar.config import ConfigError, config_from_dict, parse_override
 from gptpar.training.engine.ds_config import deepspeed_config, merge_overrides
-from gptpar.training.logging import is_training_record
+from gptpar.training.reporting import is_training_record
 from trainer_runs import TINY, read_jsonl
 
 
@@ -28,9 +28,9 @@ def write(tmp_path, deepspeed=None, **logging):
 
 def build_and_read_back(argv):
     """On a harness rank: the run pretrain_gpt.py would build from `argv` (gptpar.training.cli.parse, then
-    gptpar.training.build.build_trainer), what DeepSpeed's engine and its ZeRO optimizer hold; then it trains."""
+    gptpar.training.assembly.build_trainer), what DeepSpeed's engine and its ZeRO optimizer hold; then it trains."""
     from gptpar.parallel import init_parallel
-    from gptpar.training.build import build_trainer, setup_environment
+    from gptpar.training.assembly import build_trainer, setup_environment
     from gptpar.training.cli import parse
 
     cfg, _, (tp, pp, dp) = parse(argv)

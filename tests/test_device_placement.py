@@ -36,7 +36,7 @@ class HostOnly(torch.Tensor):
 
 def _host_only_batches():
     """Patch the trainer's data source: every micro-batch holds all five keys, as HostOnly tensors."""
-    from gptpar.training import data
+    from gptpar.training import sources as data
 
     real = data.BatchSource.micro_batches
 

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from gptpar.training.logging import METRIC_KEYS, MetricsWriter, format_memory_line
+from gptpar.training.reporting import METRIC_KEYS, MetricsWriter, format_memory_line
 from trainer_runs import ROOT
 
 GiB = 2 ** 30

@@ -226,7 +226,7 @@ def _steps(pstate, fusion):
     """Three bf16 steps of 4 micro-batches with `training.gradient_accumulation_fusion = fusion`: the losses, grad
     norms, the fp32 gradient the optimizer steps on at each step, the weights after, and what the engine says."""
     from gptpar.training.batches import SyntheticDataset, rank_micro_batches
-    from gptpar.training.build import build_model, seed_everything
+    from gptpar.training.assembly import build_model, seed_everything
     from gptpar.config import config_from_dict
     from gptpar.training.engine import build_engine, deepspeed_config
 

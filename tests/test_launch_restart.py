@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from gptpar.training.logging import is_training_record, read_metrics
+from gptpar.training.reporting import is_training_record, read_metrics
 from trainer_runs import ROOT, rank_env, write_config
 
 LAUNCH = [sys.executable, "-m", "gptpar.launch", "--nproc_per_node", "2"]

@@ -158,7 +158,7 @@ def bf16_norms():
     from deepspeed.utils import safe_get_full_fp32_param
 
     from gptpar.parallel import init_parallel
-    from gptpar.training.build import build_gpt
+    from gptpar.training.assembly import build_gpt
     from gptpar.training.engine import build_engine
 
     st = init_parallel(tp=1, pp=1, dp=2)

@@ -65,7 +65,7 @@ def _on_rank0(action):
 
 def _rank_plan(configs, kill_switch):
     """Every run of the module on one harness rank, in order; {name: (exit code, output)}."""
-    import gptpar.training.data as data
+    import gptpar.training.sources as data
     from gptpar.training.trainer import Trainer
 
     out = run_mains([("skip", ["--config", configs["skip"]])])

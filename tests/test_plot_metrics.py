@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from gptpar.training.logging import METRIC_KEYS, MetricsWriter, eval_record, read_metrics
+from gptpar.training.reporting import METRIC_KEYS, MetricsWriter, eval_record, read_metrics
 
 pytest.importorskip("matplotlib", reason="tools/plot_metrics.py needs matplotlib")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))

@@ -29,7 +29,7 @@ def _config(precision, zero_stage, pp=1, dp=1, micro_batches=2, **training):
 def _engine(cfg, pstate, ds_edit=None, **build):
     """The trainer's model and engine for `cfg` (ds_edit may alter the generated DeepSpeed dict; `build`: more
     build_engine arguments)."""
-    from gptpar.training.build import build_model, seed_everything
+    from gptpar.training.assembly import build_model, seed_everything
     from gptpar.training.engine import build_engine, deepspeed_config
 
     model = build_model(cfg, pstate, seed_everything(cfg.training.seed, pstate))

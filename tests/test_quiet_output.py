@@ -15,7 +15,7 @@ from gptpar.checkpoint.layout import resolve_load
 from gptpar.config import load_config
 from gptpar.quiet import KNOWN_LINES, held_back_lines, hold_back_warnings
 from gptpar.checkpoint.layout import RESOLVED_CONFIG
-from gptpar.training.build import resolved_config_path, write_resolved_config
+from gptpar.training.assembly import resolved_config_path, write_resolved_config
 from trainer_runs import ROOT, rank_env
 
 TINY = os.path.join(ROOT, "configs", "cpu_tiny.json")

@@ -106,7 +106,7 @@ def run_cases(d, live_pid, only=None):
 
     import torch.distributed as dist
 
-    import gptpar.training.build
+    import gptpar.training.assembly
     import pretrain_gpt
 
     rank = dist.get_rank()
@@ -260,9 +260,9 @@ def run_cases(d, live_pid, only=None):
     if rank == 0:
         _write_vocab_dataset(prefix, 1023)
     built = []
-    real_build = gptpar.training.build.build_model
+    real_build = gptpar.training.assembly.build_model
     oov = write_config(d / "oov.json", data=dict(synthetic=False, data_path=prefix, split="90,10,0"))
-    run("out_of_vocab", oov, patches=[(gptpar.training.build, "build_model",
+    run("out_of_vocab", oov, patches=[(gptpar.training.assembly, "build_model",
                                        lambda *a, **k: built.append(1) or real_build(*a, **k))])
     out["out_of_vocab_built"] = (len(built), "", None)
 
@@ -335,7 +335,7 @@ def run_cases(d, live_pid, only=None):
 
     # -- files that cannot be read name themselves, before the model is built --------------------------------
     built.clear()
-    counting = [(gptpar.training.build, "build_model", lambda *a, **k: built.append(1) or real_build(*a, **k))]
+    counting = [(gptpar.training.assembly, "build_model", lambda *a, **k: built.append(1) or real_build(*a, **k))]
     bad_init, bad_u, hf = str(d / "bad_init"), str(d / "bad_u"), str(d / "hf_config_only")
 
     def truncated_copies():
@@ -385,7 +385,7 @@ def _unchanged(cases, name):
 def _files_unchanged(cases, name):
     d, out = cases
     before, after = out[0][name][2]
-    # the run's resolved config is written once the preflight has accepted the run (gptpar.training.build)
+    # the run's resolved config is written once the preflight has accepted the run (gptpar.training.assembly)
     kept = lambda snapshot: {k: v for k, v in snapshot.items() if k not in (".", "resolved_config.json")}  # noqa: E731
     assert before and kept(after) == kept(before)
 

@@ -14,7 +14,7 @@ from trainer_runs import log_lines, run_mains, write_config
 
 def _train_watching_the_buffer(plan):
     """Train; report whether this rank's buffer existed when the engine was built, and whether it still does."""
-    from gptpar.training.engine import build as engine  # build_engine calls release_shm_buffer from here
+    from gptpar.training.engine import initialize as engine  # build_engine calls release_shm_buffer from here
 
     release, seen = engine.release_shm_buffer, {}
 

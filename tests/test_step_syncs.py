@@ -69,7 +69,7 @@ def _counts_per_step(timers_on: bool, skip_on_device: bool):
     skip decided on the device or by DeepSpeed's host read."""
     from gptpar.parallel import init_parallel
     from gptpar.training.batches import SyntheticDataset, rank_micro_batches
-    from gptpar.training.build import build_model, seed_everything
+    from gptpar.training.assembly import build_model, seed_everything
     from gptpar.config import config_from_dict
     from gptpar.training.engine import build_engine, deepspeed_config
     from gptpar.training.engine.deepspeed_api import accelerator

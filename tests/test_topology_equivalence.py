@@ -67,7 +67,7 @@ def _optimizer_state_bytes(engine):
 
 def _train(tp, pp, dp, sequence_parallel=False, cfg=CFG):
     from gptpar.parallel import init_parallel
-    from gptpar.training.build import build_gpt
+    from gptpar.training.assembly import build_gpt
     from gptpar.training.engine import build_engine
 
     st = init_parallel(tp=tp, pp=pp, dp=dp)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gptpar.testing import run_distributed
-from gptpar.training.logging import METRIC_KEYS, format_log_line
+from gptpar.training.reporting import METRIC_KEYS, format_log_line
 from trainer_runs import (ROOT, TINY, cosine_lr, improved_tflops, log_lines, megatron_rampup, read_jsonl,
                           read_tensorboard, run_mains, synthetic_sample, write_config)
 

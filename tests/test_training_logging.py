@@ -5,7 +5,7 @@ import pytest
 
 import torch
 
-from gptpar.training.logging import (MEMORY_KEYS, METRIC_KEYS, IntervalStats, LogPathError, LogWriteError,
+from gptpar.training.reporting import (MEMORY_KEYS, METRIC_KEYS, IntervalStats, LogPathError, LogWriteError,
                                      MetricsWriter, TensorBoardWriter, check_log_paths, eval_record,
                                      format_eval_block, format_eval_line, format_log_line, format_memory_line,
                                      is_training_record, memory_usage, parse_log_line, peak_memory_fields,

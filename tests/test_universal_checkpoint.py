@@ -57,7 +57,7 @@ def _runs_and_probe(plan, probe_argv):
 def _probe(argv):
     """{GPTModel name: (tp rank, full_state)} for this rank's PROBED parameters, after `checkpoint.load`."""
     from gptpar.parallel import init_parallel
-    from gptpar.training.build import build_trainer, checkpoint_shape, setup_environment
+    from gptpar.training.assembly import build_trainer, checkpoint_shape, setup_environment
     from gptpar.training.cli import parse
     from gptpar.training.preflight import run_preflight
 

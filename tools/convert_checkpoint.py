@@ -63,7 +63,7 @@ def main(argv=None):
         parser.error("--to universal needs --load: a universal checkpoint carries a training run's optimizer state, "
                      "which a Hugging Face model does not have")
 
-    from gptpar.checkpoint.errors import CheckpointError
+    from gptpar.checkpoint.exceptions import CheckpointError
     from gptpar.checkpoint.huggingface import save_hf
     from gptpar.checkpoint.weights import (check_layout, check_weight_files, read_weights, read_weights_config,
                                            save_weights_only)
@@ -102,7 +102,7 @@ def main(argv=None):
 def export_tokenizer_path(source: str, tag, given):
     """The tokenizer an HF export carries: --tokenizer, else the checkpoint's own (None, said in one line, when it
     names none)."""
-    from gptpar.checkpoint.errors import ConversionError
+    from gptpar.checkpoint.exceptions import ConversionError
     from gptpar.checkpoint.model_loading import tokenizer_path
 
     try:
@@ -145,7 +145,7 @@ def to_universal(load: str, tag, output: str, start: float, verify: bool = True)
     """The universal form of the checkpoint `load` (and `tag`) names, written to `output` (outside it); every file
     read checked against the checkpoint's manifest in the same pass."""
     from gptpar.checkpoint import universal
-    from gptpar.checkpoint.errors import CheckpointError
+    from gptpar.checkpoint.exceptions import CheckpointError
     from gptpar.checkpoint.layout import fingerprint, state_file
     from gptpar.checkpoint.manifest import open_folder
     from gptpar.checkpoint.resume import carried_counters, read_rank_state

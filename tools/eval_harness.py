@@ -628,7 +628,7 @@ def run(args, seeds, tokenizer, tokenizer_path, config, log):
     from gptpar.checkpoint.model_loading import checkpoint_provenance, load_model
     from gptpar.model.pipeline import model_parameter_count
     from gptpar.parallel import init_parallel
-    from gptpar.training.build import share_cpu_threads
+    from gptpar.training.assembly import share_cpu_threads
 
     share_cpu_threads()
     length = max_length(args, config, tokenizer_path)
@@ -676,7 +676,7 @@ def main(argv=None):
 
     from gptpar.data.indexed import DataError
     from gptpar.parallel import destroy_parallel
-    from gptpar.checkpoint.errors import CheckpointError
+    from gptpar.checkpoint.exceptions import CheckpointError
 
     owns_process_group = not dist.is_initialized()  # a test harness may have made it
     rank = int(os.environ.get("RANK", "0"))

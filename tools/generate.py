@@ -132,7 +132,7 @@ def run(args, sampling, tokenizer, prompt_ids, documents, log):
     from gptpar.model.generation import generate, mean_token_loss
     from gptpar.checkpoint.model_loading import load_model
     from gptpar.parallel import init_parallel
-    from gptpar.training.build import share_cpu_threads
+    from gptpar.training.assembly import share_cpu_threads
 
     share_cpu_threads()
     pstate = init_parallel(tp=args.tp, pp=1, dp=1)
@@ -155,7 +155,7 @@ def main(argv=None):
     import torch.distributed as dist
 
     from gptpar.data.indexed import DataError
-    from gptpar.checkpoint.errors import CheckpointError
+    from gptpar.checkpoint.exceptions import CheckpointError
     from gptpar.parallel import destroy_parallel
 
     owns_process_group = not dist.is_initialized()  # a test harness may have made it

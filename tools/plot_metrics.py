@@ -19,7 +19,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gptpar.config import package_installed  # noqa: E402
-from gptpar.training.logging import is_training_record, read_metrics  # noqa: E402
+from gptpar.training.reporting import is_training_record, read_metrics  # noqa: E402
 
 # (panel title, record key, y scale) for the panels after lm loss; each against consumed tokens.
 PANELS = (("learning rate", "lr", "linear"), ("grad norm", "grad_norm", "linear"),

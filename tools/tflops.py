@@ -21,11 +21,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gptpar.estimate.flops import model_flops_per_iteration, tflops_per_gpu  # noqa: E402
 from gptpar.estimate.settings import require  # noqa: E402
 from model_flags import add_model_flags, settings_from_args  # noqa: E402
-from gptpar.training.logging import parse_log_line  # noqa: E402
+from gptpar.training.reporting import parse_log_line  # noqa: E402
 
 def parse_log(path: str):
     """[(iteration, sec_per_iter, global_batch_size or None, printed TFLOPs or None)] of the log's iteration lines,
-    read by the trainer's own parser (gptpar.training.logging.parse_log_line)."""
+    read by the trainer's own parser (gptpar.training.reporting.parse_log_line)."""
     rows = []
     with open(path, errors="replace") as f:
         for line in f:

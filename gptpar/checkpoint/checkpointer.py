@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from gptpar.checkpoint import universal
 from gptpar.checkpoint.durable import StagedFolder, describe_write_failure, publish_latest
-from gptpar.checkpoint.errors import CheckpointError, CheckpointSaveError
+from gptpar.checkpoint.exceptions import CheckpointError, CheckpointSaveError
 from gptpar.checkpoint.layout import (CONFIG, TAG_RE, LoadTarget, complete_checkpoints, earlier_checkpoint_fix,
                                       read_latest, state_file, tag_of)
 from gptpar.checkpoint.manifest import CHECKPOINT, Verifier, read_manifest

@@ -24,7 +24,7 @@ import os
 import shutil
 from typing import Callable, Dict, Optional
 
-from gptpar.checkpoint.errors import CheckpointError
+from gptpar.checkpoint.exceptions import CheckpointError
 from gptpar.checkpoint.layout import LATEST, LATEST_TMP_PREFIX, MANIFEST, list_files
 from gptpar.checkpoint.manifest import DIGEST, KINDS, VERSION, file_digest
 

@@ -16,7 +16,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from gptpar.checkpoint.durable import StagedFolder
-from gptpar.checkpoint.errors import CheckpointError, ConversionError
+from gptpar.checkpoint.exceptions import CheckpointError, ConversionError
 from gptpar.checkpoint.layout import CONFIG, MANIFEST
 from gptpar.checkpoint.manifest import HUGGING_FACE, MARK, Verifier, open_folder
 from gptpar.checkpoint.weight_files import HF_WEIGHT_FILES, file_problems, hf_weight_files

@@ -26,7 +26,7 @@ import functools
 import os
 from typing import Optional, Tuple
 
-from gptpar.checkpoint.errors import CheckpointError
+from gptpar.checkpoint.exceptions import CheckpointError
 from gptpar.checkpoint.layout import LoadTarget
 from gptpar.checkpoint.resume import MODEL_SHAPE_KEYS, weights_only_target
 from gptpar.model.config import GPTConfig

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from gptpar.checkpoint.errors import CheckpointError
+from gptpar.checkpoint.exceptions import CheckpointError
 
 LATEST = "latest"
 TAG_RE = re.compile(r"^iter_(\d{7,})$")
@@ -41,7 +41,7 @@ STATE_FILE_RE = re.compile(r"^gptpar_rank_\d{5}\.pt$")
 UNIVERSAL_META = "gptpar_universal.json"  # a universal copy's metadata (gptpar.checkpoint.universal)
 OWNER = ".gptpar-owner.json"  # in a universal copy being converted: the job writing it
 DIAGNOSTICS = "diagnostics"  # written when a collective fails (gptpar.training.diagnostics)
-RESOLVED_CONFIG = "resolved_config.json"  # the run's resolved config, when it is written here (gptpar.training.build)
+RESOLVED_CONFIG = "resolved_config.json"  # the run's resolved config, when it is written here (gptpar.training.assembly)
 
 
 def tag_of(iteration: int) -> str:

@@ -26,7 +26,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from gptpar.checkpoint.errors import CheckpointError
+from gptpar.checkpoint.exceptions import CheckpointError
 from gptpar.checkpoint.layout import CONFIG, MANIFEST, OWNER, STATE_FILE_RE, UNIVERSAL_META
 from gptpar.checkpoint.weight_files import file_problem
 

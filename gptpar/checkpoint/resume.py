@@ -23,7 +23,7 @@ import torch
 
 from gptpar.checkpoint import universal
 from gptpar.checkpoint.durable import describe_write_failure, is_write_failure
-from gptpar.checkpoint.errors import CheckpointError, UniversalCheckpointError
+from gptpar.checkpoint.exceptions import CheckpointError, UniversalCheckpointError
 from gptpar.checkpoint.layout import CONFIG, LoadTarget, earlier_checkpoint_fix, fingerprint, state_file
 from gptpar.checkpoint.manifest import CHECKPOINT, WEIGHTS_ONLY, Verifier, open_folder, read_manifest
 from gptpar.model.config import GPTConfig

@@ -31,7 +31,7 @@ import time
 from typing import Callable, Optional
 
 from gptpar.checkpoint.durable import fsync_dir, write_synced
-from gptpar.checkpoint.errors import CheckpointError
+from gptpar.checkpoint.exceptions import CheckpointError
 from gptpar.checkpoint.layout import (LATEST_TMP_PREFIX, LOCK, OWNER, PROBE_PREFIX, TAG_RE, UNIVERSAL_META,
                                       is_complete, read_latest, staged)
 from gptpar.config import deepspeed_precision

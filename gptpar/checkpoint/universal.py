@@ -43,7 +43,7 @@ from typing import Callable, Dict, Iterable, Iterator, Optional, Tuple
 import torch
 
 from gptpar.checkpoint.durable import StagedFolder
-from gptpar.checkpoint.errors import UniversalCheckpointError
+from gptpar.checkpoint.exceptions import UniversalCheckpointError
 from gptpar.checkpoint.layout import OWNER, UNIVERSAL_META as META, model_states_file
 from gptpar.checkpoint.manifest import MARK, UNIVERSAL, Verifier, open_folder
 from gptpar.checkpoint.weight_files import file_problems

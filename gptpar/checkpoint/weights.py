@@ -35,7 +35,7 @@ import torch
 
 from gptpar.checkpoint import universal
 from gptpar.checkpoint.durable import StagedFolder
-from gptpar.checkpoint.errors import CheckpointError, ConversionError
+from gptpar.checkpoint.exceptions import CheckpointError, ConversionError
 from gptpar.checkpoint.layout import (CONFIG, MANIFEST, TAG_RE, is_universal_folder, layer_file,
                                       model_states_file, resolve_load)
 from gptpar.checkpoint.manifest import MARK, WEIGHTS_ONLY, Verifier, open_folder

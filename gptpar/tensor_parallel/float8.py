@@ -168,7 +168,7 @@ class _CachedWeight(torch.autograd.Function):
 
 class Float8Matmul:
     """The run's float8 GEMM: torchao's recipe `recipe` (tensorwise | rowwise), emulated unless `emulate` is False.
-    Built once per run (gptpar.training.build) and handed to every tensor-parallel linear of the transformer layers.
+    Built once per run (gptpar.training.assembly) and handed to every tensor-parallel linear of the transformer layers.
 
     `linear(x, weight, gemm, cache=None)`: x (..., in) times this rank's weight slice (out, in) transposed, in
     float8, as `plan_float8_gemm` decided for it (`gemm.mode` "fp8" or "padded"; a "bf16" GEMM never reaches here);

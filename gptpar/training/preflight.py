@@ -7,7 +7,7 @@ a large dataset may take longer than parallel.distributed_timeout_minutes.
 Order, so that a refused run changes nothing in checkpoint.save (not even a modification time):
     0. training.kill_switch_path exists?                 -> stop: exit 0 before anything is built
        logging.metrics_file and logging.tensorboard_dir writable (read-only: access(2) on the nearest existing
-       folder of each)                                    gptpar.training.logging.check_log_paths
+       folder of each)                                    gptpar.training.reporting.check_log_paths
     1. another live job holds checkpoint.save?          (read-only)  gptpar.checkpoint.save_folder.peek_lock
     2. checkpoint.load resolved and checked whole        (read-only)  gptpar.checkpoint.layout, .resume: its
        manifest there and readable, every listed file there with its size, every torch file a whole zip; a
@@ -39,13 +39,13 @@ import torch
 import torch.distributed as dist
 
 from gptpar.data.indexed import DataError
-from gptpar.checkpoint.errors import CheckpointError
+from gptpar.checkpoint.exceptions import CheckpointError
 from gptpar.checkpoint.init_weights import check_weights_fit, choose_start
 from gptpar.checkpoint.layout import LoadTarget, complete_checkpoints, read_latest, resolve_load
 from gptpar.checkpoint.resume import plan_load, write_universal_copy
 from gptpar.checkpoint.save_folder import (JobLock, check_free_space, checkpoint_bytes, clean_conversion_leftovers,
                                            clean_leftovers, peek_lock, probe_writable, this_job)
-from gptpar.training.logging import LogPathError, check_log_paths
+from gptpar.training.reporting import LogPathError, check_log_paths
 
 
 @dataclass

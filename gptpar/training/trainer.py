@@ -22,7 +22,7 @@ steps (the log line, the exit checks' all-reduce, fetching the batch) is in it; 
 skipped iterations, logging.profile's own work and torch.compile's compilation are not. The log line shows
 its mean over the interval; samples/s and TFLOPs derive from it.
 The log line is printed by the last pipeline stage's first data-parallel rank (tp rank 0); the same record
-goes to the metrics JSONL and TensorBoard (gptpar.training.logging). Skipped iterations are counted
+goes to the metrics JSONL and TensorBoard (gptpar.training.reporting). Skipped iterations are counted
 from the engine's `step_applied`, NaN iterations from the loss, num zeros from the gradients the optimizer
 steps on (only with logging.log_num_zeros, else omitted), params norm from the master weights (only with
 logging.log_params_norm), TFLOPs from gptpar.estimate.flops; num zeros and params norm count each parameter
@@ -48,7 +48,7 @@ import torch.distributed as dist
 from gptpar.estimate.flops import tflops_per_gpu
 from gptpar.parallel import host_group
 from gptpar.training.engine import ZeroCounter
-from gptpar.training.logging import (IntervalStats, LogWriteError, MetricsWriter, TensorBoardWriter, eval_record,
+from gptpar.training.reporting import (IntervalStats, LogWriteError, MetricsWriter, TensorBoardWriter, eval_record,
                                      format_eval_block, format_log_line, format_memory_line, format_timers_line,
                                      memory_usage, peak_memory_fields)
 from gptpar.training.profiling import IterationProfiler
@@ -513,7 +513,7 @@ class Trainer:
             self.report_stragglers(values[StopFlags.count():])
         if flags.save_failed:  # every rank raises the save's CheckpointSaveError here, at this iteration
             self.checkpointer.wait()
-            from gptpar.checkpoint.errors import CheckpointSaveError
+            from gptpar.checkpoint.exceptions import CheckpointSaveError
 
             raise CheckpointSaveError("another rank's checkpoint writer failed (its message says why); `latest` "
                                       "was not moved")

@@ -5,7 +5,7 @@ fp32/bf16/fp16), split by what changes together:
                         internal gptpar relies on and the test that breaks when one changes
     step.py             TrainEngine: the train/eval step, the phase timers, what the log line reads (params norm);
                         ZeroCounter; counted_once, the one rule that counts each parameter once in model-wide sums
-    build.py            build_engine: the client optimizer, the model-parallel unit, the accelerator, shm clean-up
+    initialize.py       build_engine: the client optimizer, the model-parallel unit, the accelerator, shm clean-up
     ds_config.py        deepspeed_config: the DeepSpeed config dict generated from gptpar's run config, with the run
                         config's `deepspeed` section merged over it (check_deepspeed_overrides: what may be there)
     checkpointing.py    DeepSpeed's checkpoint files of one tag (save, load, the fp16 loss scale saved in them)
@@ -16,7 +16,7 @@ Nothing else in gptpar/ imports DeepSpeed except the pipeline-stage builder (gpt
 `PipelineModule`, `LayerSpec`, the topology); tests/test_package_structure.py keeps it so. The trainer and the
 checkpointer talk to `TrainEngine`, never to the DeepSpeed engine it holds.
 """
-from gptpar.training.engine.build import (ParallelStateMPU, build_engine, detect_accelerator, make_optimizer,
+from gptpar.training.engine.initialize import (ParallelStateMPU, build_engine, detect_accelerator, make_optimizer,
                                           optimizer_param_groups, release_shm_buffer, shm_buffer_path)
 from gptpar.training.engine.checkpointing import checkpoint_loss_scale
 from gptpar.training.engine.deepspeed_api import allow_fp16_on_cpu, quiet_deepspeed_log

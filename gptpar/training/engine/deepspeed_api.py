@@ -3,7 +3,7 @@ gptpar/model/pipeline.py, is the only other one in the package; tests/test_packa
 
 Every call into DeepSpeed goes through a function here, each importing DeepSpeed when first called (importing it
 takes seconds, and config, schedules, logging and batches never need it). The rest of the engine package holds
-gptpar's logic around those calls: `step.py` (the train/eval step and what the log line reads), `build.py` (the
+gptpar's logic around those calls: `step.py` (the train/eval step and what the log line reads), `initialize.py` (the
 DeepSpeed engine, client optimizer and accelerator), `ds_config.py` (the generated DeepSpeed config),
 `checkpointing.py` (DeepSpeed's checkpoint files) and `optimizer_state.py` (one parameter's full optimizer state,
 bytes held).
@@ -16,7 +16,7 @@ uses them, and the test that breaks when one changes:
       (optimizer_state.py: `precision_plan`, `held_state_bytes`;        ::test_zero1_shards_the_optimizer_state
       step.py: `ZeroCounter`)
     `engine.clip_fp32_gradients` replaced and `engine._global_grad_norm` test_trainer.py::test_pipeline_without_zero_clips_by_the_same_norm,
-      written (fp32 without ZeRO; build.py, step.py)                    test_topology_equivalence.py (grad norms against serial)
+      written (fp32 without ZeRO; initialize.py, step.py)                    test_topology_equivalence.py (grad norms against serial)
     the fp16 scale in `loss_scale_config.cur_scale` / `cur_scale`      test_trainer_fp16.py::test_overflow_skips_halve_the_scale_and_hold_the_lr,
       (step.py: `fp16_loss_scale`), and in the optimizer shards'        test_precision.py::test_deepspeed_fp16_stage0_does_not_scale_the_loss
       `optimizer_state_dict.loss_scaler` (checkpointing.py:
@@ -59,20 +59,20 @@ uses them, and the test that breaks when one changes:
       clear_lp_grads)`, called by its `immediate_grad_update` hooks      ::test_bf16_first_step_gradient_is_close_to_fp32
       during backward, and its `fp32_groups_gradients` /
       `fp32_groups_has_gradients` (`fuse_fp32_grad_accumulation`,
-      installed by build.py)
+      installed by initialize.py)
     BF16_Optimizer's `bf16_groups`, `grad_acc_dtype`,                  test_grad_accumulation_fusion.py (fused runs equal
       `fp32_groups_gradients`, `fp32_groups_has_gradients` and          unfused ones at tp 2 + sp and pp 2; the norm and
       `clear_hp_grads`; the pipeline's tied all-reduce reading          clipping see every fused weight)
       `_hp_grad` (`install_main_grads`, gradient-accumulation
-      fusion, installed by build.py)
+      fusion, installed by initialize.py)
     BF16_Optimizer.step reading `get_global_norm_of_tensors`,          test_precision.py::test_foreach_norm_and_clip_equal_deepspeeds,
       `is_invalid_grad_norm` (before the clip) and                      ::test_bf16_training_with_gptpars_step_equals_deepspeeds,
       `clip_tensors_by_global_norm` from its module, and their          ::test_nonfinite_gradient_skips_gptpars_bf16_step
       signatures, `clip_grad`, `get_grads_for_norm` and
-      `has_moe_layers` (`foreach_norm_and_clip`, installed by build.py)
+      `has_moe_layers` (`foreach_norm_and_clip`, installed by initialize.py)
     the engine's `_take_model_step` calling BF16_Optimizer.step, then   test_precision.py::test_bf16_training_with_gptpars_step_equals_deepspeeds
       its `zero_grad`, each clearing through the instance's
-      `clear_hp_grads` (`clear_fp32_grads_once_per_step`, build.py)
+      `clear_hp_grads` (`clear_fp32_grads_once_per_step`, initialize.py)
     PipelineModule.get_tied_weights_and_groups: [(weight, group)] of    test_replicas.py::test_the_tied_embedding_is_checked_across_stages
       the tied weights this stage holds, each with the group of the
       stages that hold a copy (`tied_weights`, for the replica check)
@@ -81,7 +81,7 @@ uses them, and the test that breaks when one changes:
       says no; its `overflow` and `_global_grad_norm`, and the engine's
       `_step_applied`, `skipped_steps`, `_global_grad_norm` and
       `lr_scheduler` as `_take_model_step` sets them after a skipped step
-      (`DeviceSkip`, installed by build.py)
+      (`DeviceSkip`, installed by initialize.py)
 """
 from __future__ import annotations
 

@@ -172,7 +172,7 @@ def build_trainer(cfg: Config, pstate, log, load_target, init_from=None, collect
     `collectives`: the process's gptpar.training.collectives.CollectiveLog (the straggler report reads it)."""
     from gptpar.checkpoint.checkpointer import Checkpointer
     from gptpar.checkpoint.universal import deepspeed_universal_info, gpt_parameter_name
-    from gptpar.training.data import build_sources
+    from gptpar.training.sources import build_sources
     from gptpar.checkpoint.writer import CheckpointWriter
     from gptpar.training.engine import build_engine, deepspeed_config
     from gptpar.training.engine.ds_config import describe_overrides
