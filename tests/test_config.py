@@ -6,7 +6,8 @@ import os
 import pytest
 
 from gptpar.data.gpt_dataset import parse_data_path, parse_split
-from gptpar.training.cli import cli_aliases, parse_args
+from gptpar.config.loading import cli_aliases
+from gptpar.training.cli import parse_args
 from gptpar.config import Accelerator, ConfigError, Config, config_from_dict, load_config, parse_override
 from gptpar.training.engine import deepspeed_config
 

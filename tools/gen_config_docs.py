@@ -18,7 +18,7 @@ from dataclasses import MISSING, fields
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from gptpar.training.cli import cli_aliases  # noqa: E402
+from gptpar.config.loading import cli_aliases  # noqa: E402
 from gptpar.config import MODEL_DOCS, SECTIONS  # noqa: E402
 from gptpar.config.fields import type_name  # noqa: E402
 from gptpar.training.engine.ds_config import OWNED_KEYS, PASSED_THROUGH  # noqa: E402

@@ -16,7 +16,7 @@ called by the command line before any process group).
     sections.py  the sections: parallel, training, data, checkpoint, logging (their own checks in __post_init__)
     run.py       Config: all sections in one object, JSON in and out
     checks.py    the checks across sections and against the world size and the machine (Config.check)
-    loading.py   JSON files, `section.key=value` overrides, removed keys
+    loading.py   JSON files, `section.key=value` overrides, the command-line flags (Megatron's too), removed keys
 
 Pure: nothing here imports DeepSpeed or touches torch.distributed.
 """

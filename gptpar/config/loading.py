@@ -1,11 +1,12 @@
-"""Reading a run config: JSON files (a key given twice refused), `section.key=value` overrides, and the keys
-gptpar once had, named with what took their place."""
+"""Reading a run config: JSON files (a key given twice refused), `section.key=value` overrides, the command-line
+flags that stand for them (every key's `--key-with-dashes`, and Megatron's own flags), and the keys gptpar once had,
+named with what took their place."""
 from __future__ import annotations
 
 import json
 import typing
 from dataclasses import fields
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from gptpar.config.errors import ConfigError
 from gptpar.config.fields import suggest, type_name, type_ok
@@ -142,4 +143,33 @@ def parse_override(item: str) -> Tuple[str, str, Any]:
     return section, key, value
 
 
-__all__ = ["REMOVED_KEYS", "config_from_dict", "load_config", "parse_override", "unique_keys"]
+# Flags that are not `--<key-with-dashes>` of a unique key.
+SPECIAL_ALIASES = {
+    "--fp16": "training.precision=fp16",
+    "--bf16": "training.precision=bf16",
+    "--fp32": "training.precision=fp32",
+    "--checkpoint-activations": "training.activation_checkpointing=true",
+    "--recompute-activations": "training.activation_checkpointing=selective",  # Megatron-LM: selective
+    "--log-num-zeros-in-grad": "logging.log_num_zeros=true",
+    "--valid-weighted-split-paths": "data.valid_data_path",  # Megatron-DeepSpeed: "EN: 1.0 0.95:1 PREFIX" ...
+    "--use-bnb-optimizer": "training.optimizer=adamw8bit",  # Megatron-DeepSpeed's switch
+}
+LIST_ALIASES = {"--data-path": None, "--rampup-batch-size": 3,  # nargs: None = one or more
+                "--skip-train-iteration-range": None,  # Megatron-DeepSpeed: --skip-train-iteration-range 5-7 9-9
+                "--valid-weighted-split-paths": None}
+STRING_LISTS = ("--data-path", "--skip-train-iteration-range", "--valid-weighted-split-paths")  # kept as strings
+
+
+def cli_aliases() -> Dict[str, str]:
+    """`--flag` -> `section.key` for every key (dashes for underscores), plus SPECIAL_ALIASES."""
+    aliases = {}
+    for section, cls in SECTIONS.items():
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            assert flag not in aliases, f"two sections have a key {f.name}: give one a special alias"
+            aliases[flag] = f"{section}.{f.name}"
+    aliases.update(SPECIAL_ALIASES)
+    return aliases
+
+
+__all__ = ["SPECIAL_ALIASES", "LIST_ALIASES", "STRING_LISTS", "cli_aliases", "REMOVED_KEYS", "config_from_dict", "load_config", "parse_override", "unique_keys"]

@@ -2,37 +2,21 @@
 `parse` turns it into a checked `Config` and the (tp, pp, dp) grid, before any process group exists (the
 `deepspeed` section included: `--set deepspeed.zero_optimization.reduce_bucket_size=5e8` sets a nested key).
 
-Every config key also has a flag `--key-with-dashes VALUE` (e.g. `--micro-batch-size 4`) when its name is
-unique across sections; a few Megatron flags (`--fp16`, `--checkpoint-activations`, ...) map to values.
-All of them become `section.key=value` overrides applied by `gptpar.config.load_config`.
+Every config key also has a flag `--key-with-dashes VALUE` (e.g. `--micro-batch-size 4`), and a few Megatron flags
+(`--fp16`, `--checkpoint-activations`, ...) map to values (gptpar.config.loading.cli_aliases). All of them become
+`section.key=value` overrides applied by `gptpar.config.load_config`.
 """
 from __future__ import annotations
 
 import json
 import os
 import typing
-from dataclasses import fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from gptpar.config import SECTIONS, Config, ConfigError, load_config, package_installed
 from gptpar.config.fields import suggest
+from gptpar.config.loading import LIST_ALIASES, STRING_LISTS, cli_aliases
 
-
-# Flags that are not `--<key-with-dashes>` of a unique key.
-SPECIAL_ALIASES = {
-    "--fp16": "training.precision=fp16",
-    "--bf16": "training.precision=bf16",
-    "--fp32": "training.precision=fp32",
-    "--checkpoint-activations": "training.activation_checkpointing=true",
-    "--recompute-activations": "training.activation_checkpointing=selective",  # Megatron-LM: selective
-    "--log-num-zeros-in-grad": "logging.log_num_zeros=true",
-    "--valid-weighted-split-paths": "data.valid_data_path",  # Megatron-DeepSpeed: "EN: 1.0 0.95:1 PREFIX" ...
-    "--use-bnb-optimizer": "training.optimizer=adamw8bit",  # Megatron-DeepSpeed's switch (seed 002)
-}
-LIST_ALIASES = {"--data-path": None, "--rampup-batch-size": 3,  # nargs: None = one or more
-                "--skip-train-iteration-range": None,  # Megatron-DeepSpeed: --skip-train-iteration-range 5-7 9-9
-                "--valid-weighted-split-paths": None}
-STRING_LISTS = ("--data-path", "--skip-train-iteration-range", "--valid-weighted-split-paths")  # kept as strings
 
 USAGE = """usage: pretrain_gpt.py --config CONFIG.json [--set section.key=value ...] [--verbose]
                        [--dry-run [--sec-per-iter S] [--calibration FILE|NAME ...]]
@@ -43,18 +27,6 @@ and its details without starting anything; --sec-per-iter prices and rates a mea
 resolved config and DeepSpeed's info lines (by default the config is written to the run's folder and its path
 printed). Every config key has an alias --<key-with-dashes> (e.g. --tensor-model-parallel-size 2). --local_rank is
 accepted and ignored (the DeepSpeed launcher passes it; ranks come from the environment)."""
-
-
-def cli_aliases() -> Dict[str, str]:
-    """`--flag` -> `section.key` for every key (dashes for underscores), plus SPECIAL_ALIASES."""
-    aliases = {}
-    for section, cls in SECTIONS.items():
-        for f in fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            assert flag not in aliases, f"two sections have a key {f.name}: give one a special alias"
-            aliases[flag] = f"{section}.{f.name}"
-    aliases.update(SPECIAL_ALIASES)
-    return aliases
 
 
 def parse_args(argv: Sequence[str]) -> Tuple[Optional[str], List[str], Dict[str, Any]]:
@@ -195,4 +167,4 @@ def _json_or_str(value: str) -> Any:
         return value
 
 
-__all__ = ["parse", "parse_args", "cli_aliases", "launched_world_size", "USAGE"]
+__all__ = ["parse", "parse_args", "launched_world_size", "USAGE"]
