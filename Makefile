@@ -8,7 +8,7 @@ export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 export DS_ACCELERATOR ?= cpu
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install demo test test-slow test-all bench clean
+.PHONY: install demo test test-unit test-slow test-all bench clean
 
 install: $(STAMP)
 
@@ -38,14 +38,18 @@ demo: $(STAMP)
 # launched subprocesses and timeouts. Two fill them (measured on 2 cores: 937 s -> 751 s, CPU busy 96%).
 PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile
 
+# tests/unit: no process group, no subprocess (seconds); tests/integration: ranks, launchers, the trainer end to end.
 test: $(STAMP)
-	$(PYTEST) -m "not slow" tests
+	$(PYTEST) -m "not slow" tests/unit tests/integration
+
+test-unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit
 
 test-slow: $(STAMP)
-	$(PYTEST) -m slow tests
+	$(PYTEST) -m slow tests/integration
 
 test-all: $(STAMP)
-	$(PYTEST) tests
+	$(PYTEST) tests/unit tests/integration
 
 bench: $(STAMP)
 	# docs/benchmarks.md's CPU figures (~15 min on 2 cores); the GPU ones: bash bench/gpu.sh on a GPU machine.

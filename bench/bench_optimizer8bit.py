@@ -7,7 +7,7 @@ bytes per parameter, and the demo's loss curve trained with each.
    tokens; `TrainEngine.optimizer_state_bytes()` (the client optimizer's own state: Adam's moments, for 8-bit
    their codes, block scales and maps) summed over the 2 ranks / the model's parameters, beside
    gptpar.estimate.memory's moment bytes (MOMENT_BYTES). Everything the engine holds against the estimate:
-   tests/test_precision.py.
+   tests/integration/test_precision.py.
 2. Loss: `make demo`'s training (configs/demo_cpu.json, 150 iterations on real text, 2 ranks) once per optimizer,
    launched as tools/demo.py launches it, without checkpoints; the final logged lm loss (mean over iterations
    141-150) and the last validation loss of each, and their ratio.
@@ -22,7 +22,6 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 OPTIMIZERS = ("adamw", "adamw8bit")
 CONFIG = os.path.join(ROOT, "configs", "demo_cpu.json")
@@ -65,7 +64,7 @@ def measure_state():
 
 def train_demo(optimizer, out_dir, overrides):
     """The demo's training with `optimizer` (and `overrides`, `--set` arguments); its metrics records."""
-    import demo
+    from gptpar.tools import demo
 
     metrics = os.path.abspath(os.path.join(out_dir, optimizer, "metrics.jsonl"))
     os.makedirs(os.path.dirname(metrics), exist_ok=True)
@@ -103,7 +102,7 @@ def main():
                                                      "evaluating and logging at the end)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    import demo
+    from gptpar.tools import demo
 
     with open(CONFIG) as f:
         demo.prepare_data(json.load(f), dict(os.environ))

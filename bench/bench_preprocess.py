@@ -18,12 +18,10 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
 import numpy as np  # noqa: E402
 
-import make_demo_corpus  # noqa: E402
-import train_tokenizer  # noqa: E402
+from gptpar.tools import make_demo_corpus, train_tokenizer  # noqa: E402
 from gptpar.data.blending import build_blending_indices  # noqa: E402
 from gptpar.data.gpt_dataset import GPTDataset  # noqa: E402
 from gptpar.data.indexed import IndexedDataset, write_index  # noqa: E402

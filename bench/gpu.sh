@@ -180,9 +180,9 @@ speed() {
   # lookup's, the side stream's batched adds) equal fp64's or DeepSpeed's, the step's loss and norm are read
   # without waiting for the optimizer step, the NaN/Inf skip is decided without a host read.
   [ "${GPU_CPU_SMOKE:-0}" = 1 ] || step cuda_checks 90 $PY -m pytest -q -p no:cacheprovider -k "cuda" \
-      tests/test_compile.py::test_counter_dropout_int32_hash_is_the_int64_hash tests/test_float8.py \
-      tests/test_grad_accumulation_fusion.py tests/test_step_syncs.py \
-      tests/test_precision.py::test_fused_accumulation_adds_small_gradients_together_at_the_end_of_backward
+      tests/integration/test_compile.py::test_counter_dropout_int32_hash_is_the_int64_hash tests/integration/test_float8.py \
+      tests/integration/test_grad_accumulation_fusion.py tests/integration/test_step_syncs.py \
+      tests/integration/test_precision.py::test_fused_accumulation_adds_small_gradients_together_at_the_end_of_backward
   step layer_bf16 90 $PY bench/bench_layer.py $layer --compile --dtype bf16 --json "$OUT/layer_bf16.json"
   step layer_fp8 90 $PY bench/bench_layer.py $layer --compile --dtype fp8 --json "$OUT/layer_fp8.json"
   # Where the time goes (named in STEPS only): the peer's loop, and the bf16 trainer over iterations 4-5.
@@ -200,7 +200,7 @@ checks() {
   local smoke=()
   [ "${GPU_CPU_SMOKE:-0}" = 1 ] && smoke=(--cpu-smoke) && export DS_ACCELERATOR=cpu
   [ "${GPU_CPU_SMOKE:-0}" = 1 ] || step tests_cuda 200 $PY -m pytest -q -p no:cacheprovider -k cuda \
-      tests/test_model.py tests/test_bloom.py tests/test_compile.py tests/test_float8.py
+      tests/integration/test_model.py tests/integration/test_bloom.py tests/integration/test_compile.py tests/integration/test_float8.py
   step trainer_checks 360 $PY bench/gpu_trainer.py --out "$OUT/trainer_checks" --scratch /tmp/gpu_trainer_ck "${smoke[@]}"
   cp "$OUT/trainer_checks/summary.json" "$OUT/summary.json" 2>/dev/null
   grep -h -A2 "passed\|failed" "$OUT/tests_cuda.log" 2>/dev/null | tail -3 | tee "$OUT/summary.txt"

@@ -45,7 +45,7 @@ SCHEDULE = ["training.train_samples=null", f"training.train_iters={ITERS}", "tra
             "checkpoint.save=null", "checkpoint.load=null", "checkpoint.save_interval=null",
             "checkpoint.keep_last=null"]
 # --cpu-smoke: the same flow at a tiny shape (the model keeps 1.3b.json's structure: dropout, padding), eager: 1.3b.json
-# compiles, which would add ~1 min per run on a CPU (tests/test_compile.py checks the compiled trainer there)
+# compiles, which would add ~1 min per run on a CPU (tests/integration/test_compile.py checks the compiled trainer there)
 CPU_SHAPE = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=32",
              "model.max_position_embeddings=32", "model.vocab_size=512", "training.micro_batch_size=2",
              "training.global_batch_size=8", "training.compile=false"]

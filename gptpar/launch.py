@@ -24,7 +24,7 @@ It is torchrun (same options, same agent, same environment for the ranks), with 
 torch internals relied on (torch 2.11 to 2.13): `torch.distributed.run.parse_args` / `main`, the agent class
 `LocalElasticAgent` and its `_monitor_workers(worker_group) -> RunResult` (`.state`, `.failures`: global rank ->
 ProcessFailure with `.exitcode`, `.pid`), `_remaining_restarts` and `_worker_group.spec.max_restarts`, and
-`ChildFailedError.failures`. tests/test_launch_restart.py runs each.
+`ChildFailedError.failures`. tests/integration/test_launch_restart.py runs each.
 """
 from __future__ import annotations
 

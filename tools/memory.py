@@ -1,60 +1,12 @@
-#!/usr/bin/env python
 """Memory per GPU for every pipeline stage: weights, gradients, optimizer, activations, CUDA context.
 
-    python tools/memory.py --config configs/200b.json
-    python tools/memory.py --config configs/181b_48nodes.json --pipeline-model-parallel-size 12 --gpus 384
-    python tools/memory.py --config configs/cpu_tiny.json --set training.precision=bf16
-    python tools/memory.py --config configs/104b.json --set training.optimizer=adamw8bit
-
-The config is read and checked as pretrain_gpt.py reads it (its defaults: fp32, ZeRO-0, no recompute): the
-figures are the ones `pretrain_gpt.py --config X --dry-run` prints. dp = --gpus / (tp * pp) when --gpus is
-given, else the config's data_parallel_size (or 1).
-"""
-import argparse
-import json
+The code is gptpar/tools/memory_estimate.py; `python tools/memory.py --help` says how to run it."""
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a checkout runs uninstalled
 
-from gptpar.estimate.memory import GIB  # noqa: E402
-from gptpar.estimate.settings import memory_of, require  # noqa: E402
-from model_flags import add_model_flags, settings_from_args  # noqa: E402
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_flags(parser)
-    args = parser.parse_args(argv)
-    try:
-        s = settings_from_args(args)
-        require(s, "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
-                "global_batch_size", "gpus")
-        if s["gpus"] % (s["tp_size"] * s["pp_size"]):
-            raise ValueError(f"--gpus {s['gpus']} must divide by tp x pp = {s['tp_size'] * s['pp_size']}")
-        dp = s["gpus"] // (s["tp_size"] * s["pp_size"])
-        mem = memory_of(dict(s, dp_size=dp))
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    out = {"tp_size": s["tp_size"], "pp_size": s["pp_size"], "dp_size": dp, "micro_batch_size": s["micro_batch_size"],
-           "precision": s["precision"], "optimizer": s["optimizer"], "zero_stage": s["zero_stage"],
-           "stages": mem["stages"],
-           "max_stage": mem["max"]["stage"], "max_gib": mem["max"]["total"] / GIB}
-    if args.json:
-        print(json.dumps(out))
-        return 0
-    print(f"tp={s['tp_size']} pp={s['pp_size']} dp={dp} micro batch {s['micro_batch_size']} {s['precision']} "
-          f"{s['optimizer']} ZeRO-{s['zero_stage']} recompute {s['activation_checkpointing']} (GiB)")
-    print(f"{'stage':>5} {'params/rank':>14} {'weights':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'ctx':>6} "
-          f"{'total':>8}")
-    for st in mem["stages"]:
-        print(f"{st['stage']:>5} {st['params']:>14,} {st['weights'] / GIB:>8.1f} {st['gradients'] / GIB:>8.1f} "
-              f"{st['optimizer'] / GIB:>8.1f} {st['activations'] / GIB:>8.1f} {st['cuda_context'] / GIB:>6.1f} "
-              f"{st['total'] / GIB:>8.1f}")
-    print(f"heaviest: stage {out['max_stage']}, {out['max_gib']:.1f} GiB")
-    return 0
-
+from gptpar.tools.memory_estimate import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -216,7 +216,7 @@ class TrainingConfig:
         # - bf16 must accumulate gradients in fp32, and DeepSpeed 0.19.8's only such path is BF16_Optimizer, its
         #   own ZeRO-1 ("unsupported mix of model_dtype=bfloat16 and grad_accum_dtype=float32" at stage 0);
         # - fp16 at stage 0 (FP16_(Unfused)Optimizer) is broken in 0.19.8: engine.backward multiplies the loss
-        #   by the scale only for ZeRO optimizers, yet the step divides the gradients by it (tests/test_precision.py).
+        #   by the scale only for ZeRO optimizers, yet the step divides the gradients by it (tests/integration/test_precision.py).
         self.zero_stage_promoted = deepspeed_precision(self.precision) in ("bf16", "fp16") and self.zero_stage == 0
         if self.zero_stage_promoted:
             self.zero_stage = 1

@@ -4,7 +4,7 @@ Pure arithmetic, shared by tools/memory.py, the topology planner and the dry-run
 
 Model states: bytes per parameter that DeepSpeed 0.19.8 holds on one rank at the optimizer step (their peak),
 with the client AdamW gptpar passes (`training.optimizer=adamw`). Measured on CPU with the real optimizers
-(tests/test_precision.py reads every tensor the engine holds and compares with this table):
+(tests/integration/test_precision.py reads every tensor the engine holds and compares with this table):
 
     precision, ZeRO   weights  grads (until the step)        sharded over dp (ZeRO-1)                 dp = 1
     fp32, 0           4        4                             - (Adam's 8 replicated)                  16

@@ -193,7 +193,7 @@ class TransformerLayer(nn.Module):
 
         No copy on a GPU: CUDA's cuDNN and flash attention allocate their output in q's layout, here (s, b, nh, d)
         (qkv_heads' views of one (s, b, 3h/tp) GEMM output), so the permute and reshape are a view (a copy after
-        the memory-efficient kernel and the math fallback, e.g. a CPU with dropout; tests/test_model.py checks the
+        the memory-efficient kernel and the math fallback, e.g. a CPU with dropout; tests/integration/test_model.py checks the
         CUDA kernels' layouts)."""
         b, _, s, _ = ctx.shape
         return self.dense(ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim))
@@ -291,7 +291,7 @@ def compile_transformer_layers(model: nn.Module) -> int:
 def compile_stats() -> dict:
     """What torch.compile did in this process so far: {'seconds' (Dynamo's tracing + inductor's code generation,
     forward and backward), 'graphs', 'graph_breaks'}. Read from torch._dynamo.utils, whose counters are
-    process-wide (tests/test_compile.py pins these names)."""
+    process-wide (tests/integration/test_compile.py pins these names)."""
     from torch._dynamo.utils import calculate_time_spent, counters
 
     return {"seconds": calculate_time_spent().get("total_wall_time", 0.0),

@@ -80,7 +80,7 @@ def _fp32_block(logits: torch.Tensor, r0: int, rows: int, real: int) -> torch.Te
 # back): ~1,500 launches and several passes over the logits per 1.3B micro-batch. Compiled, each direction is one
 # fused pass: forward reads the logits once (in their dtype, fp32 arithmetic in registers, no fp32 copy at all) and
 # writes per-row sums; backward reads them and writes their gradient into the same buffer. Same formulas, so the
-# same results to fp32 rounding (tests/test_loss.py). Shapes are static per run (one compile; eval's shape another).
+# same results to fp32 rounding (tests/integration/test_loss.py). Shapes are static per run (one compile; eval's shape another).
 # ---------------------------------------------------------------------------------------------
 
 def _rows_forward(logits: torch.Tensor, local: torch.Tensor, here: torch.Tensor, real: int, column_sums: bool):
@@ -89,7 +89,7 @@ def _rows_forward(logits: torch.Tensor, local: torch.Tensor, here: torch.Tensor,
     The log-sum-exp is written as max, then the sum of exp(x - max): the form inductor's pattern turns into one
     online-softmax pass over the logits on a GPU (a running max and sum). torch.logsumexp decomposes differently
     (it masks an infinite max before subtracting it), so inductor read the logits twice: one pass for the max,
-    one for the sum (tests/test_loss.py checks which form it matches). A non-finite row gives NaN, not inf.
+    one for the sum (tests/integration/test_loss.py checks which form it matches). A non-finite row gives NaN, not inf.
     Whole rows are read and the padding columns masked in registers (`_real_mask`)."""
     x = logits.float()
     valid = _real_mask(logits, real)

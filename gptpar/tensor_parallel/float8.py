@@ -61,18 +61,18 @@ Eager float8 is slow: each cast is several kernels (an H100 ran the 200B tp-8 la
 bf16); compile the layers (`training.compile`: 10.7 ms against compiled bf16's 13.2 ms; docs/precision.md).
 
 torchao 0.18.0 internals relied on (not public API; `make test` breaks when one changes):
-    `torchao.float8.float8_linear.matmul_with_hp_or_float8_args`     tests/test_float8.py::test_parallel_layers_equal_torchaos_float8_linear,
+    `torchao.float8.float8_linear.matmul_with_hp_or_float8_args`     tests/integration/test_float8.py::test_parallel_layers_equal_torchaos_float8_linear,
       `.apply(input, weight.t(), LinearMMConfig, Float8LinearConfig)`   ::test_padded_gemm_equals_the_unpadded_one
       (the autograd function inside Float8Linear; torchtitan's TP path)
-    `torchao.float8.float8_training_tensor.LinearMMConfig` /          tests/test_float8.py::test_parallel_layers_equal_torchaos_float8_linear
+    `torchao.float8.float8_training_tensor.LinearMMConfig` /          tests/integration/test_float8.py::test_parallel_layers_equal_torchaos_float8_linear
       `ScaledMMConfig(emulate, use_fast_accum, fp8_output, pad_inner_dim)` (built as Float8Linear.__init__ builds them)
-    `Float8LinearConfig.from_recipe_name` and its `emulate`,          tests/test_float8.py (every recipe)
+    `Float8LinearConfig.from_recipe_name` and its `emulate`,          tests/integration/test_float8.py (every recipe)
       `pad_inner_dim`, `gemm_config_*.use_fast_accum` fields
-    the "Failed to load ..." warnings of torchao's import on the       tests/test_float8.py::test_import_is_quiet_and_says_why
+    the "Failed to load ..." warnings of torchao's import on the       tests/integration/test_float8.py::test_import_is_quiet_and_says_why
       `torchao` logger (its C++ extensions, unused by float8 training)
-    that function's output is a view it owns (copied before the        tests/test_float8.py::test_a_compiled_layer_traces_fp8_in_one_graph
+    that function's output is a view it owns (copied before the        tests/integration/test_float8.py::test_a_compiled_layer_traces_fp8_in_one_graph
       row-parallel in-place all-reduce) and it is allow_in_graph
-    the non-emulated path (torch._scaled_mm, torchao's padding of      tests/test_float8.py::test_cuda_float8_gemms_match_the_emulation
+    the non-emulated path (torch._scaled_mm, torchao's padding of      tests/integration/test_float8.py::test_cuda_float8_gemms_match_the_emulation
       the token dimension)                                              (on a GPU only; it ran on an H100, torch 2.11)
 """
 from __future__ import annotations

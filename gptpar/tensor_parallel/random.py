@@ -122,7 +122,7 @@ def counter_dropout(x: torch.Tensor, p: float, seed: torch.Tensor, offset: int =
     block k of a larger one split along dim 0 (sequence parallelism) passes offset = k * numel and gets exactly
     its block of the larger tensor's mask. `seed`: an int64 scalar tensor in [0, 2^31) (`dropout_seeds`).
     Indices below 2^31 (every tensor of a shipped config) hash in int32 arithmetic, the rest in int64: the same
-    mask bit for bit (tests/test_compile.py::test_counter_dropout_int32_hash_is_the_int64_hash)."""
+    mask bit for bit (tests/integration/test_compile.py::test_counter_dropout_int32_hash_is_the_int64_hash)."""
     if p == 0.0:
         return x
     threshold = round(p * (1 << 24))

@@ -13,7 +13,7 @@ fp32/bf16/fp16), split by what changes together:
     host_scalar.py      HostScalar: the step's loss and grad norm read without waiting for the optimizer step
 
 Nothing else in gptpar/ imports DeepSpeed except the pipeline-stage builder (gptpar/model/pipeline.py:
-`PipelineModule`, `LayerSpec`, the topology); tests/test_package_structure.py keeps it so. The trainer and the
+`PipelineModule`, `LayerSpec`, the topology); tests/unit/test_package_structure.py keeps it so. The trainer and the
 checkpointer talk to `TrainEngine`, never to the DeepSpeed engine it holds.
 """
 from gptpar.training.engine.initialize import (ParallelStateMPU, build_engine, detect_accelerator, make_optimizer,

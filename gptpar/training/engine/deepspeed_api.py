@@ -1,5 +1,5 @@
 """The one file of gptpar/training/engine/ that imports DeepSpeed (the pipeline-stage builder,
-gptpar/model/pipeline.py, is the only other one in the package; tests/test_package_structure.py keeps it so).
+gptpar/model/pipeline.py, is the only other one in the package; tests/unit/test_package_structure.py keeps it so).
 
 Every call into DeepSpeed goes through a function here, each importing DeepSpeed when first called (importing it
 takes seconds, and config, schedules, logging and batches never need it). The rest of the engine package holds
@@ -77,7 +77,7 @@ uses them, and the test that breaks when one changes:
       the tied weights this stage holds, each with the group of the
       stages that hold a copy (`tied_weights`, for the replica check)
     BF16_Optimizer.step going on to the client optimizer's step, the   test_precision.py::test_nonfinite_gradient_skip_decided_on_the_device_equals_deepspeeds,
-      hp -> lp copy and the gradient clear when `is_invalid_grad_norm`   tests/test_step_syncs.py::test_a_bf16_step_reads_nothing_from_the_device
+      hp -> lp copy and the gradient clear when `is_invalid_grad_norm`   tests/integration/test_step_syncs.py::test_a_bf16_step_reads_nothing_from_the_device
       says no; its `overflow` and `_global_grad_norm`, and the engine's
       `_step_applied`, `skipped_steps`, `_global_grad_norm` and
       `lr_scheduler` as `_take_model_step` sets them after a skipped step

@@ -164,7 +164,7 @@ def deepspeed_config(cfg: Config, dp_size: int, consumed_samples: int = 0) -> di
     }
     if t.optimizer != "adamw":
         # ZeRO refuses client optimizers outside its list (torch's Adam/AdamW, its own) unless told; bitsandbytes'
-        # AdamW8bit steps on ZeRO's flat fp32 partitions like any torch optimizer (tests/test_optimizer8bit.py).
+        # AdamW8bit steps on ZeRO's flat fp32 partitions like any torch optimizer (tests/integration/test_optimizer8bit.py).
         ds["zero_allow_untested_optimizer"] = True
     if precision == "bf16":
         # Without it DeepSpeed 0.19.8 sums bf16 gradients over the micro-batches (ZeRO-1 picks its bf16 ZeRO

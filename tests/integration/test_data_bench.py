@@ -1,0 +1,12 @@
+"""Smoke test: the preprocessing benchmark runs end to end in its --tiny form."""
+import subprocess
+import sys
+from gptpar.testing import ROOT as REPO
+
+
+
+def test_bench_preprocess_tiny(tmp_path):
+    out = subprocess.run([sys.executable, "bench/bench_preprocess.py", "--tiny", "--workdir", str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "outputs identical: True" in out.stdout and "tokens/s" in out.stdout

@@ -1,0 +1,163 @@
+"""The one durable write, checked from the file-system calls a real save makes: every file fsynced, the manifest
+last, the new folder fsynced before `latest` names it, the save folder fsynced after `latest` is renamed and before
+an older checkpoint is pruned; a universal conversion fsyncs every file it writes and its folder; a re-saved tag is
+swapped in, never rewritten, and a swap cut short by a crash is put back at the next start."""
+import errno
+import os
+import shutil
+
+import pytest
+
+from gptpar.checkpoint import durable
+from gptpar.checkpoint.layout import MANIFEST, is_complete
+from gptpar.testing import run_distributed
+from gptpar.testing.runs import run_mains, write_config
+
+
+def _recording(events):
+    """Wrap os.fsync, os.rename, os.replace and shutil.rmtree so that each call is appended to `events` as
+    (what, path[, destination]) in the order they happen; a descriptor is named by the path it was opened with."""
+    real_fsync, real_rename, real_replace, real_rmtree = os.fsync, os.rename, os.replace, shutil.rmtree
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def rename(src, dst, *args, **kwargs):
+        events.append(("rename", os.path.abspath(src), os.path.abspath(dst)))
+        return real_rename(src, dst, *args, **kwargs)
+
+    def replace(src, dst, *args, **kwargs):
+        events.append(("replace", os.path.abspath(src), os.path.abspath(dst)))
+        return real_replace(src, dst, *args, **kwargs)
+
+    def rmtree(path, *args, **kwargs):
+        events.append(("rmtree", os.path.abspath(path)))
+        return real_rmtree(path, *args, **kwargs)
+
+    os.fsync, os.rename, os.replace, shutil.rmtree = fsync, rename, replace, rmtree
+
+
+def _save_recorded(config):
+    """One rank: gptpar.training.pretrain.main with the file-system calls recorded."""
+    events = []
+    _recording(events)
+    out = run_mains([("run", ["--config", config])])
+    return out["run"], events
+
+
+def _index(events, predicate, after=-1):
+    return next(i for i, e in enumerate(events) if i > after and predicate(e))
+
+
+def test_a_save_is_ordered_on_disk(tmp_path):
+    """Save every iteration with keep_last=1, 3 iterations: for iteration 3's save, every file of the new folder is
+    fsynced before the manifest is put in place, the manifest before the folder is fsynced, the folder before it is
+    renamed into place, the save folder after that and before `latest` moves; `latest` is fsynced and renamed, the
+    save folder fsynced again, and only then is iteration 2's checkpoint deleted."""
+    ck = str(tmp_path / "ck")
+    cfg = write_config(tmp_path / "c.json", parallel=dict(data_parallel_size=1),
+                       training=dict(train_iters=3, lr_warmup_iters=1),
+                       checkpoint=dict(save=ck, save_interval=1, keep_last=1))
+    ((rc, output), events), = run_distributed(_save_recorded, 1, (cfg,), timeout=300)
+    assert rc == 0, output
+    final = os.path.join(ck, "iter_0000003")
+    i_rename = _index(events, lambda e: e[0] == "rename" and e[2] == final)
+    tmp = events[i_rename][1]
+    assert os.path.basename(tmp).startswith("iter_0000003.tmp-")
+    files = sorted(os.listdir(final))
+    fsynced = [e[1] for e in events[:i_rename] if e[0] == "fsync"]
+    i_manifest = _index(events, lambda e: e[0] == "replace" and e[2] == os.path.join(tmp, MANIFEST))
+    for name in files:  # every file, the manifest's temporary name included, fsynced before the manifest lands
+        if name != MANIFEST:
+            assert os.path.join(tmp, name) in [e[1] for e in events[:i_manifest] if e[0] == "fsync"], name
+    assert any(os.path.basename(path).startswith(f".{MANIFEST}.tmp-") for path in fsynced)
+    i_folder = _index(events, lambda e: e == ("fsync", tmp), after=i_manifest)
+    assert i_folder < i_rename
+    i_parent = _index(events, lambda e: e == ("fsync", ck), after=i_rename)
+    i_latest = _index(events, lambda e: e[0] == "replace" and e[2] == os.path.join(ck, "latest"), after=i_rename)
+    assert i_parent < i_latest
+    assert events[i_latest - 1][0] == "fsync" and os.path.basename(events[i_latest - 1][1]).startswith(".latest.tmp-")
+    i_parent_again = _index(events, lambda e: e == ("fsync", ck), after=i_latest)
+    i_prune = _index(events, lambda e: e == ("rmtree", os.path.join(ck, "iter_0000002")))
+    assert i_latest < i_parent_again < i_prune
+    others = {"zero_to_fp32.py", "zero_to_torch.py", "resolved_config.json"}  # DeepSpeed's scripts, the run's config
+    assert sorted(set(os.listdir(ck)) - others) == ["iter_0000003", "latest"]
+
+
+def _convert_recorded(ckpt, out):
+    from gptpar.checkpoint import universal
+
+    events = []
+    _recording(events)
+    universal.convert_deepspeed_checkpoint(ckpt, out, log=lambda *a: None)
+    return events
+
+
+def test_a_universal_conversion_fsyncs_every_file_and_its_folder(tmp_path):
+    ck = str(tmp_path / "ck")
+    cfg = write_config(tmp_path / "c.json", parallel=dict(data_parallel_size=1),
+                       training=dict(train_iters=1, lr_warmup_iters=0), checkpoint=dict(save=ck))
+    out, = run_distributed(run_mains, 1, ([("run", ["--config", cfg])],), timeout=300)
+    assert out["run"][0] == 0, out["run"][1]
+    out = str(tmp_path / "u")
+    events, = run_distributed(_convert_recorded, 1, (os.path.join(ck, "iter_0000001"), out), timeout=300)
+    i_rename = _index(events, lambda e: e[0] == "rename" and e[2] == os.path.abspath(out))
+    tmp = events[i_rename][1]
+    fsynced = {e[1] for e in events[:i_rename] if e[0] == "fsync"}
+    for root, _, names in os.walk(out):  # every file and every folder (their entries) of the copy
+        for name in names:
+            if name == MANIFEST:  # written under a temporary name, fsynced, then renamed
+                assert any(os.path.basename(p).startswith(f".{MANIFEST}.tmp-") for p in fsynced)
+                continue
+            assert os.path.join(tmp, os.path.relpath(os.path.join(root, name), out)) in fsynced, name
+        assert os.path.normpath(os.path.join(tmp, os.path.relpath(root, out))) in fsynced, root
+    assert ("fsync", str(tmp_path)) in events[i_rename:]  # the parent, after the rename
+
+
+def test_a_resaved_tag_is_swapped_in_and_a_cut_swap_is_put_back(tmp_path):
+    from gptpar.checkpoint.save_folder import clean_leftovers
+
+    def write(target, text, token):
+        staged = durable.StagedFolder(str(target), token)
+        (open(os.path.join(staged.create(), "file"), "w")).write(text)
+        return staged
+
+    target = tmp_path / "iter_0000002"
+    write(target, "first", "1").commit("checkpoint", log=lambda *a: None)
+    inode = os.stat(target / "file").st_ino
+    staged = write(target, "second", "2")
+    with pytest.raises(durable.CheckpointError, match="appeared while"):  # not asked to replace: refused
+        staged.commit("checkpoint", log=lambda *a: None)
+    staged.publish(lambda *a: None, replace=True)
+    assert (target / "file").read_text() == "second" and os.stat(target / "file").st_ino != inode
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002"]
+
+    # a crash between the swap's two renames: the previous folder is aside, the new one not yet in place
+    os.rename(target, tmp_path / "iter_0000002.old-7")
+    os.makedirs(tmp_path / "iter_0000003.tmp-7")
+    lines = []
+    clean_leftovers(str(tmp_path), lines.append)
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002"] and is_complete(str(target))
+    assert (target / "file").read_text() == "second"
+    assert any("restoring" in line for line in lines) and any("removing partial checkpoint" in line for line in lines)
+
+
+def test_a_file_system_that_cannot_fsync_a_folder_is_said_once(tmp_path, monkeypatch):
+    real = os.fsync
+
+    def refuse_folders(fd):
+        if os.path.isdir(os.readlink(f"/proc/self/fd/{fd}")):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", refuse_folders)
+    monkeypatch.setattr(durable, "_said_unsupported", set())
+    lines = []
+    for _ in range(3):
+        durable.fsync_dir(str(tmp_path), lines.append)
+    assert len(lines) == 1 and "does not fsync directories (EINVAL)" in lines[0]
+
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+    with pytest.raises(OSError, match="I/O error"):  # any other failure is a failed write
+        durable.fsync_dir(str(tmp_path), lines.append)
