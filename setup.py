@@ -13,7 +13,7 @@ setup(
         # The range gptpar supports (the GPU image runs 2.11, CI 2.13), so that installing gptpar where a torch
         # is already installed (a CUDA build on every GPU cluster) keeps that torch. The exact CPU pin lives
         # where the CPU build is wanted: the Makefile's venv (and CI through it) installs torch==2.13.0 first.
-        # tests/test_packaging.py checks that pip leaves an installed torch 2.11 alone.
+        # tests/integration/test_packaging.py checks that pip leaves an installed torch 2.11 alone.
         "torch>=2.11",
         # Pinned: gptpar.training.engine relies on DeepSpeed 0.19.8's internals (its docstring lists each one
         # beside the test that breaks when it changes), so another version may fail in ways no range promises.
