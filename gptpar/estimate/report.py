@@ -27,6 +27,11 @@ def _fmt(n: float) -> str:
     return f"{n:,.0f}"
 
 
+def _billions(count: float) -> str:
+    """A parameter count as people say it: 176.2B, 1.3B, or 2.6M below a billion (never 0.0B)."""
+    return f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
+
+
 def render_dry_run(config: Config, dp_size: int, sec_per_iter: Optional[float] = None,
                    meta_param_count: Optional[int] = None, measured: Sequence[Tuple] = (),
                    kinds: Optional[Sequence[GpuKind]] = None, meta_stage_params: Optional[Sequence[int]] = None) -> str:
@@ -76,7 +81,7 @@ def render_dry_run(config: Config, dp_size: int, sec_per_iter: Optional[float] =
     lines += [f"sum over stages: {_fmt(sum(unique))} = model {_fmt(exact)} + tied output-embedding copy {_fmt(tied)}",
               "model size formula L(12h²+13h) + Vh + sh + 2h (unpadded vocab): "
               f"{_fmt(model_size_formula(L, h, v, seq))} "
-              f"({model_size_formula(L, h, v, seq) / 1e9:.1f}B)"]
+              f"({_billions(model_size_formula(L, h, v, seq))})"]
     if meta_param_count is not None:
         lines.append(f"real model on the meta device: {_fmt(meta_param_count)} "
                      f"({'matches' if meta_param_count == exact else 'DIFFERS FROM'} the formula {_fmt(exact)})")
@@ -154,7 +159,7 @@ def render_plan(s: dict, params: int, heaviest: dict, kinds: Sequence[GpuKind],
     need = heaviest["total"] / GIB
     lines = ["== plan ==",
              f"GPUs:     {world:,} = {nodes_phrase(world, per_node)} (tp {tp} x pp {pp} x dp {dp})",
-             f"model:    {params / 1e9:.1f}B parameters, {s['num_layers']} layers x hidden {s['hidden_size']}, seq "
+             f"model:    {_billions(params)} parameters, {s['num_layers']} layers x hidden {s['hidden_size']}, seq "
              f"{s['seq_length']}, {s['precision']}, recompute {s['activation_checkpointing']}",
              f"training: {samples:,} samples = {samples / gbs:,.0f} global batches of {gbs:,}",
              f"memory:   {need:.1f} GiB per GPU on the heaviest stage (stage {heaviest['stage']}; the estimate is a "

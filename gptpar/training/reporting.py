@@ -186,9 +186,9 @@ def peak_memory_fields(usage: Optional[Dict[str, float]]) -> Dict[str, Optional[
 def format_memory_line(rank: int, iteration: int, usage: Dict[str, float]) -> str:
     """Megatron's `report_memory` line for one rank: `[Rank r] (after N iterations) memory (MB) | allocated: ... |
     max allocated: ... | reserved: ... | max reserved: ...` (on CPU: resident, max resident), MB = 2**20 bytes,
-    printed unrounded as Megatron does."""
+    to one decimal (Megatron prints the raw float, e.g. `617.23828125`: noise past a tenth of a MB)."""
     return f"[Rank {rank}] (after {iteration} iterations) memory (MB)" + "".join(
-        f" | {label}: {value / 2 ** 20}" for label, value in usage.items())
+        f" | {label}: {value / 2 ** 20:.1f}" for label, value in usage.items())
 
 
 def format_eval_line(iteration: int, lm_loss: float, valid_set: Optional[str] = None) -> str:

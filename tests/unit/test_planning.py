@@ -244,6 +244,12 @@ def test_the_plan_of_a_small_world_and_an_iteration_count():
     assert "GPUs:     1 = 1 node x 1 GPU (tp 1 x pp 1 x dp 1)" in text
     t = cfg.training
     assert f"training: {t.train_iters * t.global_batch_size:,} samples = {t.train_iters:,} global batches" in text
+    import torch
+    from gptpar.model.gpt import GPTModel
+
+    with torch.device("meta"):
+        params = sum(p.numel() for p in GPTModel(cfg.model).parameters())
+    assert f"model:    {params / 1e6:.1f}M parameters," in text  # a small model in millions, not "0.0B"
 
 
 def test_a_bad_calibration_is_one_line_exit_2(capsys):

@@ -132,11 +132,11 @@ def test_cuda_memory_usage_reads_what_torch_cuda_reads_from_one_stats_call(monke
 
 def test_memory_line_is_megatrons_report_memory():
     """`[Rank r] (after N iterations) memory (MB) | allocated: ... |` with Megatron's labels (utils.report_memory,
-    written out here), MB = 2**20 bytes printed unrounded; on CPU this process's VmRSS / VmHWM."""
-    usage = {"allocated": 3 * 2 ** 20, "max allocated": 5.5 * 2 ** 20, "reserved": 8 * 2 ** 20,
+    written out here), MB = 2**20 bytes to one decimal; on CPU this process's VmRSS / VmHWM."""
+    usage = {"allocated": 3 * 2 ** 20, "max allocated": 617.23828125 * 2 ** 20, "reserved": 8 * 2 ** 20,
              "max reserved": 9 * 2 ** 20}
     assert format_memory_line(3, 10, usage) == ("[Rank 3] (after 10 iterations) memory (MB) | allocated: 3.0 | "
-                                                 "max allocated: 5.5 | reserved: 8.0 | max reserved: 9.0")
+                                                 "max allocated: 617.2 | reserved: 8.0 | max reserved: 9.0")
     cpu = memory_usage(torch.device("cpu"))
     with open("/proc/self/status") as f:
         status = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.startswith(("VmRSS", "VmHWM"))}
