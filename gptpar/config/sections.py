@@ -424,9 +424,10 @@ SECTIONS = {"model": GPTConfig, "parallel": ParallelConfig, "training": Training
             "checkpoint": CheckpointConfig, "logging": LoggingConfig}
 # The section of DeepSpeed config keys (nested objects, DeepSpeed's names), not a dataclass: see Config.deepspeed.
 DEEPSPEED_SECTION = "deepspeed"
+DEEPSPEED_DOC = "DeepSpeed's own keys for what gptpar does not decide, merged over the DeepSpeed config it generates."
 ALL_SECTIONS = (*SECTIONS, DEEPSPEED_SECTION)
 
 
 __all__ = ["OPTIMIZERS", "PRECISIONS", "FP8_RECIPES", "deepspeed_precision", "parse_range", "ParallelConfig",
            "TrainingConfig", "DataConfig", "CheckpointConfig", "LoggingConfig", "MODEL_DOCS", "SECTIONS",
-           "DEEPSPEED_SECTION", "ALL_SECTIONS"]
+           "DEEPSPEED_SECTION", "DEEPSPEED_DOC", "ALL_SECTIONS"]

@@ -1,15 +1,17 @@
-"""docs/config.md is the generator's output: every key of every section, each field's help a line or two, the
-hand-written Details part kept as it is, each detail linked from its row."""
+"""The config's documentation: docs/config.md is the generator's output (fields' help of a line or two, the
+hand-written Details part kept as it is, each detail linked from its row), and pretrain_gpt.py --help names
+every section and points at docs/config.md."""
 import os
 from dataclasses import dataclass, fields
 
 import pytest
 
-from gptpar.config import SECTIONS
+from gptpar.config import ALL_SECTIONS, SECTIONS
 from gptpar.config.fields import doc_field
 from gptpar.testing.runs import ROOT
 from gptpar.tools import gen_config_docs
 from gptpar.tools.gen_config_docs import HELP_LIMIT, MARKER, DocsError, hand_written_part, render
+from gptpar.training.cli import parse, usage
 
 
 def committed_docs() -> str:
@@ -93,3 +95,23 @@ def test_the_hand_written_part_survives_regeneration(tmp_path, monkeypatch, caps
     assert gen_config_docs.main([]) == 2
     assert "has no line" in capsys.readouterr().err
     assert out.read_text() == fresh.replace(MARKER, "<!-- hand-written -->")
+
+
+def test_help_names_every_section_and_the_reference():
+    cfg, flags, sizes = parse(["--help"])
+    assert (cfg, sizes, flags["help"]) == (None, None, True)
+    text = usage()
+    lines = text.splitlines()
+    for name in ALL_SECTIONS:
+        assert any(line.split()[:1] == [name] for line in lines if line.startswith("  ")), name
+    for flag in ("--config", "--set", "--dry-run", "--sec-per-iter", "--calibration", "--verbose", "--bf16",
+                 "--data-path", "<key-with-dashes>", "docs/config.md"):
+        assert flag in text, flag
+    assert len(lines) <= 40 and max(map(len, lines)) <= 120
+
+
+def test_pretrain_help_prints_the_usage(capsys):
+    from gptpar.training.pretrain import main
+
+    assert main(["--help"]) == 0
+    assert capsys.readouterr().out == usage() + "\n"
