@@ -55,11 +55,9 @@ class ParallelConfig:
     data_parallel_size: Optional[int] = _f(None, "Data-parallel replicas. When given, the launched world size "
                                                  "must equal tp x pp x dp exactly (the config names the world "
                                                  "it expects); null = whatever the world size leaves.")
-    partition_method: str = _f("auto", "How layers are split across pipeline stages: `balanced` counts the "
-                                       "input and the tied output embedding as one layer each (needs "
-                                       "(num_layers + 2) % pp == 0, DeepSpeed's `type:transformer|embedding`), "
-                                       "`transformer` counts transformer layers only (needs num_layers % pp == "
-                                       "0), `auto` picks balanced where it divides, else transformer.",
+    partition_method: str = _f("auto", "How layers are split across pipeline stages: `balanced` counts each "
+                                       "embedding as a layer, `transformer` counts transformer layers only, `auto` "
+                                       "picks balanced where it divides, else transformer.",
                                choices=("auto", "balanced", "transformer"))
     embedding_weight: Optional[int] = _f(None, "With `balanced` partitioning, how many transformer layers "
                                                "each embedding counts as (relieves the first and last stages "
@@ -67,12 +65,9 @@ class ParallelConfig:
                                                "% pp == 0.")
     sequence_parallel: bool = _f(False, "Megatron sequence parallelism inside tensor-parallel regions "
                                         "(needs seq_length % tp == 0).")
-    distributed_timeout_minutes: float = _f(30.0, "Process-group timeout: a stalled (or stopped) rank ends the "
-                                                  "run with one line naming this field after this long instead "
-                                                  "of hanging. Also bounds the save the ranks make when "
-                                                  "DeepSpeed's runner is gone. The preflight's wait for rank 0 (a "
-                                                  "universal conversion, a first scan of the data) is not bounded "
-                                                  "by it: the others poll.")
+    distributed_timeout_minutes: float = _f(30.0, "Process-group timeout: a stalled (or stopped) rank ends the run "
+                                                  "with one line naming this field after this long instead of "
+                                                  "hanging.")
 
     def __post_init__(self):
         _check_fields("parallel", self)
@@ -102,18 +97,12 @@ class TrainingConfig:
     lr_decay_style: str = _f("linear", "Decay after warmup: constant, linear or cosine (Megatron's "
                                        "AnnealingLR).", choices=("constant", "linear", "cosine"))
     lr_schedule_on_resume: str = _f(
-        "config", "When a resumed checkpoint was saved with another LR schedule (peak or minimum LR, warmup, decay "
-                  "length or style; e.g. a longer train_iters re-stretches the decay): `config` follows this config's "
-                  "schedule from the checkpoint's counters (Megatron's --override-opt_param-scheduler) and says so in "
-                  "one line with the old and new schedule and the learning rate it jumps to; `checkpoint` keeps the "
-                  "checkpoint's schedule, so the learning rate continues smoothly (Megatron's "
-                  "--use-checkpoint-opt_param-scheduler); the run still trains to this config's train_iters or "
-                  "train_samples.", choices=("config", "checkpoint"))
-    optimizer: str = _f("adamw", "`adamw`: torch's fused AdamW (apex FusedAdam on a GPU that has it), fp32 moments, 8 "
-                                 "bytes of state per parameter. `adamw8bit`: bitsandbytes' 8-bit AdamW (CUDA and "
-                                 "CPU; `pip install bitsandbytes`), both moments block-wise quantised to 8 bits, ~2 "
-                                 "bytes per parameter (tensors under 4096 elements keep fp32 moments). Works with "
-                                 "every precision, ZeRO stage and pipeline; checkpoints hold its quantised state.",
+        "config", "When a resumed checkpoint was saved with another LR schedule: `config` follows this config's and "
+                  "says so in one line; `checkpoint` keeps the checkpoint's, so the learning rate continues "
+                  "smoothly.", choices=("config", "checkpoint"))
+    optimizer: str = _f("adamw", "`adamw`: torch's fused AdamW, fp32 moments (8 bytes of state per parameter); "
+                                 "`adamw8bit`: bitsandbytes' 8-bit AdamW, ~2 bytes per parameter (`pip install "
+                                 "bitsandbytes`).",
                         choices=OPTIMIZERS)
     weight_decay: float = _f(0.01, "AdamW weight decay.")
     adam_beta1: float = _f(0.9, "AdamW beta1.")
@@ -121,17 +110,9 @@ class TrainingConfig:
     adam_eps: float = _f(1.0e-8, "AdamW epsilon.")
     clip_grad: float = _f(1.0, "Clip the global gradient norm to this value; 0 disables clipping.")
     seed: int = _f(1234, "Seed of the model init and of the synthetic data.")
-    precision: str = _f("fp32", "Parameter/compute precision. bf16 runs DeepSpeed's BF16_Optimizer: bf16 "
-                                "weights, fp32 gradient accumulation, fp32 master weights and Adam state "
-                                "partitioned over dp. fp16 (dynamic loss scaling) needs an accelerator with fp16 "
-                                "support (CUDA, or a CPU whose DeepSpeed accelerator reports it). fp8 is bf16 with "
-                                "the transformer layers' four GEMMs (forward and backward) in float8 through "
-                                "torchao's float8 training (`pip install torchao==0.18.0`; a GPU of compute "
-                                "capability 8.9+ such as the H100, emulated on a CPU: slow, for tests); the output "
-                                "layer stays bf16, a weight slice whose dimensions do not divide by 16 is padded "
-                                "inside the layer or kept in bf16 (the start-up log and --dry-run say which); "
-                                "checkpoints are bf16's (docs/precision.md). All but fp32 run at ZeRO-1 (a "
-                                "zero_stage of 0 is promoted, said in one line).",
+    precision: str = _f("fp32", "Parameter/compute precision. bf16: bf16 weights, fp32 gradient accumulation and "
+                                "master weights; fp16: dynamic loss scaling; fp8: bf16 with the transformer GEMMs in "
+                                "float8 (torchao). All but fp32 run at ZeRO-1.",
                         choices=PRECISIONS)
     fp8_recipe: str = _f("tensorwise", "precision fp8 only: torchao's scaling recipe. `tensorwise`: one dynamic "
                                        "scale per tensor (per tp shard), e4m3 forward, e5m2 gradients, the fastest; "
@@ -142,34 +123,18 @@ class TrainingConfig:
     loss_scale_window: int = _f(1000, "fp16 only: iterations without overflow before the scale doubles.")
     hysteresis: int = _f(2, "fp16 only: overflows tolerated before the scale halves.")
     min_loss_scale: float = _f(1.0, "fp16 only: the dynamic scale never drops below this.")
-    zero_stage: int = _f(0, "ZeRO stage: 0 (plain data parallel) or 1 (optimizer state sharded over dp). "
-                            "The pipeline engine refuses 2 and 3. bf16 and fp16 always run at 1: DeepSpeed "
-                            "0.19.8 has no bf16 path with fp32 gradient accumulation at 0, and its fp16 path "
-                            "at 0 never scales the loss.", choices=(0, 1))
+    zero_stage: int = _f(0, "ZeRO stage: 0 (plain data parallel) or 1 (optimizer state sharded over dp). The "
+                            "pipeline engine refuses 2 and 3; bf16 and fp16 always run at 1.", choices=(0, 1))
     activation_checkpointing: Union[bool, str] = _f(
         "none", "Activation recompute in backward (Megatron's --recompute-granularity): `none`; `selective` "
-                "recomputes only each layer's attention core (QK^T, softmax, dropout, x V), dropping its s x s "
-                "activations for ~4sh extra forward FLOPs per token and layer (the TFLOPs count adds them); "
-                "`full` recomputes each whole transformer layer from its input (TFLOPs recompute factor 4 "
-                "instead of 3). true/false are read as full/none.", choices=RECOMPUTE_MODES)
+                "recomputes each layer's attention core; `full` each whole transformer layer. true/false are read as "
+                "full/none.", choices=RECOMPUTE_MODES)
     compile: bool = _f(
-        False, "torch.compile each transformer layer (regional compilation: one graph that every layer reuses, so "
-               "compile time does not grow with depth), in the plain model and in the pipeline stages, with tp and "
-               "sequence parallelism (their collectives are traced into the graph; with sequence parallelism at tp > 1 "
-               "torch >= 2.12: 2.11's compiled backward loses its gradient all-gathers, so that is refused), every "
-               "recompute mode, ALiBi and "
-               "every precision. Parameter names are unchanged: checkpoints move between compile on and off. The "
-               "first iteration compiles (tens of seconds); that time is printed once and left out of the log line's "
-               "time per iteration, samples/s and TFLOPs. Dropout masks differ from eager ones (same distribution "
-               "and tp semantics). Off in the CPU configs, where compile time dominates a short run.")
+        False, "torch.compile each transformer layer (one graph that every layer reuses). The first iteration "
+               "compiles; its time is left out of the log line's rates. Checkpoints move between compile on and off.")
     gradient_accumulation_fusion: bool = _f(
-        True, "Megatron's gradient-accumulation fusion: in bf16 (and fp8's bf16 GEMMs) each tensor-parallel linear "
-              "layer's weight gradient is accumulated into DeepSpeed's fp32 gradient buffer by its weight-gradient "
-              "GEMM (fp32 output, cuBLAS; torch >= 2.10) instead of a bf16 gradient added in a second kernel per "
-              "micro-batch; the fp32 sums are also exact per micro-batch. The word embedding too: the tied output "
-              "layer's GEMM adds into its buffer and the lookup adds each token's gradient there by row (no dense "
-              "bf16 table gradient). On a CPU the GEMMs run the unfused arithmetic (the lookup sums in fp32). The "
-              "precision plan line says how many weights it covers, or why none. No effect in fp32 / fp16.")
+        True, "Megatron's gradient-accumulation fusion: in bf16 (and fp8) each tensor-parallel linear layer's "
+              "weight-gradient GEMM adds into DeepSpeed's fp32 gradient buffer directly. No effect in fp32 / fp16.")
     rampup_batch_size: Optional[List[int]] = _f(None, "Megatron's batch-size ramp-up `[start, increment, "
                                                       "samples]`: start at `start`, grow by `increment` "
                                                       "evenly over `samples` samples up to "
@@ -183,29 +148,17 @@ class TrainingConfig:
     exit_duration_in_mins: Optional[float] = _f(None, "Stop (and save) after this many minutes of training; "
                                                       "null = never.")
     exit_on_nan_iterations: Optional[int] = _f(10, "Stop with exit code 1 after this many consecutive iterations "
-                                                   "whose loss is NaN or Inf (counted as the log line's `number "
-                                                   "of nan iterations`); null = never. Independently of it, a "
-                                                   "checkpoint is never saved while the weights hold NaN/Inf: "
-                                                   "the save is refused and `latest` keeps the last finite one.")
+                                                   "whose loss is NaN or Inf; null = never. A checkpoint is never "
+                                                   "saved while the weights hold NaN/Inf.")
     skip_train_iteration_range: Optional[List[str]] = _f(
-        None, "Megatron-DeepSpeed's --skip-train-iteration-range: a list of `\"START-END\"` iteration ranges (1-based, "
-              "both ends included, e.g. `[\"101-200\"]`) whose global batches are drawn and discarded, as after a "
-              "loss spike: the iteration number, consumed samples/tokens and the LR schedule advance as if they had "
-              "trained, with no forward, backward or optimizer step; logged as skipped data (one line per range, "
-              "`\"skipped_data\": true` records in the metrics file), not as `number of skipped iterations`. "
-              "Applies again after a resume that lands before or inside a range. null = none.")
+        None, "Megatron-DeepSpeed's --skip-train-iteration-range: `\"START-END\"` iteration ranges (1-based, both "
+              "included) whose batches are drawn and discarded without a step, as after a loss spike. null = none.")
     kill_switch_path: Optional[str] = _f(
         None, "Megatron-DeepSpeed's --kill-switch-path: when this file exists, every rank stops after the current "
-              "iteration (agreed through the per-iteration exit all-reduce), saves a checkpoint (with "
-              "checkpoint.save) and exits 0. If it exists at launch the run exits 0 before building the model. "
-              "Remove the file to resume. null = off.")
+              "iteration, saves a checkpoint (with checkpoint.save) and exits 0. null = off.")
     check_replicas_interval: Optional[int] = _f(
-        None, "Compare a 64-bit digest (torch.hash_tensor, on the device) of every replicated parameter across its "
-              "replicas (every weight across dp, LayerNorm weights and row-parallel biases across tp, the tied "
-              "embedding across the first and last stage; one all-gather per group): before every save (null, the "
-              "default) and also every this many iterations (N > 0); 0 = never. Replicas that differ end the run "
-              "(exit 1) naming the first parameter and the ranks, and the save is refused: `latest` keeps the last "
-              "checkpoint written while they agreed.")
+        None, "Compare a digest of every replicated parameter across its replicas before every save (null) and also "
+              "every N iterations (N > 0); 0 = never. Replicas that differ end the run (exit 1).")
 
     def __post_init__(self):
         s = "training"
@@ -293,17 +246,13 @@ class DataConfig:
         None, "A preprocessed dataset prefix (`path/name_text_document`, without .bin/.idx) or Megatron's "
               "weighted blend `[\"0.3\", \"prefixA\", \"0.7\", \"prefixB\"]`. null needs data.synthetic=true.")
     valid_data_path: Optional[Union[str, List[Union[str, float]], Dict[str, Union[str, List[Union[str, float]]]]]] = _f(
-        None, "Named validation sets, each evaluated and logged on its own (lm loss and ppl per set, then the "
-              "total: their mean, as every set reads the same eval_iters global batches): a dict `{\"en\": "
-              "\"data/en_text_document\", \"fr\": [\"0.5\", \"A\", \"0.5\", \"B\"]}` (each value a prefix or "
-              "a blend in data.data_path's grammar; all of its documents are validation), or Megatron-DeepSpeed's "
-              "weighted split paths `[\"EN: 1.0 0.95:1 data/en_text_document\", \"FR: 0.7 0.9:1 A, 0.3 0.9:1 B\"]` "
-              "(per set `NAME: WEIGHT START:END PREFIX, ...`, START:END the fraction of each prefix's documents). A "
-              "plain prefix or blend is one set named `valid`. null = the validation split of data.data_path.")
+        None, "Named validation sets, each evaluated and logged on its own: a dict `{\"NAME\": prefix or blend}`, "
+              "Megatron-DeepSpeed's weighted split paths, or one prefix or blend. null = data.data_path's validation "
+              "split.")
     tokenizer_model: Optional[str] = _f(None, "The tokenizer the data was preprocessed with: a SentencePiece "
-                                              "`.model`, or a local Hugging Face `tokenizer.json` or tokenizer "
-                                              "directory. Gives the end-of-document id, is checked against "
-                                              "model.vocab_size before training, and decodes generated text.")
+                                              "`.model`, or a local Hugging Face `tokenizer.json` or folder. Gives "
+                                              "the end-of-document id, is checked against model.vocab_size, decodes "
+                                              "generated text.")
     split: str = _f("949,50,1", "Train, validation, test proportions of each dataset (Megatron's --split).")
     synthetic: bool = _f(False, "Train on synthetic tokens: sample i is randint(0, vocab_size, seq_length + "
                                 "1) seeded by (training.seed, i), identical for every topology.")
@@ -358,49 +307,29 @@ class CheckpointConfig:
     """Where checkpoints go and come from."""
 
     save: Optional[str] = _f(None, "Directory to save checkpoints in; null = never save.")
-    load: Optional[str] = _f(None, "Checkpoint to resume from: the folder checkpoint.save wrote (its `latest` "
-                                   "pointer) or one of its iter_N folders. A missing folder, or one holding only "
-                                   "gptpar's lock and temporary entries, starts fresh with a message; anything else "
-                                   "that is not a whole checkpoint (a file, an empty or dangling `latest`, a missing "
-                                   "manifest, a missing, truncated or changed file) is an error (exit 2). A "
-                                   "weights-only checkpoint (tools/convert_checkpoint.py --to gptpar) starts the run "
-                                   "from its weights at iteration 0, as checkpoint.init_from does.")
-    init_from: Optional[str] = _f(None, "Start from these weights (Megatron's --finetune): a gptpar checkpoint "
-                                        "of any tp x pp (its save folder or an iter_N folder), a weights-only "
-                                        "checkpoint (tools/convert_checkpoint.py --to gptpar), a universal "
-                                        "checkpoint or a local Hugging Face model directory; weights only, the "
-                                        "run starts at iteration 0 with a fresh optimizer, LR schedule and "
-                                        "counters. Ignored (the log says so) when checkpoint.load holds a "
-                                        "checkpoint: the resume wins, so a job restarted with load = save resumes "
-                                        "itself. The model fields must match the weights' shape (vocab_size may "
-                                        "be larger).")
-    universal_dir: Optional[str] = _f(None, "Where resuming a checkpoint of another parallel shape (tp, pp, dp, "
-                                            "partitioning) or of another precision's optimizer files writes its "
-                                            "universal copy, or finds the one written before from the same files "
-                                            "(one made from files since rewritten is rebuilt): "
-                                            "`{universal_dir}/{tag}`. null = `{load folder}_universal` beside the "
-                                            "load folder (never inside it). See docs/checkpoints.md.")
+    load: Optional[str] = _f(None, "Checkpoint to resume from: checkpoint.save's folder (its `latest`) or one of its "
+                                   "iter_N folders. A missing folder starts fresh; anything else that is not a whole "
+                                   "checkpoint is an error (exit 2).")
+    init_from: Optional[str] = _f(None, "Start from these weights (Megatron's --finetune): a gptpar, weights-only or "
+                                        "universal checkpoint of any tp x pp, or a local Hugging Face model; "
+                                        "iteration 0, fresh optimizer. checkpoint.load wins.")
+    universal_dir: Optional[str] = _f(None, "Where resuming a checkpoint of another parallel shape or precision "
+                                            "writes (or finds) its universal copy, `{universal_dir}/{tag}`. null = "
+                                            "`{load folder}_universal` beside the load folder.")
     save_interval: Optional[int] = _f(None, "Save every this many iterations (and always at exit); "
                                             "null = only at exit.")
     keep_last: Optional[int] = _f(None, "Keep only the newest K checkpoints; null = keep all.")
-    async_save: bool = _f(False, "Write checkpoints while training goes on: the save copies this rank's state to "
-                                 "host memory while the next iteration's forward and backward run, and a "
-                                 "background thread writes DeepSpeed's usual files; `latest` moves once every "
-                                 "rank's files are whole. One save in flight at a time (a save, the exit and a "
-                                 "signal wait for it); holds a host copy of this rank's checkpoint files between "
-                                 "saves. Off by default: on this repository's 2-core CPU it cut the stall per save "
-                                 "from ~10 s to ~0.05 s but did not make runs faster in total (the writer competes "
-                                 "with training for the same cores; docs/benchmarks.md); turn it on where host "
-                                 "cores are free during the step (GPU training). See docs/checkpoints.md.")
+    async_save: bool = _f(False, "Write checkpoints in a background thread while training goes on (the save first "
+                                 "copies this rank's state to host memory). Worth it where host cores are free "
+                                 "during the step (GPU training).")
     checksums: bool = _f(True, "Record the sha256 of every file this run writes (checkpoints, universal copies) "
                                "in its manifest, hashed as it is written. false = sizes only.")
     verify_checksums: bool = _f(True, "Check every file read (resume, universal copy, init_from) against the sha256 "
                                       "its manifest records, in the pass that loads it: a changed file is refused, "
                                       "naming it (exit 2). false = skip the check (said in the log).")
-    override_lock: bool = _f(False, "Take over checkpoint.save's lock (`.gptpar.lock`) even when gptpar cannot "
-                                    "tell that the job holding it has ended (it ran on another host, or the lock "
-                                    "is unreadable). A lock of a live job on this host is always refused, one of "
-                                    "a dead pid on this host always taken over.")
+    override_lock: bool = _f(False, "Take over checkpoint.save's lock (`.gptpar.lock`) even when gptpar cannot tell "
+                                    "that the job holding it has ended (another host, an unreadable lock). A live "
+                                    "job's lock on this host is always refused.")
 
     def __post_init__(self):
         _check_fields("checkpoint", self)
@@ -426,45 +355,28 @@ class LoggingConfig:
                                          "tokens).", choices=("improved", "legacy"))
     log_num_zeros: bool = _f(False, "Count zero gradient entries (after clipping, each parameter of the model "
                                     "once) for the `num zeros` field; false omits the field.")
-    log_params_norm: bool = _f(False, "Megatron's --log-params-norm: the L2 norm of the whole model's weights "
-                                      "(the fp32 master weights where DeepSpeed keeps them, each parameter once) "
-                                      "as `params norm` in the log line and `params_norm` in the metrics file and "
-                                      "TensorBoard; false omits it. Costs all-reduces of one number per log line.")
-    tensorboard_tags: str = _f("megatron", "TensorBoard tag names: `megatron` writes Megatron-DeepSpeed's (`lm-loss-"
-                                           "training/lm loss`, its `vs samples` / `vs tokens` twins, `learning-rate/"
-                                           "learning-rate`, `lm-loss-validation/lm loss validation`, per named "
-                                           "validation set `lm-loss-validation/NAME/lm loss validation`, ...: "
-                                           "docs/reliability.md#tensorboard-tags); `gptpar` the older `train/<key>`, "
-                                           "`eval/lm_loss`, `eval/NAME/lm_loss`.", choices=("megatron", "gptpar"))
+    log_params_norm: bool = _f(False, "Megatron's --log-params-norm: the L2 norm of the whole model's weights as "
+                                      "`params norm` in the log line, the metrics file and TensorBoard; false omits "
+                                      "it. Costs a few one-number all-reduces per log line.")
+    tensorboard_tags: str = _f("megatron", "TensorBoard tag names: `megatron` writes Megatron-DeepSpeed's "
+                                           "(`lm-loss-training/lm loss`, `learning-rate/learning-rate`, ...); "
+                                           "`gptpar` the older `train/<key>`, `eval/lm_loss`.",
+                               choices=("megatron", "gptpar"))
     timers: bool = _f(False, "After each log line, print where an iteration's time went (Megatron's `time (ms)` "
-                             "line: batch placement, forward, backward, optimizer step incl. gradient reduction "
-                             "and clipping, the rest), averaged over the interval; also in the metrics file and "
-                             "TensorBoard (Megatron's `forward-compute-time`, ..., in seconds). "
-                             "pp = 1 only. Synchronises the device around each phase, which costs a little "
-                             "overlap.")
+                             "line), averaged over the interval; also in the metrics file and TensorBoard. pp = 1 "
+                             "only; synchronises the device around each phase.")
     profile: Optional[str] = _f(None, "Megatron-LM's --profile-step-start/-end: `\"START-END\"` (1-based, both "
-                                      "included, e.g. `\"5-6\"`) runs torch.profiler over those iterations; at "
-                                      "END the log rank prints the top ops by device (CPU: host) self time, "
-                                      "the device's busy share of the wall time and, on a GPU, its longest idle "
-                                      "gaps with the host ops running through them (a run that stops inside the "
-                                      "range reports what it profiled; a range past the run's last iteration is "
-                                      "refused). Pick iterations after the first (training.compile compiles in "
-                                      "it). null = off.")
+                                      "included) runs torch.profiler over those iterations and prints the top ops at "
+                                      "END. Pick iterations after the first. null = off.")
     profile_dir: Optional[str] = _f(None, "With logging.profile: each rank writes its Chrome trace "
                                           "(`trace_rank<R>.json.gz`, chrome://tracing or Perfetto) into this "
                                           "directory; null = the printed table only.")
     straggler_threshold: Optional[float] = _f(
-        1.2, "Every log line, each rank's compute time per iteration (its forward, backward and optimizer step, the "
-             "waits inside collectives taken out) is gathered on the host (one small all-gather); a rank slower "
-             "than this many times the median of the others is named: `straggler: rank R (host, pp/dp/tp "
-             "coordinates) ... x the others' median`. Each rank's time also goes to TensorBoard. Must be > 1; null "
-             "= off.")
+        1.2, "Every log line, name a rank whose compute time per iteration is over this many times the others' "
+             "median (one small all-gather). Must be > 1; null = off.")
     diagnostics_dir: Optional[str] = _f(
-        None, "Where each rank writes what it was doing (its recent collectives, torch's flight recorder, every "
-              "thread's Python stack) when a collective times out or loses its peer, or on SIGUSR2 "
-              "(`rank_R.json`; NCCL's own dump on a watchdog timeout too); `tools/diagnose_hang.py DIR` names the "
-              "rank the others waited for. null = `<checkpoint.save>/diagnostics` (nowhere without "
-              "checkpoint.save).")
+        None, "Where each rank writes what it was doing when a collective times out or loses its peer, or on SIGUSR2 "
+              "(`tools/diagnose_hang.py DIR` reads it). null = `<checkpoint.save>/diagnostics`.")
 
     def __post_init__(self):
         _check_fields("logging", self)
@@ -511,11 +423,11 @@ MODEL_DOCS = {
 SECTIONS = {"model": GPTConfig, "parallel": ParallelConfig, "training": TrainingConfig, "data": DataConfig,
             "checkpoint": CheckpointConfig, "logging": LoggingConfig}
 # The section of DeepSpeed config keys (nested objects, DeepSpeed's names), not a dataclass: see Config.deepspeed.
-# The section of DeepSpeed config keys (nested objects, DeepSpeed's names), not a dataclass: see Config.deepspeed.
 DEEPSPEED_SECTION = "deepspeed"
+DEEPSPEED_DOC = "DeepSpeed's own keys for what gptpar does not decide, merged over the DeepSpeed config it generates."
 ALL_SECTIONS = (*SECTIONS, DEEPSPEED_SECTION)
 
 
 __all__ = ["OPTIMIZERS", "PRECISIONS", "FP8_RECIPES", "deepspeed_precision", "parse_range", "ParallelConfig",
            "TrainingConfig", "DataConfig", "CheckpointConfig", "LoggingConfig", "MODEL_DOCS", "SECTIONS",
-           "DEEPSPEED_SECTION", "ALL_SECTIONS"]
+           "DEEPSPEED_SECTION", "DEEPSPEED_DOC", "ALL_SECTIONS"]

@@ -4,29 +4,62 @@
 
 Every config key also has a flag `--key-with-dashes VALUE` (e.g. `--micro-batch-size 4`), and a few Megatron flags
 (`--fp16`, `--checkpoint-activations`, ...) map to values (gptpar.config.loading.cli_aliases). All of them become
-`section.key=value` overrides applied by `gptpar.config.load_config`.
+`section.key=value` overrides applied by `gptpar.config.load_config`. `usage()` is `--help`: the options and one
+line per config section, read from the sections, pointing at docs/config.md for every key.
 """
 from __future__ import annotations
 
 import json
 import os
+import textwrap
 import typing
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from gptpar.config import SECTIONS, Config, ConfigError, load_config, package_installed
 from gptpar.config.fields import suggest
-from gptpar.config.loading import LIST_ALIASES, STRING_LISTS, cli_aliases
+from gptpar.config.loading import LIST_ALIASES, SPECIAL_ALIASES, STRING_LISTS, cli_aliases
+from gptpar.config.sections import DEEPSPEED_DOC, DEEPSPEED_SECTION
 
 
 USAGE = """usage: pretrain_gpt.py --config CONFIG.json [--set section.key=value ...] [--verbose]
                        [--dry-run [--sec-per-iter S] [--calibration FILE|NAME ...]]
                        [Megatron-style aliases, e.g. --micro-batch-size 4 --train-iters 100 --bf16]
---dry-run prints the plan (GPUs, memory against the GPU's, seconds per iteration, days and GPU-hours to train)
-and its details without starting anything; --sec-per-iter prices and rates a measured time per iteration,
---calibration adds a GPU kind (a bench/bench_layer.py --json file, or a shipped one: h100). --verbose prints the
-resolved config and DeepSpeed's info lines (by default the config is written to the run's folder and its path
-printed). Every config key has an alias --<key-with-dashes> (e.g. --tensor-model-parallel-size 2). --local_rank is
-accepted and ignored (the DeepSpeed launcher passes it; ranks come from the environment)."""
+
+Trains a GPT on tp x pp x dp ranks from one JSON config; run it under deepspeed, torchrun or
+`python -m gptpar.launch` for several ranks, or with plain python for one.
+
+options:
+  --config, -c FILE         the run's config (configs/*.json)
+  --set section.key=VALUE   change one key, e.g. --set training.train_iters=50; repeatable; VALUE is read as
+                            JSON where it can be
+  --dry-run                 print the plan (GPUs, memory against the GPU's, seconds per iteration, days and
+                            GPU-hours to train) and its details; starts nothing
+  --sec-per-iter S          with --dry-run: a measured time per iteration, priced and rated (TFLOPs)
+  --calibration FILE|NAME   with --dry-run: add a GPU kind (a bench/bench_layer.py --json file, or a shipped one: h100)
+  --verbose, -v             print the resolved config and DeepSpeed's info lines (by default the config is written
+                            to the run's folder and its path printed)
+  --help, -h                this text
+  --local_rank N            accepted and ignored (the DeepSpeed launcher passes it; ranks come from the environment)
+
+{aliases}
+
+config sections (every key, its default and meaning: docs/config.md):
+{sections}"""
+
+
+def usage() -> str:
+    """pretrain_gpt.py --help: the options, the Megatron switches and one line per config section, read from
+    the sections themselves."""
+    switches = ", ".join(flag for flag, target in SPECIAL_ALIASES.items() if "=" in target)
+    aliases = textwrap.fill(f"Megatron-style aliases: every key as --<key-with-dashes> VALUE (e.g. "
+                            f"--tensor-model-parallel-size 2; {', '.join(LIST_ALIASES)} take several values), "
+                            f"and the switches {switches}.", width=115,
+                            break_on_hyphens=False, break_long_words=False)
+    docs = {name: " ".join((cls.__doc__ or "").split()) for name, cls in SECTIONS.items()}
+    docs[DEEPSPEED_SECTION] = DEEPSPEED_DOC
+    width = max(map(len, docs)) + 2
+    sections = "\n".join(f"  {name:<{width}}{doc}" for name, doc in docs.items())
+    return USAGE.format(aliases=aliases, sections=sections)
 
 
 def parse_args(argv: Sequence[str]) -> Tuple[Optional[str], List[str], Dict[str, Any]]:
@@ -167,4 +200,4 @@ def _json_or_str(value: str) -> Any:
         return value
 
 
-__all__ = ["parse", "parse_args", "launched_world_size", "USAGE"]
+__all__ = ["parse", "parse_args", "launched_world_size", "usage"]

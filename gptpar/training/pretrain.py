@@ -27,7 +27,7 @@ from gptpar.training.assembly import (build_trainer, checkpoint_shape, dry_run, 
                                    write_resolved_config)
 from gptpar.checkpoint.checkpointer import NonFiniteWeightsError
 from gptpar.checkpoint.exceptions import CheckpointError, CheckpointSaveError
-from gptpar.training.cli import USAGE, parse
+from gptpar.training.cli import parse, usage
 from gptpar.training.collectives import CollectiveLog
 from gptpar.training.diagnostics import Diagnostics, diagnostics_dir, point_nccl_dump_at
 from gptpar.config import ConfigError
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
         return 2
     if flags["help"] or flags["dry_run"]:
         try:
-            print(USAGE if flags["help"] else dry_run(cfg, *sizes, flags["sec_per_iter"], flags["calibration"]),
+            print(usage() if flags["help"] else dry_run(cfg, *sizes, flags["sec_per_iter"], flags["calibration"]),
                   flush=True)
         except ConfigError as e:  # a --calibration file that cannot be read
             print(f"pretrain_gpt.py: config error: {e}", file=sys.stderr, flush=True)
