@@ -1,8 +1,8 @@
-"""Installing gptpar keeps the torch already there (issue 22, item 9): on a GPU machine that is a CUDA build pip
-must not replace. setup.py asks for the range gptpar supports (`torch>=2.11`); the exact CPU pin is the
-Makefile's. Checked offline with pip itself: a scratch environment holding stand-in distributions (only their
-metadata) of torch 2.11.0 and gptpar's other requirements, and `pip install --dry-run --no-index`, which must
-plan to install gptpar alone. No index, no find-links, no pip config: nothing can be downloaded."""
+"""Installing gptpar keeps the torch already there: on a GPU machine that is a CUDA build pip must not replace.
+setup.py asks for the range gptpar supports (`torch>=2.11`); the exact CPU pin is the Makefile's. Checked offline
+with pip itself: a scratch environment holding stand-in distributions (only their metadata) of torch 2.11.0 and
+gptpar's other requirements, and `pip install --dry-run --no-index`, which must plan to install gptpar alone. No
+index, no find-links, no pip config: nothing can be downloaded."""
 import json
 import os
 import subprocess
