@@ -155,7 +155,7 @@ def test_peer_model_computes_gptpar_model():
 
 
 def test_peer_takes_only_a_config_of_its_own_activation(tmp_path):
-    """The issue's comparison trains one model in both loops: configs/1.3b.json asks for the peer's activation
+    """The speed comparison trains one model in both loops: configs/1.3b.json asks for the peer's activation
     (the one test_peer_model_computes_gptpar_model proves the peer computes), and a config asking for another
     is refused, naming the field, rather than timing erf GELU against tanh GELU."""
     peer = _load_bench("bench_peer_loop")

@@ -307,7 +307,7 @@ def test_bad_input_and_mfu():
 
 
 def test_matches_the_model_built_on_the_meta_device():
-    """The per-stage formula equals the parameter count of gptpar's real blocks (model issue's meta build)."""
+    """The per-stage formula equals the parameter count of gptpar's real blocks (built on the meta device)."""
     pipeline = pytest.importorskip("gptpar.model.pipeline")
     from gptpar.model.config import GPTConfig
     if not hasattr(pipeline, "stage_parameter_counts"):
