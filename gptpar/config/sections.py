@@ -144,8 +144,8 @@ class TrainingConfig:
     min_loss_scale: float = _f(1.0, "fp16 only: the dynamic scale never drops below this.")
     zero_stage: int = _f(0, "ZeRO stage: 0 (plain data parallel) or 1 (optimizer state sharded over dp). "
                             "The pipeline engine refuses 2 and 3. bf16 and fp16 always run at 1: DeepSpeed "
-                            "0.19.8 has no bf16 path with fp32 gradient accumulation at 0, and its fp16 path "
-                            "at 0 never scales the loss.", choices=(0, 1))
+                            "has no bf16 path with fp32 gradient accumulation at 0, and its fp16 path at 0 "
+                            "never scales the loss.", choices=(0, 1))
     activation_checkpointing: Union[bool, str] = _f(
         "none", "Activation recompute in backward (Megatron's --recompute-granularity): `none`; `selective` "
                 "recomputes only each layer's attention core (QK^T, softmax, dropout, x V), dropping its s x s "
@@ -213,9 +213,9 @@ class TrainingConfig:
             self.activation_checkpointing = recompute_mode(self.activation_checkpointing)
         _check_fields(s, self)
         # Mixed precision runs at ZeRO-1 (not a field: the trainer prints `zero_stage_note` at start):
-        # - bf16 must accumulate gradients in fp32, and DeepSpeed 0.19.8's only such path is BF16_Optimizer, its
+        # - bf16 must accumulate gradients in fp32, and DeepSpeed's only such path is BF16_Optimizer, its
         #   own ZeRO-1 ("unsupported mix of model_dtype=bfloat16 and grad_accum_dtype=float32" at stage 0);
-        # - fp16 at stage 0 (FP16_(Unfused)Optimizer) is broken in 0.19.8: engine.backward multiplies the loss
+        # - fp16 at stage 0 (FP16_(Unfused)Optimizer) is broken in DeepSpeed: engine.backward multiplies the loss
         #   by the scale only for ZeRO optimizers, yet the step divides the gradients by it (tests/integration/test_precision.py).
         self.zero_stage_promoted = deepspeed_precision(self.precision) in ("bf16", "fp16") and self.zero_stage == 0
         if self.zero_stage_promoted:
@@ -280,7 +280,7 @@ class TrainingConfig:
             return None
         why = {"bf16": "bf16 accumulates gradients in fp32 only through BF16_Optimizer, which shards the fp32 "
                        "master weights and Adam state over dp",
-               "fp16": "DeepSpeed 0.19.8's fp16 optimizer at stage 0 never scales the loss but unscales the "
+               "fp16": "DeepSpeed's fp16 optimizer at stage 0 never scales the loss but unscales the "
                        "gradients"}[deepspeed_precision(self.precision)]
         return f"training.zero_stage 0 -> 1 ({self.precision}): {why}"
 

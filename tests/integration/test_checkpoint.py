@@ -262,7 +262,7 @@ def test_kill_9_of_torchrun_ends_its_ranks_and_a_second_job_is_refused(tmp_path)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGKILL, marks=pytest.mark.slow)],
                          ids=["SIGTERM", "SIGKILL"])
 def test_the_deepspeed_runner_gone_saves_and_ends_launch_py_and_the_ranks(tmp_path, sig):
-    """DeepSpeed 0.19.8's runner forwards no signal on one node: SIGTERM ends it alone, as SIGKILL does. The
+    """DeepSpeed's runner forwards no signal on one node: SIGTERM ends it alone, as SIGKILL does. The
     ranks, whose launch.py still lives, save after their current iteration and exit 0; launch.py follows."""
     pytest.importorskip("psutil")
     import psutil

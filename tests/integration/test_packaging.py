@@ -11,10 +11,11 @@ import sysconfig
 import venv
 
 from gptpar.testing.runs import ROOT
+from gptpar.training.engine.deepspeed_api import DEEPSPEED_VERSION
 
 # What the scratch environment holds, as installed distributions (metadata only): torch at the GPU image's
 # version, the rest at any version their unpinned requirement takes (DeepSpeed at its pin).
-INSTALLED = {"torch": "2.11.0", "deepspeed": "0.19.8", "sentencepiece": "0.2.0", "numpy": "2.0.0",
+INSTALLED = {"torch": "2.11.0", "deepspeed": DEEPSPEED_VERSION, "sentencepiece": "0.2.0", "numpy": "2.0.0",
              "tensorboard": "2.18.0", "tqdm": "4.66.0"}
 BUILD_TOOLS = ("setuptools", "pkg_resources", "_distutils_hack")  # to read setup.py without build isolation
 
