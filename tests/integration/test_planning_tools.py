@@ -51,7 +51,7 @@ PLANNERS = [("tflops.py", "--config", "configs/200b.json", "--gpus", "80", "--se
 @pytest.mark.parametrize("call", PLANNERS, ids=[c[0] for c in PLANNERS])
 def test_planners_answer_without_importing_torch(call):
     """The planning tools are arithmetic on a config: they run where torch is absent or slow to import (a login
-    node; torch's import alone takes ~3 s), so none of them imports it, fp8's GEMM shapes included."""
+    node; torch's import alone takes seconds), so none of them imports it, fp8's GEMM shapes included."""
     code = (f"import runpy, sys\nsys.argv = {list(call)!r}\n"
             f"try:\n    runpy.run_path('tools/{call[0]}', run_name='__main__')\nexcept SystemExit as e:\n"
             f"    assert not e.code, e.code\n"
@@ -193,7 +193,7 @@ def _configs_and_one_without_the_state_keys(tmp_path):
     return paths + [str(tmp_path / "bare.json")]
 
 
-@pytest.mark.slow  # make test budget (~10 min on 2 cores): in make test-slow
+@pytest.mark.slow  # too slow for make test's budget: in make test-slow
 def test_memory_tool_prints_what_the_dry_run_prints(tmp_path, capsys):
     from gptpar.training.pretrain import main as pretrain_main
 

@@ -173,7 +173,7 @@ def _bf16_optimizer_of(pp, dp):
             "losses": losses, "grad_norms": norms}
 
 
-@pytest.mark.slow  # make test budget (~10 min on 2 cores): in make test-slow
+@pytest.mark.slow  # too slow for make test's budget: in make test-slow
 def test_bf16_accumulates_in_fp32_through_bf16_optimizer():
     """pp = 1 and pp = 2 at dp = 2: BF16_Optimizer with fp32 buffers, no warning, and the same global batches'
     losses and (dp-reduced, global) grad norms as one rank, to bf16 accuracy."""
@@ -516,7 +516,7 @@ def _same(a, b) -> bool:
     return a == b or (a != a and b != b)
 
 
-@pytest.mark.parametrize("tp, dp", [pytest.param(2, 1, marks=pytest.mark.slow), (1, 2)])  # ~40 s each on 2 cores
+@pytest.mark.parametrize("tp, dp", [pytest.param(2, 1, marks=pytest.mark.slow), (1, 2)])  # tp 2: in make test-slow
 def test_nonfinite_gradient_skip_decided_on_the_device_equals_deepspeeds(tp, dp):
     """A NaN or Inf in one rank's gradient, at tp 2 (a shard only that rank holds) and at dp 2 (before the gradient
     all-reduce): with the skip decided on the device, every rank skips the same iterations as with DeepSpeed's own
