@@ -176,7 +176,7 @@ def test_unit_tests_start_no_ranks_and_no_processes():
 
 # Built from parts, so this file's own text matches none of them.
 ISSUE_NUMBER = re.compile(r"\bissues?" + r" ?#?\d+", re.I)              # "issue N", "issue #N"
-SEED_NUMBER = re.compile(r"(?<![a-z])seeds?" + r"[ _]?0\d\d(?!\d)", re.I)  # "seed 00N", in prose or in a name
+SEED_NUMBER = re.compile(r"(?<![a-z])seeds?" + r"[ _]?0\d\d(?!\d)", re.I)  # "seed NNN", in prose or in a name
 DEEPSPEED_PIN = ".".join(("0", "19", "8"))
 # The DeepSpeed wrapper names the release its internals are checked against; setup.py and the Makefile pin it.
 VERSION_ALLOWED = {"gptpar/training/engine/deepspeed_api.py"}
@@ -197,7 +197,7 @@ def code_files():
 
 
 def test_code_carries_no_issue_or_seed_numbers():
-    """Comments say what the code does and why, now: 'issue N' or 'seed 00N' means nothing to a reader of the code
+    """Comments say what the code does and why, now: 'issue N' or 'seed NNN' means nothing to a reader of the code
     (the planning notes have names: docs/planning.md's Sources), and the DeepSpeed version is said where DeepSpeed
     is wrapped, not in every comment about it."""
     hits = []
