@@ -34,8 +34,8 @@ demo: $(STAMP)
 	$(PY) tools/demo.py
 
 # Two pytest workers, each taking whole test files (--dist loadfile: a module's fixture trains once for all its
-# tests). One worker alone leaves the cores idle ~40% of the time: its tests wait on rank start-ups, rendezvous,
-# launched subprocesses and timeouts. Two fill them (measured on 2 cores: 937 s -> 751 s, CPU busy 96%).
+# tests). One worker alone leaves the cores idle much of the time: its tests wait on rank start-ups, rendezvous,
+# launched subprocesses and timeouts. Two fill them (docs/benchmarks.md, "The test suite's own time").
 PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile
 
 # tests/unit: no process group, no subprocess (seconds); tests/integration: ranks, launchers, the trainer end to end.
@@ -52,7 +52,7 @@ test-all: $(STAMP)
 	$(PYTEST) tests/unit tests/integration
 
 bench: $(STAMP)
-	# docs/benchmarks.md's CPU figures (~15 min on 2 cores); the GPU ones: bash bench/gpu.sh on a GPU machine.
+	# docs/benchmarks.md's CPU figures (minutes on 2 cores); the GPU ones: bash bench/gpu.sh on a GPU machine.
 	$(PY) bench/bench_single_rank.py
 	$(PY) bench/bench_scaling.py
 	$(PY) bench/bench_preprocess.py

@@ -1,5 +1,5 @@
 """The peer: a nanoGPT-style single-device training loop, written without gptpar, as the baseline the trainer
-must beat (issue 12: gptpar's tokens/s >= 1.05 x this loop compiled, same shape, batch and GPU).
+must beat (gptpar's tokens/s >= 1.05 x this loop compiled, same shape, batch and GPU: bench/gpu_summary.py's target).
 
     python bench/bench_peer_loop.py --config configs/1.3b.json --device cuda --compile --json peer.json
     python bench/bench_peer_loop.py --config configs/1.3b.json --device cuda             # eager

@@ -44,9 +44,9 @@ ENV_LINES=(
   "OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}"          # 8 ranks share a node's cores: no oversubscription
   "TORCH_NCCL_ASYNC_ERROR_HANDLING=1"              # a dead peer ends the job instead of a silent hang
   "NCCL_DEBUG=${NCCL_DEBUG:-WARN}"
-  # Seed 003: at 160-320 GPUs the pipeline hung with asynchronous kernel launches ("320 GPUs async: always
-  # hangs"); CUDA_LAUNCH_BLOCKING=1 avoided it at a cost of 0-7% TFLOPs (80 GPUs: 97.20 -> 91.04). Set
-  # CUDA_LAUNCH_BLOCKING=0 to try the faster asynchronous mode once the hang is understood.
+  # Synchronous kernel launches: with asynchronous ones the 176B prequel log's pipeline hung at 160-320 GPUs (the
+  # README's "Multi-node" gives the cost). Set CUDA_LAUNCH_BLOCKING=0 to try the faster asynchronous mode once the
+  # hang is understood.
   "CUDA_LAUNCH_BLOCKING=${CUDA_LAUNCH_BLOCKING:-1}"
 )
 [[ -n ${NCCL_SOCKET_IFNAME:-} ]] && ENV_LINES+=("NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME")

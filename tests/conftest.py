@@ -1,9 +1,8 @@
 """The suite's ranks (gptpar.testing.run_distributed) fork from one server process that imported torch, DeepSpeed and
-torch._dynamo once, and froze the garbage collector's view of them: a spawned rank spends 3-5 s of a 2-core
-machine importing torch and DeepSpeed, and every `deepspeed.initialize` imports torch._dynamo (DeepSpeed's Muon
-optimizer module: ~3 s more) and, in bf16, runs `gc.collect()` six times on rank 0 over all of it. The suite
-starts ranks well over a hundred times; measured here, three 2-rank bf16 trainings of the tiny model took 38 s of
-CPU forked after torch + DeepSpeed, 5-6 s after this list with the collector frozen. Each rank is still a new
+torch._dynamo once, and froze the garbage collector's view of them: a spawned rank would spend seconds importing
+torch and DeepSpeed, and every `deepspeed.initialize` imports torch._dynamo (DeepSpeed's Muon optimizer module)
+and, in bf16, runs `gc.collect()` six times on rank 0 over all of it. The suite starts ranks well over a hundred
+times (the time this saves: docs/benchmarks.md, "The test suite's own time"). Each rank is still a new
 process with the test's environment; the modules are the same files either way. Nothing below reads at import an
 environment variable a test sets for its ranks (TORCHINDUCTOR_CACHE_DIR is read when a graph compiles)."""
 from gptpar.testing import fork_ranks_from_server

@@ -46,7 +46,7 @@ class SaveFolderError(CheckpointError):
     """The save folder cannot be used by this run; the message names the folder, the cause and the fix."""
 
 
-STATE_FILE_BYTES = 32 * 1024  # one rank's gptpar_rank_*.pt: counters and RNG states (~22 KB measured)
+STATE_FILE_BYTES = 32 * 1024  # one rank's gptpar_rank_*.pt: counters and RNG states, with room to spare
 
 
 def checkpoint_bytes(num_params: int, precision: str, zero_stage: int, world_size: int) -> int:

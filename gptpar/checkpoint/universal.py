@@ -328,7 +328,7 @@ def _deepspeed_meta(verifier: Verifier, config: GPTConfig) -> dict:
 # Writing one from a gptpar (DeepSpeed) checkpoint
 # ---------------------------------------------------------------------------------------------
 
-# Which optimizer files DeepSpeed 0.19.8 writes at ZeRO-1 for each training.precision: (the file names' prefix,
+# Which optimizer files DeepSpeed writes at ZeRO-1 for each training.precision: (the file names' prefix,
 # whether they hold fp16's dynamic loss scaler). A checkpoint loads straight into a run of another precision only
 # when both write the same kind (gptpar.checkpoint.checkpointer.plan_load): bf16's BF16_Optimizer files are another
 # layout, and fp32's hold a static loss scale of 1 that DeepSpeed would put in place of fp16's dynamic one. fp8

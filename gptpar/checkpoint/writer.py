@@ -20,9 +20,9 @@ object sees every byte of a checkpoint:
   Adam moments) change next at the optimizer step, in place: `wait_for_snapshot`, hooked before the client
   optimizer's step, holds that step until the copy is done. So the copy overlaps the next iteration's batch,
   forward and backward, and the files hold the state of the save's iteration exactly. The host buffers are
-  allocated at the first save and reused by every later one (a fresh buffer's first touch made the copy ~10x
-  slower); their size is said once. On CUDA they are pinned and the copy runs on a side stream after the work
-  queued before the save.
+  allocated at the first save and reused by every later one (a fresh buffer's first touch makes the copy several
+  times slower: docs/checkpoints.md); their size is said once. On CUDA they are pinned and the copy runs on a side
+  stream after the work queued before the save.
 
 The writer neither agrees between ranks nor writes the manifest and `latest`: it runs the job it is given
 (gptpar.checkpoint.checkpointer.Checkpointer's) with the files' records, once they are written. At most one save is

@@ -166,9 +166,9 @@ class TrainingConfig:
             self.activation_checkpointing = recompute_mode(self.activation_checkpointing)
         _check_fields(s, self)
         # Mixed precision runs at ZeRO-1 (not a field: the trainer prints `zero_stage_note` at start):
-        # - bf16 must accumulate gradients in fp32, and DeepSpeed 0.19.8's only such path is BF16_Optimizer, its
+        # - bf16 must accumulate gradients in fp32, and DeepSpeed's only such path is BF16_Optimizer, its
         #   own ZeRO-1 ("unsupported mix of model_dtype=bfloat16 and grad_accum_dtype=float32" at stage 0);
-        # - fp16 at stage 0 (FP16_(Unfused)Optimizer) is broken in 0.19.8: engine.backward multiplies the loss
+        # - fp16 at stage 0 (FP16_(Unfused)Optimizer) is broken in DeepSpeed: engine.backward multiplies the loss
         #   by the scale only for ZeRO optimizers, yet the step divides the gradients by it (tests/integration/test_precision.py).
         self.zero_stage_promoted = deepspeed_precision(self.precision) in ("bf16", "fp16") and self.zero_stage == 0
         if self.zero_stage_promoted:
@@ -233,7 +233,7 @@ class TrainingConfig:
             return None
         why = {"bf16": "bf16 accumulates gradients in fp32 only through BF16_Optimizer, which shards the fp32 "
                        "master weights and Adam state over dp",
-               "fp16": "DeepSpeed 0.19.8's fp16 optimizer at stage 0 never scales the loss but unscales the "
+               "fp16": "DeepSpeed's fp16 optimizer at stage 0 never scales the loss but unscales the "
                        "gradients"}[deepspeed_precision(self.precision)]
         return f"training.zero_stage 0 -> 1 ({self.precision}): {why}"
 

@@ -15,7 +15,8 @@ V = 250880. ALiBi adds no multiply: the FLOP counts below hold for both position
 
 Under tensor parallelism QKV/fc1 are column-parallel (weight and bias split), proj/fc2 row-parallel
 (weight split, bias replicated); LayerNorms and position embeddings are replicated; the word
-embedding is split along the vocab. See docs/planning.md for the derivations and the seed checks.
+embedding is split along the vocab. See docs/planning.md for the derivations and the checks against the
+reference runs.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ FORMULAS = ("improved", "legacy")
 # ---------------------------------------------------------------------------------------------
 
 def model_size_formula(num_layers: int, hidden_size: int, vocab_size: int, seq_length: int) -> int:
-    """Seed 000's estimate `L*(12h^2+13h) + V*h + s*h + 2h` (one tied embedding, final LN)."""
+    """The 200B sizing notes' estimate `L*(12h^2+13h) + V*h + s*h + 2h` (one tied embedding, final LN)."""
     h = hidden_size
     return num_layers * (12 * h * h + 13 * h) + vocab_size * h + seq_length * h + 2 * h
 
@@ -104,12 +105,12 @@ def exact_model_params(*, num_layers: int, hidden_size: int, vocab_size: int, se
 
 
 def legacy_param_count(num_layers: int, hidden_size: int, tp_size: int = 1) -> int:
-    """The non-embedding count behind the early seed tables' TFLOPs (Megatron-DeepSpeed, before PR 251).
+    """The non-embedding count behind the early 176B prequel tables' TFLOPs (Megatron-DeepSpeed, before PR 251).
 
     The reference summed the parameters one rank holds in its transformer blocks and multiplied by the
     model-parallel size (tp * pp). Replicated tensors (two LayerNorms = 4h, the row-parallel output
     biases = 2h per block) are thereby counted tp times: L*(12h^2+13h) + 6h*(tp-1)*L. Word/position
-    embeddings and the final LayerNorm are not in it (the best fit to all 31 legacy seed rows).
+    embeddings and the final LayerNorm are not in it (the best fit to all 31 legacy rows of the 176B prequel log).
     """
     h = hidden_size
     return num_layers * (12 * h * h + 13 * h) + 6 * h * (tp_size - 1) * num_layers
@@ -133,8 +134,8 @@ def model_flops_per_iteration(*, num_layers: int, hidden_size: int, vocab_size: 
     the attention core's forward: ckpt 3 plus the 4sh of QK^T and AV once more per layer and token (the
     softmax and dropout are not counted, like everywhere else here). vocab_size is used as given (pass the
     padded size).
-    legacy: legacy_param_count * ckpt * 2 * s * B (the early seed tables; tp changes the count; a parameter
-    count has no attention term, so selective counts as no recompute there).
+    legacy: legacy_param_count * ckpt * 2 * s * B (the 176B prequel log's early tables; tp changes the count; a
+    parameter count has no attention term, so selective counts as no recompute there).
     """
     if formula not in FORMULAS:
         raise ValueError(f"formula must be one of {FORMULAS}, got {formula!r}")
@@ -166,7 +167,7 @@ def tflops_per_gpu(*, num_layers: int, hidden_size: int, vocab_size: int, seq_le
 
 def tflops_from_param_count(params: float, *, seq_length: int, global_batch_size: int, sec_per_iter: float,
                             num_gpus: int, recompute: bool = True) -> float:
-    """The one-liner of seed 002 / bigscience math: params * ckpt * 2 * s * B / (sec * n * 1e12)."""
+    """The 104B tune-up notes' one-liner (BigScience's math): params * ckpt * 2 * s * B / (sec * n * 1e12)."""
     return params * (4 if recompute else 3) * 2 * seq_length * global_batch_size / (sec_per_iter * num_gpus * 1e12)
 
 

@@ -2,7 +2,7 @@
 
 Pure arithmetic, shared by tools/memory.py, the topology planner and the dry-run report.
 
-Model states: bytes per parameter that DeepSpeed 0.19.8 holds on one rank at the optimizer step (their peak),
+Model states: bytes per parameter that DeepSpeed holds on one rank at the optimizer step (their peak),
 with the client AdamW gptpar passes (`training.optimizer=adamw`). Measured on CPU with the real optimizers
 (tests/integration/test_precision.py reads every tensor the engine holds and compares with this table):
 
@@ -22,9 +22,9 @@ every GEMM and caches none.
 
 bf16 is DeepSpeed's BF16_Optimizer (`data_types.grad_accum_dtype = fp32`, `bf16.immediate_grad_update`): each
 bf16 gradient is added into a full fp32 buffer as autograd produces it and freed, so the 4 gradient bytes are
-not sharded - seed 000's 18 bytes at dp = 1. Mixed precision always runs at ZeRO-1 (a zero_stage of 0 is
-promoted, see gptpar.config); fp16 keeps its 2-byte gradients until the step, 2 more than the seed's
-18. Between steps the gradients are freed (bf16 keeps its fp32 buffer): 4 (fp32) and 2 + 4/dp (fp16) less.
+not sharded - the 200B sizing notes' 18 bytes at dp = 1. Mixed precision always runs at ZeRO-1 (a zero_stage of 0 is
+promoted, see gptpar.config); fp16 keeps its 2-byte gradients until the step, 2 more than the
+notes' 18. Between steps the gradients are freed (bf16 keeps its fp32 buffer): 4 (fp32) and 2 + 4/dp (fp16) less.
 
 `training.optimizer=adamw8bit` (bitsandbytes' AdamW8bit) replaces Adam's 8 bytes by its two uint8 moments and
 one fp32 scale per 256-element block of each: 2 + 2*4/256 = 2.03 bytes, sharded or replicated as Adam's were
@@ -44,7 +44,7 @@ holds the fp32 logits and their gradient (2 * 4 * s*b*V/tp).
 ALiBi adds its bias to the attention core: 2*a*s^2/tp bytes per micro batch under a causal mask (b times that
 with an explicit per-sample mask, not modelled).
 SDPA's flash and memory-efficient kernels never store the s x s tensors, so on them `none` holds what
-`selective` does; the 5as/h term describes an unfused attention (and the seed runs').
+`selective` does; the 5as/h term describes an unfused attention (and the 176B prequel log's runs).
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ from gptpar.estimate.float8_gemms import float8_cast_bytes, float8_weight_cache_
 from gptpar.config import PRECISIONS, deepspeed_precision
 
 GIB = 1024 ** 3
-# What `nvidia-smi` shows before any tensor exists: seed 000 measured 1271 MiB (V100) and 1573 MiB (A100 40GB).
+# What `nvidia-smi` shows before any tensor exists: the A100 40GB figure of the 200B sizing notes (docs/planning.md).
 CUDA_CONTEXT_BYTES = 1573 * 1024 ** 2
 
 

@@ -226,12 +226,12 @@ def load_calibration(path: str) -> dict:
 
 
 def calibrated_hardware(cal: dict, mode: str, base: Hardware = Hardware()) -> Hardware:
-    """The Hardware of the calibration's GPU kind: `base` (the seed cluster's network and time-model curves)
+    """The Hardware of the calibration's GPU kind: `base` (the A100 cluster's network and time-model curves)
     with `achieved_tflops` set so that the time model gives, at the calibrated shape, exactly the measured
     seconds per layer of `mode` (the layer's FLOPs at that micro batch / tp, divided by the measured time,
     with the model's micro-batch efficiency and shape penalties at that shape taken back out), and the
     GPU's memory when the file has it. Optional `network` {intra_node_gbps, inter_node_gbps} in the file
-    replaces the seed cluster's bandwidths."""
+    replaces the A100 cluster's bandwidths."""
     mode = recompute_mode(mode)
     if mode not in cal["modes"]:
         raise ValueError(f"calibration {cal.get('path', '')} has no {mode!r} measurement (has "
@@ -289,7 +289,7 @@ def plan_topology(s: dict, nodes: int, hw: Hardware = Hardware(), mbs_choices=(1
 
 
 def _candidate(s, tp, pp, dp, mbs, gbs_req, nodes, hw) -> Optional[Candidate]:
-    gbs = gbs_req - gbs_req % (dp * mbs)          # the seeds trimmed the batch (2040, 2016) to fit dp
+    gbs = gbs_req - gbs_req % (dp * mbs)          # trimmed to fit dp, as the reference runs trimmed theirs
     if gbs < dp * mbs:
         return None
     mem = memory_per_gpu(num_layers=s["num_layers"], hidden_size=s["hidden_size"],

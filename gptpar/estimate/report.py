@@ -38,7 +38,7 @@ def render_dry_run(config: Config, dp_size: int, sec_per_iter: Optional[float] =
     """The report for `config` on dp_size data-parallel ranks; meta_param_count (the real model's unique
     parameters on the meta device) and meta_stage_params (each stage's) are compared with the formulas.
     `measured`: rows (where, layers, hidden, tp, pp, dp, mbs, gbs, sec/it, printed TFLOPs, formula) of runs whose
-    TFLOPs to recompute when their shape is this model's (tests/data/seed_runs.json holds the measured A100 runs).
+    TFLOPs to recompute when their shape is this model's (tests/data/seed_runs.json: the reference A100/V100 runs).
     `kinds`: the GPU kinds to predict for; None = the A100 fit and every shipped calibration."""
     s = settings_of(config, dp_size)
     cfg = config.to_dict()

@@ -39,7 +39,7 @@ def make_adamw(params, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weig
     """apex FusedAdam (adam_w_mode) on GPU when present; else torch's fused AdamW (CUDA and CPU).
 
     On CPU the fused kernel updates each parameter in one vectorised pass; foreach makes ~10 passes over
-    parameters and states (measured 3.6x slower per step for 124M parameters on 2 threads)."""
+    parameters and states (docs/benchmarks.md has the step times)."""
     if device.type == "cuda" and use_apex():
         from apex.optimizers import FusedAdam
         return FusedAdam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam_w_mode=True)

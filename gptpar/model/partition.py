@@ -5,7 +5,7 @@ Methods:
                `type:transformer|embedding`): needs (L + 2w) % pp == 0. With a 250k vocab an embedding
                is as large as a layer or more, so the first and last stages get fewer layers.
   transformer  only transformer layers count: needs L % pp == 0; the embeddings ride on the first and
-               last stages (what the seeds' measured runs used).
+               last stages (what the 176B prequel log's measured runs used, docs/planning.md).
   auto         balanced where it divides, else transformer.
 Every stage must hold at least one transformer layer: DeepSpeed hangs otherwise.
 

@@ -33,8 +33,8 @@ from gptpar.tensor_parallel.comm import Group, group_rank, group_size
 from gptpar.tensor_parallel.grad_accumulation import accumulate_weight_grad_
 
 # Elements per fp32 block: on a GPU 16 MB, within an H100's 50 MB L2, with few enough blocks (~100 at 8192 x 50304)
-# that kernel launches stay cheap; on a CPU 32 MB (~160 rows of 50k): measured fastest on the 2-core benchmark machine
-# among 2^15..2^26 elements (fewer rows left the row-parallel reductions with too little work per thread).
+# that kernel launches stay cheap; on a CPU 32 MB (~160 rows of 50k): fewer rows leave the row-parallel reductions
+# too little work per thread (the sweep over 2^15..2^26 elements: docs/benchmarks.md, the cheaper loss).
 _BLOCK_ELEMENTS = {"cpu": 1 << 23}
 _BLOCK_ELEMENTS_ACCELERATOR = 1 << 22
 
@@ -238,7 +238,7 @@ class LogitsWorkspace:
     """A reusable (N, V) logits buffer for `linear_cross_entropy` on a CPU.
 
     PyTorch has no caching allocator on the CPU: a fresh 400 MB logits buffer every step is mmapped and
-    page-faulted in again (~100k faults; ~3 us of system time each on the benchmark machine). One forward's graph
+    page-faulted in again, every page of it, in system time. One forward's graph
     borrows the buffer and its backward hands it back; a graph dropped without backward keeps it, and the
     next forward allocates anew, so reuse never aliases two live graphs."""
 
@@ -261,8 +261,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     The GEMM writes the logits once (into `workspace` when given); the loss reads them block by block; backward
     turns them into their gradient in place and runs the two GEMMs. On a CPU the GEMM covers only the real vocab
     rows (fewer FLOPs); on a GPU all the padded rows, whose multiple-of-128 count keeps cuBLAS on its tensor-core
-    kernels (50257 columns sent the three output-layer GEMMs to a ~6x slower fallback on an H200: 39 ms of a 189 ms
-    1.3B step, docs/benchmarks.md). The weight's gradient covers all its rows (zeros on padding), so a padded
+    kernels (50257 columns send the three output-layer GEMMs to a much slower fallback: docs/benchmarks.md). The
+    weight's gradient covers all its rows (zeros on padding), so a padded
     table needs no slice and no zero-filled copy. Under autocast the GEMMs run in the autocast dtype; the loss is
     fp32 in every case. `reduce_input_grad`: all-reduce the hidden gradient over `group` (Megatron's f operator),
     overlapped with the weight-gradient GEMM; off under sequence parallelism, whose gather before the output layer

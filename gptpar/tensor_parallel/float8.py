@@ -57,8 +57,8 @@ refreshes at the start of train_step / eval_step and invalidates when they end (
 recasts every micro-batch: its forward and grad-input GEMMs need the weight scaled along different axes, and torchao's
 function takes one weight operand for both.
 
-Eager float8 is slow: each cast is several kernels (an H100 ran the 200B tp-8 layer in 37 ms in fp8 against 14 ms in
-bf16); compile the layers (`training.compile`: 10.7 ms against compiled bf16's 13.2 ms; docs/precision.md).
+Eager float8 is slow: each cast is several kernels, so eager fp8 runs slower than bf16; compile the layers
+(`training.compile`), which fuses the casts (the timings: docs/precision.md).
 
 torchao 0.18.0 internals relied on (not public API; `make test` breaks when one changes):
     `torchao.float8.float8_linear.matmul_with_hp_or_float8_args`     tests/integration/test_float8.py::test_parallel_layers_equal_torchaos_float8_linear,
@@ -73,7 +73,7 @@ torchao 0.18.0 internals relied on (not public API; `make test` breaks when one 
     that function's output is a view it owns (copied before the        tests/integration/test_float8.py::test_a_compiled_layer_traces_fp8_in_one_graph
       row-parallel in-place all-reduce) and it is allow_in_graph
     the non-emulated path (torch._scaled_mm, torchao's padding of      tests/integration/test_float8.py::test_cuda_float8_gemms_match_the_emulation
-      the token dimension)                                              (on a GPU only; it ran on an H100, torch 2.11)
+      the token dimension)                                              (on a GPU only)
 """
 from __future__ import annotations
 

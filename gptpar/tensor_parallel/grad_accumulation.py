@@ -3,8 +3,8 @@ added straight into an fp32 buffer, `weight.main_grad`, by the weight-gradient G
 
 Without it a bf16 model's weight gradient is a bf16 tensor per micro-batch, which the optimizer wrapper then adds
 into its fp32 accumulation buffer (DeepSpeed's BF16_Optimizer, gptpar.training.engine.deepspeed_api): 2 bytes
-written by the GEMM, 2 + 4 read and 4 written by the add, per parameter per micro-batch - at the 1.3B shape on an
-H100, 292 unvectorised mixed-dtype adds and ~50 ms of each 1.19 s iteration. Fused, the GEMM reads and writes the
+written by the GEMM, 2 + 4 read and 4 written by the add, per parameter per micro-batch - at the 1.3B shape 292
+unvectorised mixed-dtype adds per micro-batch (their cost: docs/benchmarks.md). Fused, the GEMM reads and writes the
 fp32 buffer in its epilogue (`torch.addmm(main_grad, g^T, x, out_dtype=float32, out=main_grad)`, cuBLAS with bf16
 inputs and an fp32 C = D; torch >= 2.10) and autograd sees no weight gradient at all. The sums are also more
 exact: each micro-batch's product is added in fp32 before any rounding to bf16.

@@ -1,7 +1,7 @@
 """All-reduce bandwidth over message sizes, with nccl-tests' definitions, launched like the trainer.
 
     torchrun --nproc_per_node 8 tools/allreduce_bench.py                    # NCCL on GPUs
-    torchrun --nnodes 2 --nproc_per_node 8 ... tools/allreduce_bench.py     # between nodes (seed 001)
+    torchrun --nnodes 2 --nproc_per_node 8 ... tools/allreduce_bench.py     # between nodes
     python -m torch.distributed.run --nproc_per_node 2 tools/allreduce_bench.py --max-bytes 1M   # gloo, CPU
 
 algbw = bytes / time; busbw = algbw * 2(n-1)/n (what a ring moves per rank; compare with the link speed).

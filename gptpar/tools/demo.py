@@ -1,10 +1,10 @@
 """`make demo`: train a small GPT on real text over 2 CPU (gloo) ranks, show the log lines, save a checkpoint.
 
-Set-up, once, cached under data/demo/ (about 20 s):
+Set-up, once, cached under data/demo/:
     tools/make_demo_corpus.py   the Python standard library's sources as a jsonl corpus (no download)
     tools/train_tokenizer.py    a BPE tokenizer whose size is configs/demo_cpu.json's model.vocab_size
     tools/preprocess_data.py    Megatron .bin/.idx files
-Then the run (about 2.5 minutes on 2 cores), printed before it starts:
+Then the run (its time on a 2-core machine: the README), printed before it starts:
     deepspeed --num_gpus 2 pretrain_gpt.py --config configs/demo_cpu.json
 then a continuation of the start of a Python function sampled from the model just trained:
     tools/generate.py --load checkpoints/demo --prompt ... (decoded with the demo's tokenizer)

@@ -195,7 +195,7 @@ def max_length(args, config, tokenizer_path):
 
 def resolve_tasks(tasks, include_path):
     """(the harness's TaskManager, the task names with glob patterns expanded). Tasks found in --include-path
-    alone skip indexing the harness's own thousands of tasks (~15 s). Raises UsageError naming an unknown task."""
+    alone skip indexing the harness's own thousands of tasks. Raises UsageError naming an unknown task."""
     import difflib
 
     from lm_eval.tasks import TaskManager

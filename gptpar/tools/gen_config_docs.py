@@ -67,7 +67,7 @@ DeepSpeed's own config keys, for what gptpar does not decide, merged over the De
 each key is checked (`gptpar.training.engine.ds_config.check_deepspeed_overrides`): only the top-level keys
 below pass through, each checked by DeepSpeed's own config model or parser, so a typo (top-level, which DeepSpeed
 itself would silently ignore, or nested) or an ill-typed value exits 2 naming the key; a key gptpar generates
-exits 2 naming the gptpar key to set instead. Values mean what DeepSpeed 0.19.8 makes of them; gptpar's tests
+exits 2 naming the gptpar key to set instead. Values mean what the pinned DeepSpeed makes of them; gptpar's tests
 read the bucket sizes and the communication dtype back from the built engine.
 
 ```

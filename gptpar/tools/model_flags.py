@@ -77,7 +77,7 @@ def _settings_from_flags(args) -> dict:
     if args.vocab_size is not None:
         s["vocab_size"] = s["padded_vocab_size"] = args.vocab_size
     s["gpus"] = args.gpus if args.gpus is not None else s["tp_size"] * s["pp_size"] * s["dp_size"]
-    # the seed logs' runs recomputed activations: factor 4 unless --no-recompute
+    # full recompute (factor 4), as the reference Megatron-DeepSpeed runs did, unless --no-recompute
     s["recompute"] = "none" if args.no_recompute else "full"
     check_tp(s)
     return s

@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"model size (seed 000 formula L*(12h^2+13h) + V*h + s*h + 2h): {formula:,} = {formula / 1e9:.0f}B")
+    print(f"model size (formula L*(12h^2+13h) + V*h + s*h + 2h): {formula:,} = {formula / 1e9:.0f}B")
     print(f"exact parameters (padded vocab {s['padded_vocab_size']}, ffn {s['ffn_hidden_size']}): {exact:,}")
     print(f"{'stage':>5} {'params':>18} {'per tp rank':>16}   (tp={s['tp_size']}, pp={s['pp_size']}, "
           f"{s['partition_method']})")

@@ -7,7 +7,8 @@
 
 --vocab-size is the padded size as given; from a config the vocab is padded for its tp. The config is read and
 checked as pretrain_gpt.py reads it (--set overrides a key); recompute is the config's
-training.activation_checkpointing (the seed logs' full recompute with flags alone), --no-recompute turns it off.
+training.activation_checkpointing (with flags alone full recompute, as the reference Megatron-DeepSpeed runs did);
+--no-recompute turns it off.
 Formula: improved (Narayanan) unless --formula legacy.
 """
 import argparse

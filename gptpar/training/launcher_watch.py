@@ -22,7 +22,7 @@ What a rank does when one is gone:
                                                  (parallel.distributed_timeout_minutes), exit 1 without saving.
                                                  Before training started (nothing to save) it exits at once.
 
-Why the second: DeepSpeed 0.19.8's runner installs its signal handlers only for multi-node PDSH launches, so on
+Why the second: DeepSpeed's runner installs its signal handlers only for multi-node PDSH launches, so on
 one node `kill PID` (SIGTERM) of the runner ends the runner alone while launch.py and the ranks go on; a rank
 cannot tell that from `kill -9` of the runner. Either way launch.py still holds the ranks, nothing else writes
 the save folder yet, and the user asked the job to stop: so the ranks save what they trained, as SIGTERM to

@@ -169,7 +169,7 @@ def test_a_job_killed_mid_save_resumes_from_the_previous_checkpoint(tmp_path):
     assert read_latest(ck) == "iter_0000013"
 
 
-@pytest.mark.slow  # make test budget (~10 min on 2 cores): in make test-slow
+@pytest.mark.slow  # too slow for make test's budget: in make test-slow
 def test_a_signal_during_an_in_flight_save_exits_after_both_are_written(tmp_path):
     """SIGTERM while iteration 4's save is being written (2 s per file): the run stops after the current
     iteration, its final save waits for iteration 4's, then for itself; both complete, `latest` on the final."""

@@ -183,7 +183,7 @@ def run_evals(runs):
 
 @contextlib.contextmanager
 def no_env_report():
-    """Without the harness's environment report in its results (torch's collect_env, ~2 s of `pip list` per
+    """Without the harness's environment report in its results (torch's collect_env, a `pip list` per
     evaluation): the tests' runs take seconds each, and compare no part of it."""
     import lm_eval.evaluator
 

@@ -73,7 +73,7 @@ def test_every_shipped_config_runs_every_gemm_in_fp8(path):
         assert g.mode != "bf16", g
     padded = {g.name for g in gemms if g.mode == "padded"}
     name = os.path.basename(path)
-    if name in ("200b.json", "104b.json"):  # the slices the issue names: 14400 x 5400 and 1800 x 14400 at tp 8, ...
+    if name in ("200b.json", "104b.json"):  # the slices fp8 must pad: 14400 x 5400 and 1800 x 14400 at tp 8, ...
         assert padded == {"query_key_value", "dense"}
         assert all(g.extra_flops < 0.005 for g in gemms)  # a fraction of a percent
     else:

@@ -155,10 +155,9 @@ def test_tied_embedding_accumulates_lookup_and_output_layer_gradients():
     not torch.cuda.is_available(), reason="needs a CUDA device"))])
 def test_embedding_lookup_adds_repeated_ids_in_fp32(device):
     """The fused lookup's gradient is the fp32 sum of every position's bf16 gradient, however often an id repeats
-    (a CPU's own bf16 embedding backward sums them in bf16: ~4% off for 2,000 repeats on the benchmark machine),
-    and the same bits when run again (CUDA's accumulating index_put_ sorts the ids; a CPU's index_add_ adds them
-    in order; a CPU's accumulating index_put_ does not: with 2 threads here, 50 of 50 reruns differed from the
-    first)."""
+    (a CPU's own bf16 embedding backward sums them in bf16), and the same bits when run again (CUDA's accumulating
+    index_put_ sorts the ids; a CPU's index_add_ adds them in order; a CPU's accumulating index_put_ does not).
+    How far off each of those is: docs/benchmarks.md (gradient-accumulation fusion, the word embedding)."""
     from gptpar.tensor_parallel.grad_accumulation import embedding_into_main_grad
 
     g = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""Operating a long run (issue 17): skip ranges, the kill switch, named validation sets, Megatron-DeepSpeed's
+"""Operating a long run: skip ranges, the kill switch, named validation sets, Megatron-DeepSpeed's
 TensorBoard tags, end to end on 2 gloo ranks (dp = 2), each against a reference computation:
 
 - skip ["5-7"] over 12 iterations == a run fed batches 0-3 then 7-11 (its data shifted from outside), bitwise;

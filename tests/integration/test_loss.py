@@ -1,4 +1,4 @@
-"""The cheaper loss (issue 21): vocab-parallel cross-entropy read in fp32 blocks, and the output layer fused with it.
+"""The cheaper loss: vocab-parallel cross-entropy read in fp32 blocks, and the output layer fused with it.
 
 References, each computed independently of gptpar's loss code:
   - F.cross_entropy on the gathered (full) logits, in fp32 - the serial model's loss;

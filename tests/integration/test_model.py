@@ -1,4 +1,4 @@
-"""The GPT model against Hugging Face GPT-2, the seed's size formula, DeepSpeed's partitioner, and itself
+"""The GPT model against Hugging Face GPT-2, the 200B sizing notes' size formula, DeepSpeed's partitioner, and itself
 under activation checkpointing and attention masks."""
 import math
 

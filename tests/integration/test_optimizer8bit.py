@@ -1,7 +1,8 @@
 """`training.optimizer=adamw8bit` (bitsandbytes' AdamW8bit) through the trainer on 2 gloo ranks: checkpoints hold
 its quantised state and a resumed run equals an uninterrupted one, at ZeRO-1 (fp32 and bf16's BF16_Optimizer) and
 through the pipeline; a missing package is a config error naming the fix. Bytes per parameter against the memory
-estimate: tests/integration/test_precision.py; seed 002's 104B rows: tests/unit/test_memory.py; the demo's loss and state ratios:
+estimate: tests/integration/test_precision.py; the 104B tune-up notes' rows: tests/unit/test_memory.py; the demo's loss
+and state ratios:
 bench/bench_optimizer8bit.py.
 """
 import glob

@@ -1,8 +1,8 @@
-"""Installing gptpar keeps the torch already there (issue 22, item 9): on a GPU machine that is a CUDA build pip
-must not replace. setup.py asks for the range gptpar supports (`torch>=2.11`); the exact CPU pin is the
-Makefile's. Checked offline with pip itself: a scratch environment holding stand-in distributions (only their
-metadata) of torch 2.11.0 and gptpar's other requirements, and `pip install --dry-run --no-index`, which must
-plan to install gptpar alone. No index, no find-links, no pip config: nothing can be downloaded."""
+"""Installing gptpar keeps the torch already there: on a GPU machine that is a CUDA build pip must not replace.
+setup.py asks for the range gptpar supports (`torch>=2.11`); the exact CPU pin is the Makefile's. Checked offline
+with pip itself: a scratch environment holding stand-in distributions (only their metadata) of torch 2.11.0 and
+gptpar's other requirements, and `pip install --dry-run --no-index`, which must plan to install gptpar alone. No
+index, no find-links, no pip config: nothing can be downloaded."""
 import json
 import os
 import subprocess
@@ -11,10 +11,11 @@ import sysconfig
 import venv
 
 from gptpar.testing.runs import ROOT
+from gptpar.training.engine.deepspeed_api import DEEPSPEED_VERSION
 
 # What the scratch environment holds, as installed distributions (metadata only): torch at the GPU image's
 # version, the rest at any version their unpinned requirement takes (DeepSpeed at its pin).
-INSTALLED = {"torch": "2.11.0", "deepspeed": "0.19.8", "sentencepiece": "0.2.0", "numpy": "2.0.0",
+INSTALLED = {"torch": "2.11.0", "deepspeed": DEEPSPEED_VERSION, "sentencepiece": "0.2.0", "numpy": "2.0.0",
              "tensorboard": "2.18.0", "tqdm": "4.66.0"}
 BUILD_TOOLS = ("setuptools", "pkg_resources", "_distutils_hack")  # to read setup.py without build isolation
 

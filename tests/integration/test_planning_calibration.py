@@ -36,8 +36,8 @@ def _write(tmp_path, name, shape, seconds, **extra):
     return str(path)
 
 
-def test_a_calibration_of_the_seed_rate_reproduces_the_a100_prediction(tmp_path):
-    """A file whose seconds per layer are what the seed-fitted A100 model implies gives back that model."""
+def test_a_calibration_of_the_a100_fit_reproduces_the_a100_prediction(tmp_path):
+    """A file whose seconds per layer are what the A100 fit (the time model) implies gives back that model."""
     a100 = Hardware()
     shape = _shape_200b()
     path = _write(tmp_path, "a100.json", shape, {m: _layer_seconds(shape, m, a100) for m in ("none", "full")})

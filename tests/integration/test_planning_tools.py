@@ -10,8 +10,8 @@ import pytest
 from gptpar.testing import ROOT
 
 
-# Three log lines of seed 003 (fp16 "Best TFLOPs" section), verbatim
-SEED_LOG = """\
+# Three log lines of the 176B prequel log (fp16 "Best TFLOPs" section), verbatim
+PREQUEL_LOG = """\
  iteration        2/   95367 | consumed samples:         4096 | consumed tokens:      8388608 | elapsed time per iteration (s): 844.81 | learning rate: 3.787E-06 | global batch size:  2048 | lm loss: 6.373861E+01 | loss scale: 4096.0 | grad norm: 34132.119 | num zeros: 0.0 | number of skipped iterations:   0 | number of nan iterations:   0 | samples per second: 2.424 | TFLOPs: 98.87 |
 some other line that the parser must skip
  iteration        2/   95367 | consumed samples:         4096 | consumed tokens:      8388608 | elapsed time per iteration (s): 853.81 | learning rate: 3.787E-06 | global batch size:  2048 | lm loss: 6.369443E+01 | loss scale: 1.0 | grad norm: 4.461 | num zeros: 0.0 | number of skipped iterations:   0 | number of nan iterations:   0 | samples per second: 2.399 | TFLOPs: 97.82 |
@@ -51,7 +51,7 @@ PLANNERS = [("tflops.py", "--config", "configs/200b.json", "--gpus", "80", "--se
 @pytest.mark.parametrize("call", PLANNERS, ids=[c[0] for c in PLANNERS])
 def test_planners_answer_without_importing_torch(call):
     """The planning tools are arithmetic on a config: they run where torch is absent or slow to import (a login
-    node; torch's import alone takes ~3 s), so none of them imports it, fp8's GEMM shapes included."""
+    node; torch's import alone takes seconds), so none of them imports it, fp8's GEMM shapes included."""
     code = (f"import runpy, sys\nsys.argv = {list(call)!r}\n"
             f"try:\n    runpy.run_path('tools/{call[0]}', run_name='__main__')\nexcept SystemExit as e:\n"
             f"    assert not e.code, e.code\n"
@@ -72,7 +72,7 @@ def test_tflops_flags_reproduce_the_20b_log_line():
 def test_tflops_config_with_override_reproduces_the_final_round():
     out, other, no_rc = map(parse_json, side_by_side(
         ("tflops.py", "--config", "configs/181b_48nodes.json", "--gpus", "384", "--sec-per-iter", "120.85", "--json"),
-        # flags override the config: seed 003's 84-layer, 13312-wide final-round model (ffn back to 4h)
+        # flags override the config: the 176B prequel log's 84-layer, 13312-wide final-round model (ffn back to 4h)
         ("tflops.py", "--config", "configs/181b_48nodes.json", "--num-layers", "84", "--hidden-size", "13312",
          "--gpus", "384", "--sec-per-iter", "122.93", "--json"),
         ("tflops.py", "--config", "configs/181b_48nodes.json", "--gpus", "384", "--sec-per-iter", "120.85",
@@ -84,7 +84,7 @@ def test_tflops_config_with_override_reproduces_the_final_round():
 
 def test_tflops_from_a_log(tmp_path):
     log = tmp_path / "train.log"
-    log.write_text(SEED_LOG)
+    log.write_text(PREQUEL_LOG)
     out = run_json("tflops.py", "--config", "configs/200b.json", "--gpus", "80", "--formula", "legacy",
                    "--log", str(log))
     assert [r["iteration"] for r in out["iterations"]] == [2, 2]
@@ -193,7 +193,7 @@ def _configs_and_one_without_the_state_keys(tmp_path):
     return paths + [str(tmp_path / "bare.json")]
 
 
-@pytest.mark.slow  # make test budget (~10 min on 2 cores): in make test-slow
+@pytest.mark.slow  # too slow for make test's budget: in make test-slow
 def test_memory_tool_prints_what_the_dry_run_prints(tmp_path, capsys):
     from gptpar.training.pretrain import main as pretrain_main
 

@@ -265,7 +265,7 @@ def run_cases(d, live_pid, only=None):
                                        lambda *a, **k: built.append(1) or real_build(*a, **k))])
     out["out_of_vocab_built"] = (len(built), "", None)
 
-    # -- resuming at another shape or precision; universal copies (issue 22) ------------------------------
+    # -- resuming at another shape or precision; universal copies ------------------------------------------
     from gptpar.checkpoint import universal
     from gptpar.checkpoint.durable import write_manifest
 
@@ -561,7 +561,7 @@ def test_out_of_vocab_data_exits_2_before_the_model_is_built(cases):
     assert out[0]["out_of_vocab_built"][0] == out[1]["out_of_vocab_built"][0] == 0
 
 
-# -- resuming at another shape or precision; universal copies; unreadable files (issue 22) --------------------
+# -- resuming at another shape or precision; universal copies; unreadable files -------------------------------
 
 def _trained(text):
     return [int(line.split("/")[0].split()[-1]) for line in log_lines(text)]

@@ -1,8 +1,9 @@
 """DeepSpeed's CPU shared-memory all-reduce buffers do not outlive the run that made them.
 
-DeepSpeed 0.19.8 creates /dev/shm/deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank} (~66 MB each, in RAM)
-when all ranks share a host (its launcher's LOCAL_SIZE equals the world size), and never unlinks it: every CPU run left one per rank behind (11 GB after a day
-of test runs here). `engine.release_shm_buffer` unlinks this rank's once every rank has mapped them all.
+DeepSpeed creates /dev/shm/deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank} (tens of MB each, in RAM) when
+all ranks share a host (its launcher's LOCAL_SIZE equals the world size), and never unlinks it, so every CPU run
+would leave one per rank behind (docs/reliability.md). `engine.release_shm_buffer` unlinks this rank's once every
+rank has mapped them all.
 """
 import os
 

@@ -185,8 +185,8 @@ def test_cli_names_the_accelerator_for_compiled_sequence_parallelism(tmp_path, m
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_runs_at_zero_stage_1(precision):
-    """bf16 accumulates in fp32 only through BF16_Optimizer (DeepSpeed's ZeRO-1), and DeepSpeed 0.19.8's fp16 at
-    stage 0 does not scale the loss: stage 0 is promoted, said in one line; bf16 asks for fp32 accumulation."""
+    """bf16 accumulates in fp32 only through BF16_Optimizer (DeepSpeed's ZeRO-1), and DeepSpeed's fp16 at stage 0
+    does not scale the loss: stage 0 is promoted, said in one line; bf16 asks for fp32 accumulation."""
     for stage in (0, 1):
         cfg = config_from_dict(base(training={"precision": precision, "zero_stage": stage}))
         assert cfg.training.zero_stage == 1 and cfg.training.zero_stage_promoted == (stage == 0)

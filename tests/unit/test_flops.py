@@ -1,7 +1,8 @@
-"""gptpar.estimate.flops against the seed tables (the external reference) and independent arithmetic.
+"""gptpar.estimate.flops against the planning notes' tables (the external reference, docs/planning.md's Sources)
+and independent arithmetic.
 
-Every TFLOPs value of seed 003 whose inputs the seed gives is listed below with those inputs.
-Inferred inputs are marked `# inferred:` (see docs/planning.md, "Seed rows").
+Every TFLOPs value of the 176B prequel log whose inputs the log gives is listed below with those inputs.
+Inferred inputs are marked `# inferred:` (see docs/planning.md, "Seed rows and what had to be inferred").
 """
 import math
 import random
@@ -15,7 +16,7 @@ from gptpar.estimate.flops import (exact_model_params, layer_params, legacy_para
 SEQ = 2048
 V_PAD = 250880   # 250680 tokens padded to a multiple of 128*tp (tp 8, 4, 2 all give 250880)
 
-# ---- seed 003, legacy formula (everything before "TFLOPs calculation improved") -------------------------------
+# ---- the 176B prequel log, legacy formula (everything before "TFLOPs calculation improved") -------------------
 # (label, layers, hidden, tp, pp, dp, gbs, sec/it, printed TFLOPs)
 LEGACY_ROWS = [
     # "Best TFLOPs", fp16 log lines + table (GPUs column gives dp*tp*pp)
@@ -61,7 +62,7 @@ LEGACY_ROWS = [
     ("ZS=0 181B", 72, 14336, 8, 12, 4, 2048, 137.34, 113.02),
 ]
 
-# ---- seed 003, improved formula (from "TFLOPs calculation improved" on) -------------------------------------------
+# ---- the 176B prequel log, improved formula (from "TFLOPs calculation improved" on) -------------------------------
 # (label, layers, hidden, tp, pp, dp, gbs, sec/it, printed TFLOPs); vocab = 250880 throughout
 IMPROVED_ROWS = [
     ("contenders pp12 mbs1", 72, 14336, 8, 12, 4, 2048, 143.31, 112.49),
@@ -126,7 +127,7 @@ TOL = 0.01 + 1e-9
 
 
 @pytest.mark.parametrize("row", LEGACY_ROWS, ids=[r[0] for r in LEGACY_ROWS])
-def test_seed003_legacy_tflops(row):
+def test_prequel_legacy_tflops(row):
     _, L, h, tp, pp, dp, gbs, sec, printed = row
     got = tflops_per_gpu(num_layers=L, hidden_size=h, vocab_size=V_PAD, seq_length=SEQ, global_batch_size=gbs,
                          sec_per_iter=sec, num_gpus=tp * pp * dp, formula="legacy", tp_size=tp)
@@ -144,16 +145,16 @@ def test_legacy_needs_the_reference_count_not_the_textbook_one():
 
 
 @pytest.mark.parametrize("row", IMPROVED_ROWS, ids=[r[0] for r in IMPROVED_ROWS])
-def test_seed003_improved_tflops(row):
+def test_prequel_improved_tflops(row):
     _, L, h, tp, pp, dp, gbs, sec, printed = row
     got = tflops_per_gpu(num_layers=L, hidden_size=h, vocab_size=V_PAD, seq_length=SEQ, global_batch_size=gbs,
                          sec_per_iter=sec, num_gpus=tp * pp * dp, tp_size=tp)
     assert abs(got - printed) <= TOL, (got, printed)
 
 
-# ---- seed 002: the perl one-liners and the table values they produced -----------------------------------------
+# ---- the 104B tune-up notes: the perl one-liners and the table values they produced -----------------------------
 # (model size in B, seq in the one-liner, gbs in the one-liner, sec, gpus, printed value, printed decimals)
-SEED002_ROWS = [
+TUNE_UP_104B_ROWS = [
     (104, 1024, 1048, 256, 32 * 4, 27.2, 1),    # BS=1024 table: the one-liner really used gbs 1048 and seq 1024
     (104, 1024, 1048, 155, 64 * 4, 22.5, 1),
     (104, 1024, 2048, 586, 32 * 4, 23.26, 2),   # BS=2048 table
@@ -166,8 +167,8 @@ SEED002_ROWS = [
 ]
 
 
-@pytest.mark.parametrize("row", SEED002_ROWS)
-def test_seed002_perl_one_liners(row):
+@pytest.mark.parametrize("row", TUNE_UP_104B_ROWS)
+def test_104b_tune_up_perl_one_liners(row):
     ms, seq, gbs, sec, gpus, printed, decimals = row
     # the one-liner: $ms*4*2*$seqlen*$gbs / ($sp * $ng * 1e3) with ms in billions
     perl = ms * 4 * 2 * seq * gbs / (sec * gpus * 1e3)
@@ -177,17 +178,17 @@ def test_seed002_perl_one_liners(row):
     assert math.floor(got * 10 ** decimals) / 10 ** decimals == pytest.approx(printed, abs=1e-9)
 
 
-# ---- seed 000: model sizes and the per-GPU breakdown -----------------------------------------------------------
-def test_seed000_model_sizes():
+# ---- the 200B sizing notes: model sizes and the per-GPU breakdown ----------------------------------------------
+def test_200b_sizing_model_sizes():
     assert round(model_size_formula(64, 11600, 50257, 2048) / 1e9) == 104
     assert round(model_size_formula(96, 13312, 150_000, 2048) / 1e9) == 206
     assert round(model_size_formula(112, 12288, 150257, 2048) / 1e9) == 205
-    # the python one-liner of seed 000, verbatim arithmetic
+    # the sizing notes' python one-liner, verbatim arithmetic
     h, l, s, v = 12288, 112, 2048, 150257
     assert model_size_formula(l, h, v, s) == l * (12 * h ** 2 + 13 * h) + v * h + s * h + 2 * h
 
 
-def test_seed000_breakdown():
+def test_200b_sizing_breakdown():
     # "one layer size: 12*h**2 + 13*h: 1_614_870_800 / 4 (TP=4) => 403_717_700"
     assert layer_params(11600) == 1_614_870_800 and layer_params(11600) // 4 == 403_717_700
     assert layer_params(13312) == 2_126_685_184 and layer_params(13312) // 4 == 531_671_296
@@ -306,7 +307,7 @@ def test_bad_input_and_mfu():
 
 
 def test_matches_the_model_built_on_the_meta_device():
-    """The per-stage formula equals the parameter count of gptpar's real blocks (model issue's meta build)."""
+    """The per-stage formula equals the parameter count of gptpar's real blocks (built on the meta device)."""
     pipeline = pytest.importorskip("gptpar.model.pipeline")
     from gptpar.model.config import GPTConfig
     if not hasattr(pipeline, "stage_parameter_counts"):

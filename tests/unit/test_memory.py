@@ -1,5 +1,5 @@
-"""gptpar.estimate.memory against seed 000's arithmetic, independent formulas, seed 003's measured memory columns
-and seed 002's 8-bit Adam rows."""
+"""gptpar.estimate.memory against the 200B sizing notes' arithmetic, independent formulas, the 176B prequel log's
+measured memory columns and the 104B tune-up notes' 8-bit Adam rows (docs/planning.md's Sources)."""
 import os
 import random
 
@@ -14,14 +14,14 @@ from gptpar.testing import ROOT
 
 
 
-def test_seed000_bytes_per_gpu():
-    # Seed 000: "953_180_700 params * 18 bytes = 17_157_252_600 bytes", 18 = 2 half weights + 4 fp32 grads + 12
-    # optimizer (fp32 master, exp_avg, exp_avg_sq). DeepSpeed 0.19.8 also keeps the 2-byte half-precision
+def test_200b_sizing_bytes_per_gpu():
+    # The sizing notes: "953_180_700 params * 18 bytes = 17_157_252_600 bytes", 18 = 2 half weights + 4 fp32 grads
+    # + 12 optimizer (fp32 master, exp_avg, exp_avg_sq). DeepSpeed also keeps the 2-byte half-precision
     # gradients until the step (measured in tests/integration/test_precision.py): 2 bytes more per parameter.
     assert model_state_bytes(953_180_700, "fp16", zero_stage=1, dp_size=1)["total"] == \
         17_157_252_600 + 2 * 953_180_700
     # 200B, TP=4: "4*531_671_296 = 2_126_685_184 params * 18 = 38_280_333_312 bytes": bf16's BF16_Optimizer
-    # frees each bf16 gradient once it is added into the fp32 buffer, so it holds exactly the seed's 18
+    # frees each bf16 gradient once it is added into the fp32 buffer, so it holds exactly the notes' 18
     assert model_state_bytes(4 * 531_671_296, "bf16")["total"] == 38_280_333_312
     # bf16 always runs BF16_Optimizer (ZeRO-1): at dp 8 only the 12 optimizer bytes are sharded
     assert model_state_bytes(807_435_400, "bf16", zero_stage=0, dp_size=8)["total"] == 807_435_400 * (2 + 4 + 12 / 8)
@@ -83,8 +83,9 @@ def test_stage_totals_add_up_and_heaviest_holds_an_embedding():
     assert mem["max"]["stage"] in (0, 11)
 
 
-# seed 003's measured memory (the max over GPUs, "first (last) nodes"): (layers, hidden, heads, tp, pp, dp, mbs,
-# gbs, precision, zero_stage, measured GB). Layers where the table gives only a size: as in tests/unit/test_flops.py.
+# the 176B prequel log's measured memory (the max over GPUs, "first (last) nodes"): (layers, hidden, heads, tp, pp,
+# dp, mbs, gbs, precision, zero_stage, measured GB). Layers where the table gives only a size: as in
+# tests/unit/test_flops.py.
 # inferred: heads 96 for hidden 14400 (the 200B log lines; 32 for the 8-layer 20B model) and for 13824 (not given).
 MEASURED = [
     (8, 14400, 32, 8, 1, 1, 1, 2048, "fp16", 1, 67), (80, 14400, 96, 8, 10, 1, 1, 2048, "fp16", 1, 73),
@@ -117,7 +118,7 @@ MEASURED = [
     (72, 14336, 64, 2, 12, 16, 2, 2048, "bf16", 1, 63), (72, 14336, 64, 2, 24, 8, 1, 2048, "bf16", 1, 44),
     (72, 14336, 64, 2, 24, 8, 2, 2048, "bf16", 1, 53),
 ]
-# OOM in seed 003: must be estimated above 80 GiB
+# OOM in the prequel log: must be estimated above 80 GiB
 OOM = [(72, 14336, 64, 8, 1, 48, 1, 2016), (72, 14336, 64, 2, 6, 32, 2, 2048), (72, 14336, 64, 2, 6, 32, 1, 2048)]
 
 
@@ -127,10 +128,10 @@ def estimate_gib(L, h, a, tp, pp, dp, mbs, gbs, precision="bf16", zero_stage=1):
                           precision=precision, zero_stage=zero_stage)["max"]["total"] / GIB
 
 
-def test_estimate_tracks_seed003_measured_memory():
+def test_estimate_tracks_the_prequel_measured_memory():
     """Per-row error is written up in docs/benchmarks.md; here: every row within 35%, mean within 15%.
 
-    The one bf16 ZeRO-0 row (72 GB: the 2022 run kept the optimizer state unsharded) is a configuration gptpar
+    The one bf16 ZeRO-0 row (72 GB: that run kept the optimizer state unsharded) is a configuration gptpar
     does not run: bf16 is promoted to ZeRO-1 (BF16_Optimizer), so its estimate is the ZeRO-1 one."""
     zero0 = [row for row in MEASURED if row[9] == 0]
     assert len(zero0) == 1 and estimate_gib(*zero0[0][:9], 0) == estimate_gib(*zero0[0][:9], 1)
@@ -143,14 +144,14 @@ def test_estimate_tracks_seed003_measured_memory():
 
 
 @pytest.mark.parametrize("row", OOM)
-def test_seed003_oom_rows_do_not_fit(row):
+def test_prequel_oom_rows_do_not_fit(row):
     assert estimate_gib(*row) > 80
 
 
-# -- seed 002: bitsandbytes' 8-bit Adam (--use-bnb-optimizer) on the 104B model, 32 nodes of 4 V100 32GB ------
-# (tp, pp, dp) -> memory the seed noted per GPU, GB; None = "32GB OOMs". fp16, ZeRO-1, mbs 1, gbs 2048.
-SEED002_BNB = {(4, 16, 2): 31, (2, 32, 2): 31, (1, 64, 2): None, (4, 32, 1): 27}
-SEED002_BASELINE = {(4, 32, 1): 30}   # the same run without --use-bnb-optimizer
+# -- the 104B tune-up notes: bitsandbytes' 8-bit Adam (--use-bnb-optimizer), 32 nodes of 4 V100 32GB --------
+# (tp, pp, dp) -> memory the notes give per GPU, GB; None = "32GB OOMs". fp16, ZeRO-1, mbs 1, gbs 2048.
+BNB_104B = {(4, 16, 2): 31, (2, 32, 2): 31, (1, 64, 2): None, (4, 32, 1): 27}
+BASELINE_104B = {(4, 32, 1): 30}   # the same run without --use-bnb-optimizer
 V100_GB = 32
 
 
@@ -163,19 +164,20 @@ def estimate_104b(layout, optimizer):
     return memory_of(settings_of(cfg))["max"]["total"] / GIB
 
 
-def test_seed002_8bit_adam_fits_where_the_baseline_would_not():
-    """Seed 002's question: with 8-bit Adam, TP 2 x PP 32 x DP 2 ran in 31 GB of a 32 GB V100; would AdamW fit?
+def test_104b_8bit_adam_fits_where_the_baseline_would_not():
+    """The 104B tune-up notes' question: with 8-bit Adam, TP 2 x PP 32 x DP 2 ran in 31 GB of a 32 GB V100; would
+    AdamW fit?
 
-    The estimate runs 7-11 GB under the seed's nvidia-smi figures (docs/benchmarks.md), so its absolute value
+    The estimate runs 7-11 GB under the notes' nvidia-smi figures (docs/benchmarks.md), so its absolute value
     cannot say (it puts AdamW there at 27 GiB); what it gives is the difference the optimizer makes at that
     layout, 6 bytes per parameter of the heaviest stage's ZeRO-1 shard: added to the measured 31 GB, AdamW needs
-    more than the GPU has. The seed's own saving at TP 4 x PP 32 x DP 1 (30 -> 27 GB) gives the same answer."""
-    bnb = {layout: estimate_104b(layout, "adamw8bit") for layout in SEED002_BNB}
-    # the layouts in the seed's order: 27 GB < 31 GB (tp 4: less per rank than tp 2) < 31 GB < OOM
+    more than the GPU has. The notes' own saving at TP 4 x PP 32 x DP 1 (30 -> 27 GB) gives the same answer."""
+    bnb = {layout: estimate_104b(layout, "adamw8bit") for layout in BNB_104B}
+    # the layouts in the notes' order: 27 GB < 31 GB (tp 4: less per rank than tp 2) < 31 GB < OOM
     assert bnb[4, 32, 1] < bnb[4, 16, 2] < bnb[2, 32, 2] < bnb[1, 64, 2]
-    # under every figure the seed measured (so "fits" by the estimate alone would mean little here)
-    assert all(bnb[layout] < gb for layout, gb in SEED002_BNB.items() if gb is not None)
-    assert estimate_104b((4, 32, 1), "adamw") < SEED002_BASELINE[4, 32, 1]
+    # under every figure the notes measured (so "fits" by the estimate alone would mean little here)
+    assert all(bnb[layout] < gb for layout, gb in BNB_104B.items() if gb is not None)
+    assert estimate_104b((4, 32, 1), "adamw") < BASELINE_104B[4, 32, 1]
     saving = estimate_104b((2, 32, 2), "adamw") - bnb[2, 32, 2]
-    assert SEED002_BNB[2, 32, 2] <= V100_GB < SEED002_BNB[2, 32, 2] + saving
-    assert SEED002_BNB[2, 32, 2] + (SEED002_BASELINE[4, 32, 1] - SEED002_BNB[4, 32, 1]) > V100_GB
+    assert BNB_104B[2, 32, 2] <= V100_GB < BNB_104B[2, 32, 2] + saving
+    assert BNB_104B[2, 32, 2] + (BASELINE_104B[4, 32, 1] - BNB_104B[4, 32, 1]) > V100_GB

@@ -2,6 +2,7 @@
 gptpar/ has no import circle. Both read every import statement, function-local ones included, with `ast`."""
 import ast
 import os
+import re
 from gptpar.testing import ROOT
 
 PACKAGE = os.path.join(ROOT, "gptpar")
@@ -169,3 +170,54 @@ def test_unit_tests_start_no_ranks_and_no_processes():
                                                    or m.split(".")[-1] in starts})
                  for f in test_files(os.path.join("tests", "unit"))}
     assert {rel: found for rel, found in offenders.items() if found} == {}
+
+
+# -- comments without history ------------------------------------------------------------------------------------
+
+# Built from parts, so this file's own text matches none of them.
+ISSUE_NUMBER = re.compile(r"\bissues?" + r" ?#?\d+", re.I)              # "issue N", "issue #N"
+SEED_NUMBER = re.compile(r"(?<![a-z])seeds?" + r"[ _]?0\d\d(?!\d)", re.I)  # "seed NNN", in prose or in a name
+DEEPSPEED_PIN = ".".join(("0", "19", "8"))
+# The DeepSpeed wrapper names the release its internals are checked against; setup.py and the Makefile pin it.
+VERSION_ALLOWED = {"gptpar/training/engine/deepspeed_api.py"}
+
+
+def code_files():
+    """(path relative to the root, text) of the package, the tools, the trainer, the tests (their data too) and the
+    benches' scripts: the code whose comments a reader takes for the present."""
+    paths = [os.path.join(ROOT, "pretrain_gpt.py")]
+    for folder in ("gptpar", "tools", "tests"):
+        for parent, _, names in os.walk(os.path.join(ROOT, folder)):
+            paths += [os.path.join(parent, n) for n in sorted(names) if n.endswith((".py", ".json", ".sh"))]
+    bench = os.path.join(ROOT, "bench")
+    paths += [os.path.join(bench, n) for n in sorted(os.listdir(bench)) if n.endswith((".py", ".sh"))]
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            yield os.path.relpath(path, ROOT).replace(os.sep, "/"), f.read()
+
+
+def test_code_carries_no_issue_or_seed_numbers():
+    """Comments say what the code does and why, now: 'issue N' or 'seed NNN' means nothing to a reader of the code
+    (the planning notes have names: docs/planning.md's Sources), and the DeepSpeed version is said where DeepSpeed
+    is wrapped, not in every comment about it."""
+    hits = []
+    for rel, text in code_files():
+        for n, line in enumerate(text.splitlines(), 1):
+            if (ISSUE_NUMBER.search(line) or SEED_NUMBER.search(line)
+                    or (DEEPSPEED_PIN in line and rel.endswith(".py") and rel not in VERSION_ALLOWED)):
+                hits.append(f"{rel}:{n}: {line.strip()}")
+    assert hits == []
+
+
+def test_the_deepspeed_pins_agree():
+    """setup.py's requirement, the Makefile's and bench/gpu.sh's installs and the wrapper's DEEPSPEED_VERSION name
+    one release."""
+    with open(os.path.join(PACKAGE, "training", "engine", "deepspeed_api.py")) as f:
+        tree = ast.parse(f.read())
+    version = [node.value.value for node in tree.body if isinstance(node, ast.Assign)
+               and [getattr(t, "id", None) for t in node.targets] == ["DEEPSPEED_VERSION"]]
+    assert len(version) == 1
+    for rel in ("setup.py", "Makefile", os.path.join("bench", "gpu.sh")):
+        with open(os.path.join(ROOT, rel)) as f:
+            pins = set(re.findall(r"deepspeed==([0-9][0-9A-Za-z.]*)", f.read()))
+        assert pins == {version[0]}, (rel, pins, version[0])

@@ -19,16 +19,16 @@ def config(name):
     return load_config(os.path.join(ROOT, "configs", f"{name}.json"))
 
 
-def seed_runs():
-    """The runs measured in seeds 002/003 (test data)."""
+def reference_runs():
+    """The runs measured in the 176B prequel log and the 104B tune-up notes (test data)."""
     with open(os.path.join(ROOT, "tests", "data", "seed_runs.json")) as f:
         return [tuple(row) for row in json.load(f)["runs"]]
 
 
 def report(cfg, **kw):
-    """The dry-run report on the world the config names (as pretrain_gpt.py --dry-run plans it), with the seeds'
-    measured runs."""
-    return render_dry_run(cfg, cfg.parallel.data_parallel_size or 1, measured=seed_runs(), **kw)
+    """The dry-run report on the world the config names (as pretrain_gpt.py --dry-run plans it), with the reference
+    runs."""
+    return render_dry_run(cfg, cfg.parallel.data_parallel_size or 1, measured=reference_runs(), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +37,10 @@ def plan_181b():
     return s, plan_topology(s, 48, Hardware(gpus_per_node=8, gpu_mem_gib=80))
 
 
-def test_seed_winners_are_among_the_top_candidates(plan_181b):
+def test_the_reference_winners_are_among_the_top_candidates(plan_181b):
     _, cands = plan_181b
     top = [(c.tp, c.pp, c.dp, c.mbs) for c in cands[:5]]
-    # seed 003 "48 node contenders" / "Final round": DP=8 PP=6 MBS=4 and DP=4 PP=12 MBS=4 (TP=8);
+    # the 176B prequel log's "48 node contenders" / "Final round": DP=8 PP=6 MBS=4 and DP=4 PP=12 MBS=4 (TP=8);
     # "GBS variations" (TP tweak): the fastest of all, TP=4 PP=12 DP=8 MBS=2 (110.48 s)
     for winner in [(8, 6, 8, 4), (8, 12, 4, 4), (4, 12, 8, 2)]:
         assert winner in top, (winner, top)
@@ -56,7 +56,7 @@ def test_hard_constraints(plan_181b):
         assert c.mem_gib <= 80
         assert c.global_batch_size % (c.dp * c.mbs) == 0 and c.global_batch_size <= 2048
     layouts = {(c.tp, c.pp, c.dp, c.mbs) for c in cands}
-    # seed 003: OOM for TP=8 PP=1 DP=48 and TP=2 PP=6 DP=32; "fail" for TP=1 PP=48 (72 % 48 != 0)
+    # the prequel log: OOM for TP=8 PP=1 DP=48 and TP=2 PP=6 DP=32; "fail" for TP=1 PP=48 (72 % 48 != 0)
     for oom in [(8, 1, 48, 1), (2, 6, 32, 1), (2, 6, 32, 2), (1, 48, 8, 1)]:
         assert oom not in layouts
     assert cands == sorted(cands, key=lambda c: (c.score, c.tp * c.pp * c.dp))
@@ -97,8 +97,9 @@ def test_time_model_parts():
     assert predict(s_sm, 8, 12, 4, 1, 2048, hw)["compute_s"] > predict(s, 8, 12, 4, 1, 2048, hw)["compute_s"]
 
 
-def test_ranking_agrees_with_seed003_48_node_sweep():
-    """Seed 003, 02-21, 181B, 48 nodes, TP=8: the 7 measured layouts; the planner must order them mostly right."""
+def test_ranking_agrees_with_the_prequel_48_node_sweep():
+    """The 176B prequel log's 181B sweep on 48 nodes, TP=8: the 7 measured layouts; the planner must order them
+    mostly right."""
     s = settings_of(config("181b_48nodes"))
     rows = [(12, 4, 1, 143.31), (12, 4, 2, 134.02), (12, 4, 4, 123.69), (12, 4, 8, 129.26), (6, 8, 1, 139.82),
             (6, 8, 2, 131.02), (6, 8, 4, 121.48)]

@@ -1,4 +1,4 @@
-"""The Megatron-DeepSpeed log line vs the lines quoted in seed 003, the metrics file, TensorBoard tags."""
+"""The Megatron-DeepSpeed log line vs the lines quoted in the 176B prequel log, the metrics file, TensorBoard tags."""
 import math
 
 import pytest
@@ -13,7 +13,7 @@ from gptpar.training.reporting import (MEMORY_KEYS, METRIC_KEYS, IntervalStats, 
 from gptpar.testing.runs import read_tensorboard
 
 # Quoted verbatim from /work/shared/seeds/003_c1a2cf81af8065a2.txt (Megatron-DeepSpeed output, fp16 and bf16).
-SEED_LINES = [
+PREQUEL_LINES = [
     " iteration        2/   95367 | consumed samples:         4096 | consumed tokens:      8388608 | elapsed time per iteration (s): 769.99 | learning rate: 3.787E-06 | global batch size:  2048 | lm loss: 6.384045E+01 | loss scale: 4096.0 | grad norm: 15906.210 | num zeros: 0.0 | number of skipped iterations:   0 | number of nan iterations:   0 | samples per second: 2.660 | TFLOPs: 108.47 |",  # noqa: E501
     " iteration        2/   95367 | consumed samples:         4096 | consumed tokens:      8388608 | elapsed time per iteration (s): 844.81 | learning rate: 3.787E-06 | global batch size:  2048 | lm loss: 6.373861E+01 | loss scale: 4096.0 | grad norm: 34132.119 | num zeros: 0.0 | number of skipped iterations:   0 | number of nan iterations:   0 | samples per second: 2.424 | TFLOPs: 98.87 |",  # noqa: E501
     " iteration        2/   95367 | consumed samples:         4096 | consumed tokens:      8388608 | elapsed time per iteration (s): 430.21 | learning rate: 3.787E-06 | global batch size:  2048 | lm loss: 6.373876E+01 | loss scale: 4096.0 | grad norm: 34027.311 | num zeros: 0.0 | number of skipped iterations:   0 | number of nan iterations:   0 | samples per second: 4.761 | TFLOPs: 97.07 |",  # noqa: E501
@@ -30,10 +30,10 @@ def test_rebuild_seed_line_from_its_values():
         consumed_tokens=iteration * gbs * seq, elapsed_s=sec, lr=3.787e-6, global_batch_size=gbs,
         lm_loss=63.84045, loss_scale=4096.0, grad_norm=15906.21, num_zeros=0.0, skipped_iterations=0,
         nan_iterations=0, samples_per_second=gbs / sec, tflops=108.47)
-    assert line == SEED_LINES[0]
+    assert line == PREQUEL_LINES[0]
 
 
-@pytest.mark.parametrize("line", SEED_LINES)
+@pytest.mark.parametrize("line", PREQUEL_LINES)
 def test_parse_format_round_trip_on_seed_lines(line):
     record = parse_log_line(line)
     assert set(record) == set(METRIC_KEYS)
@@ -44,7 +44,7 @@ def test_parse_format_round_trip_on_seed_lines(line):
 def test_lenient_parse_reads_other_megatron_logs():
     """tools/tflops.py --log reads with the trainer's parser: a field it does not know is skipped (strict mode
     refuses it), and Megatron-LM's milliseconds become seconds."""
-    line = SEED_LINES[0]
+    line = PREQUEL_LINES[0]
     other = line.replace("elapsed time per iteration (s): 769.99", "elapsed time per iteration (ms): 769990.0")
     other = other.replace(" TFLOPs:", " curriculum seqlen: 2048 | TFLOPs:")
     with pytest.raises(ValueError, match="unknown field"):
@@ -294,8 +294,8 @@ def test_peak_memory_fields_are_the_peaks_of_each_device_kind():
                                                                           "max_reserved_bytes": None}
     assert peak_memory_fields(None) == {"max_allocated_bytes": None, "max_reserved_bytes": None}
     assert set(MEMORY_KEYS) == set(peak_memory_fields(cuda)) and set(MEMORY_KEYS) <= set(METRIC_KEYS)
-    line = format_log_line(**dict(parse_log_line(SEED_LINES[0]), **peak_memory_fields(cuda)))
-    assert line == SEED_LINES[0]  # the line leaves them out
+    line = format_log_line(**dict(parse_log_line(PREQUEL_LINES[0]), **peak_memory_fields(cuda)))
+    assert line == PREQUEL_LINES[0]  # the line leaves them out
 
 
 def test_log_paths_that_cannot_be_written_are_named_with_their_key(tmp_path):

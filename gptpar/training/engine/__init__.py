@@ -1,7 +1,7 @@
 """DeepSpeed behind one package: the GPT under a DeepSpeed engine (ZeRO-1, gradient accumulation, clipping,
 fp32/bf16/fp16), split by what changes together:
 
-    deepspeed_api.py    the only file here that imports DeepSpeed; its docstring lists every DeepSpeed 0.19.8
+    deepspeed_api.py    the only file here that imports DeepSpeed; its docstring lists every DeepSpeed
                         internal gptpar relies on and the test that breaks when one changes
     step.py             TrainEngine: the train/eval step, the phase timers, what the log line reads (params norm);
                         ZeroCounter; counted_once, the one rule that counts each parameter once in model-wide sums

@@ -13,7 +13,7 @@ from gptpar.training.engine.optimizer_state import optimizers
 
 def install_writer(ds, writer) -> None:
     """Every file DeepSpeed's engine saves (and loads) goes through `writer` from now on: it becomes the engine's
-    `checkpoint_engine`, the object DeepSpeed 0.19.8 calls for each file (the pipeline engine's layer files
+    `checkpoint_engine`, the object DeepSpeed calls for each file (the pipeline engine's layer files
     included), keeping the serialisation DeepSpeed chose. The client optimizer's step, the first thing that
     changes the saved tensors in place, waits for the snapshot of an async save first."""
     writer.zipfile_serialization = getattr(ds.checkpoint_engine, "zipfile_serialization", True)
@@ -33,7 +33,7 @@ def load(ds, directory: str, tag: str) -> bool:
 
 
 def checkpoint_loss_scale(iteration_dir: str) -> float:
-    """The dynamic loss scale DeepSpeed 0.19.8's fp16 ZeRO-1 optimizer wrote into a checkpoint folder (each
+    """The dynamic loss scale DeepSpeed's fp16 ZeRO-1 optimizer wrote into a checkpoint folder (each
     optimizer shard holds its loss scaler; they must agree): what `loss_scale` logged at that iteration."""
     shards = sorted(glob.glob(os.path.join(iteration_dir, "*optim_states.pt")))
     if not shards:

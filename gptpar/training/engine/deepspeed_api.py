@@ -92,6 +92,9 @@ import torch
 
 from gptpar.training.engine.host_scalar import HostScalar
 
+# The DeepSpeed release the internals above are checked against: setup.py and the Makefile pin it.
+DEEPSPEED_VERSION = "0.19.8"
+
 
 def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: dict, mpu):
     """`deepspeed.initialize` with a client optimizer; returns DeepSpeed's engine (a PipelineEngine for a
@@ -268,7 +271,7 @@ def foreach_norm_and_clip(engine, skip: Optional["DeviceSkip"] = None) -> bool:
 
     The clip is also queued before the step reads the norm on the host (`is_invalid_grad_norm`, its one wait for
     the device: NaN/Inf skips the step), not after: the device then has the clip's multiplies to run while the host
-    comes back from that wait and queues AdamW, instead of idling (~2 ms in the H200 trace). A skipped step clears
+    comes back from that wait and queues AdamW, instead of idling (docs/benchmarks.md). A skipped step clears
     the gradients it clipped. With `skip` (a `DeviceSkip`) that read goes too: the step goes on and the client
     optimizer skips its update on the device. Returns whether it was installed: only on a BF16_Optimizer without
     MoE layers."""
@@ -384,8 +387,8 @@ class DeviceSkip:
 def clear_fp32_grads_once_per_step(engine) -> bool:
     """DeepSpeed zeroes BF16_Optimizer's fp32 gradient buffers twice per step: `BF16_Optimizer.step` ends with
     `clear_hp_grads` (also its skipped-step branch), and the `zero_grad` the engine's `_take_model_step` calls
-    right after it clears them again, nothing written in between: 4 bytes per parameter written twice, 5.3 GB at
-    1.3B (the H200 trace's 8 fills of 280 us per iteration). While `_take_model_step` runs only the first clear
+    right after it clears them again, nothing written in between: 4 bytes per parameter written twice (5.3 GB at
+    1.3B). While `_take_model_step` runs only the first clear
     zeroes; any later one in the same call returns at once. Returns whether it was installed: only on a
     BF16_Optimizer."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer

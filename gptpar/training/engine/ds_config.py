@@ -11,7 +11,7 @@ offloading is not supported end to end), and anything else. DeepSpeed alone woul
 model or parser (deepspeed_api.check_deepspeed_key). The command line calls `check_deepspeed_overrides` before any
 process group (gptpar.training.cli.parse), and `deepspeed_config` again before merging.
 
-Precision (DeepSpeed 0.19.8, chosen by the generated config, reported by `TrainEngine.precision_plan`):
+Precision (DeepSpeed, chosen by the generated config, reported by `TrainEngine.precision_plan`):
     fp32        fp32 weights and gradients; ZeRO-1: DeepSpeedZeroOptimizer (fp32 partition copy)
     bf16        BF16_Optimizer: bf16 weights, fp32 gradient accumulation buffer, fp32 master weights and Adam
                 state partitioned over dp (`data_types.grad_accum_dtype = fp32`, ZeRO stage 1)
@@ -167,7 +167,7 @@ def deepspeed_config(cfg: Config, dp_size: int, consumed_samples: int = 0) -> di
         # AdamW8bit steps on ZeRO's flat fp32 partitions like any torch optimizer (tests/integration/test_optimizer8bit.py).
         ds["zero_allow_untested_optimizer"] = True
     if precision == "bf16":
-        # Without it DeepSpeed 0.19.8 sums bf16 gradients over the micro-batches (ZeRO-1 picks its bf16 ZeRO
+        # Without it DeepSpeed sums bf16 gradients over the micro-batches (ZeRO-1 picks its bf16 ZeRO
         # optimizer; the pipeline at stage 0 warns "not safe numerically"). fp32 selects BF16_Optimizer: bf16
         # weights, an fp32 gradient buffer each micro-batch is added into, fp32 master weights and Adam state
         # partitioned over dp - what BLOOM trained with. (zero_stage is 1 here: TrainingConfig promotes 0.)
@@ -177,9 +177,9 @@ def deepspeed_config(cfg: Config, dp_size: int, consumed_samples: int = 0) -> di
         ds["bf16"]["immediate_grad_update"] = True
         # Reduce the gradients over dp in fp32, as Megatron-LM does under bf16 (accumulate_allreduce_grads_in_fp32).
         # DeepSpeed's default for a bf16 engine is bf16: it casts the fp32 sums to bf16 for the all-reduce and
-        # copies them back every step, even at dp = 1, so the optimizer stepped on bf16-rounded gradients and the
-        # two casts took ~6 ms of a 1.3B iteration on an H200. `deepspeed.communication_data_type = bf16` halves
-        # the all-reduce's bytes at dp > 1 at that price.
+        # copies them back every step, even at dp = 1, so the optimizer would step on bf16-rounded gradients and
+        # pay two casts (docs/benchmarks.md). `deepspeed.communication_data_type = bf16` halves the all-reduce's
+        # bytes at dp > 1 at that price.
         ds["communication_data_type"] = "fp32"
     if precision == "fp16":
         ds["fp16"].update({

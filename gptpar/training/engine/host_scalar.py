@@ -9,7 +9,7 @@ class HostScalar:
     """A scalar tensor's value for the host, read as soon as the device work queued before it is done.
 
     `float(t)` of a CUDA tensor waits for everything queued on the stream so far: read after `step()`, the loss
-    made the host wait for the whole optimizer step (clip, AdamW, the bf16 weight copy, ~15 ms at 1.3B) before
+    made the host wait for the whole optimizer step (clip, AdamW, the bf16 weight copy) before
     it could log and queue the next forward, and the device idled meanwhile. Here the value is copied into
     pinned host memory when it is made (a non-blocking copy and an event on the current stream); `value()` waits
     for that event only. On a CPU the tensor is read as it is."""

@@ -183,8 +183,8 @@ def shm_buffer_path(rank: int) -> str:
 def release_shm_buffer(pstate) -> None:
     """Unlink this rank's DeepSpeed shared-memory buffer once every rank has mapped every other's.
 
-    DeepSpeed 0.19.8 creates the buffer when all ranks share one host (the CPU accelerator) and never unlinks
-    it, so every CPU run left one per rank in /dev/shm (RAM) for good: a day of test runs held 11 GB there. Each
+    DeepSpeed creates the buffer when all ranks share one host (the CPU accelerator) and never unlinks it, so
+    without this every CPU run would leave one per rank in /dev/shm (RAM) for good (docs/reliability.md). Each
     rank maps all the others' buffers inside DeepSpeed's init, so after a barrier the names are no longer
     needed; the mappings stay valid until the process exits, and nothing is left behind even on a kill."""
     if torch.cuda.is_available():

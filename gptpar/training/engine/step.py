@@ -24,6 +24,7 @@ import torch.distributed as dist
 import gptpar.training.engine.checkpointing as checkpointing
 import gptpar.training.engine.optimizer_state as optimizer_state
 from gptpar.tensor_parallel.float8 import invalidate_float8_weights, refresh_float8_weights
+from gptpar.training.engine.deepspeed_api import DEEPSPEED_VERSION
 from gptpar.training.engine.host_scalar import HostScalar
 
 
@@ -243,7 +244,7 @@ def _synchronize(device) -> None:
 
 
 def fp16_loss_scale(optimizer) -> float:
-    """Where DeepSpeed 0.19.8 keeps the current scale: FP16_Optimizer / FP16_UnfusedOptimizer (ZeRO-0) in
+    """Where DeepSpeed keeps the current scale: FP16_Optimizer / FP16_UnfusedOptimizer (ZeRO-0) in
     `loss_scale_config.cur_scale`, DeepSpeedZeroOptimizer (ZeRO-1) behind its `cur_scale` property (its
     `loss_scaler`). Anything else is an error: a constant in the log line would hide the real scale."""
     config = getattr(optimizer, "loss_scale_config", None)
@@ -252,8 +253,9 @@ def fp16_loss_scale(optimizer) -> float:
     if isinstance(getattr(type(optimizer), "cur_scale", None), property):
         return optimizer.cur_scale
     raise RuntimeError(f"fp16: no loss scale found on DeepSpeed's {type(optimizer).__name__} (neither "
-                       "loss_scale_config.cur_scale nor a cur_scale property): gptpar supports DeepSpeed 0.19.8's "
-                       "fp16 optimizers; pin deepspeed==0.19.8 or teach gptpar.training.engine.step.fp16_loss_scale")
+                       "loss_scale_config.cur_scale nor a cur_scale property): gptpar supports DeepSpeed "
+                       f"{DEEPSPEED_VERSION}'s fp16 optimizers; pin deepspeed=={DEEPSPEED_VERSION} or teach "
+                       "gptpar.training.engine.step.fp16_loss_scale")
 
 
 def to_device(micro_batch: dict, device) -> dict:
