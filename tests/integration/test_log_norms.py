@@ -228,7 +228,7 @@ def test_tensorboard_holds_norms_memory_and_timers(runs):
     assert [step for step, _ in resident] == [step for step, _ in peak] == steps
     assert all(p >= r > 0 for (_, r), (_, p) in zip(resident, peak))
     (_, _, reported_resident, reported_peak), = MEMORY_LINE.findall(out[2][0]["tp2"][1])
-    assert peak[0][1] >= float(reported_peak) * 2 ** 20 * (1 - 1e-6)  # the largest over the ranks
+    assert peak[0][1] >= (float(reported_peak) - 0.05) * 2 ** 20  # the largest over the ranks (the line rounds to 0.1 MB)
     # the metrics file's memory fields: the same peaks, so far in the run at every record (never falling); on CPU
     # nothing is reserved
     fields = [r["max_allocated_bytes"] for r in records]
