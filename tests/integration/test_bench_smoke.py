@@ -312,6 +312,7 @@ def test_rounds_give_the_runs_turns_and_the_summary_reads_them(tmp_path):
         assert len(set(per_round)) == 3  # the rounds differ: the median and the worst are different numbers
 
 
+@pytest.mark.slow
 def test_rounds_go_on_without_a_run_that_fails(tmp_path):
     """A run that dies before its turns fails the call (exit 1, named) and the others still take theirs."""
     out, rounds_dir = _rounds_of_stand_ins(tmp_path, {"peer": 0.005, "bf16": "not-a-number"})

@@ -33,7 +33,7 @@ def test_first_divergence_names_the_parameter_and_who_agrees():
     assert first_divergence("data-parallel", [0, 1], ["a"], torch.tensor([[5], [5]])) is None
 
 
-@pytest.mark.parametrize("case", ["tp2_layernorm", "pp2_tied_embedding"])
+@pytest.mark.parametrize("case", [pytest.param("tp2_layernorm", marks=pytest.mark.slow), "pp2_tied_embedding"])
 def test_a_perturbed_replica_is_named_and_its_save_refused(tmp_path, case):
     """Save every 2 iterations; before iteration 4's save rank 1 adds 1 to one element of a replicated parameter
     (a LayerNorm weight every tp rank holds; the tied embedding's copy on the last stage)."""
