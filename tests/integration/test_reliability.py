@@ -9,17 +9,15 @@ import os
 import re
 import shutil
 import socket
-import struct
 import subprocess
 import sys
 import time
-import zipfile
 
 import numpy as np
 import pytest
 import torch
 
-from gptpar.testing import run_distributed
+from gptpar.testing import flip_a_byte_inside_a_tensor, run_distributed
 from gptpar.checkpoint.checkpointer import read_latest
 from gptpar.training.trainer import Trainer
 from gptpar.testing.runs import ROOT, log_lines, write_config
@@ -79,20 +77,6 @@ def _write_vocab_dataset(prefix, max_id, num_docs=40, seed=0):
             b.add_document(rng.integers(0, max_id, size=60))
         b.add_document([max_id])
         b.finalize()
-
-
-def flip_a_byte_inside_a_tensor(path):
-    """Change one byte in the middle of the largest record of a torch file (a tensor's storage): the file keeps
-    its size and still opens as a zip archive."""
-    with zipfile.ZipFile(path) as z:
-        record = max(z.infolist(), key=lambda info: info.file_size)
-    with open(path, "r+b") as f:
-        f.seek(record.header_offset + 26)  # the local header: 30 bytes, then the name and the extra field
-        name_length, extra_length = struct.unpack("<HH", f.read(4))
-        f.seek(record.header_offset + 30 + name_length + extra_length + record.file_size // 2)
-        byte = f.read(1)[0]
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte ^ 0x5A]))
 
 
 def run_cases(d, live_pid, only=None):
