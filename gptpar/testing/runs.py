@@ -144,6 +144,28 @@ def run_mains(runs, env=None):
     return out
 
 
+def main_output(argv, patches=()):
+    """gptpar.training.pretrain.main(argv) in this process with `patches` ((object, attribute, value) each, undone
+    after): (exit code, what it printed to stdout and stderr). An exception that escapes main is a result too: the
+    code is "exception" and its traceback is in the output (a fault test asserts there is none)."""
+    import traceback
+
+    from gptpar.training.pretrain import main
+
+    buf = io.StringIO()
+    with contextlib.ExitStack() as stack:
+        for target, attr, value in patches:
+            stack.callback(setattr, target, attr, getattr(target, attr))
+            setattr(target, attr, value)
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            try:
+                rc = main(list(argv))
+            except Exception:  # noqa: BLE001 - reported, not raised: see the docstring
+                rc = "exception"
+                traceback.print_exc()
+    return rc, buf.getvalue()
+
+
 @contextlib.contextmanager
 def environ_kept():
     """A tool's main called in the test process makes a one-rank world, which sets RANK, WORLD_SIZE and

@@ -14,37 +14,20 @@ import pytest
 from gptpar.testing import run_distributed
 from gptpar.checkpoint.checkpointer import read_latest
 from gptpar.training.trainer import Trainer
-from gptpar.testing.runs import log_lines, write_config
+from gptpar.testing.runs import log_lines, main_output, write_config
 
 
 def run_cases(d, read_only_blocks):
     """On each rank: the cases in order; {name: (exit code, output)}."""
-    import contextlib
-    import io
-    import traceback
-
     import torch.distributed as dist
-
-    from gptpar.training.pretrain import main as pretrain_main
 
     out = {}
 
     def run(name, config, *extra, patch=None):
         dist.barrier()
-        buf = io.StringIO()
-        real = getattr(Trainer, "train_step")
-        if patch is not None:
-            Trainer.train_step = patch
-        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-            try:
-                rc = pretrain_main(["--config", config] + list(extra))
-            except Exception:  # noqa: BLE001 - an escaped exception is a result too (a traceback, no exit)
-                rc = "exception"
-                traceback.print_exc()
-            finally:
-                Trainer.train_step = real
+        patches = [(Trainer, "train_step", patch)] if patch is not None else []
+        out[name] = main_output(["--config", config] + list(extra), patches)
         dist.barrier()
-        out[name] = (rc, buf.getvalue())
 
     if dist.get_rank() == 0:
         (d / "a_file").write_text("not a folder")

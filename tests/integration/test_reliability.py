@@ -20,7 +20,7 @@ import torch
 from gptpar.testing import flip_a_byte_inside_a_tensor, run_distributed
 from gptpar.checkpoint.checkpointer import read_latest
 from gptpar.training.trainer import Trainer
-from gptpar.testing.runs import ROOT, log_lines, write_config
+from gptpar.testing.runs import ROOT, log_lines, main_output, write_config
 
 
 # The checkpoint folder's documented layout (gptpar.checkpoint.layout), spelled out.
@@ -83,14 +83,9 @@ def run_cases(d, live_pid, only=None):
     """On each rank: the cases in order, rank 0 preparing the folders between them; {name: (rc, output,
     (folder before, after) or None)}. `live_pid`: a live process on this host, the job holding a live lock (the
     test process). `only`: run just these cases (and "base"), e.g. against older code."""
-    import contextlib
-    import io
-    import traceback
-
     import torch.distributed as dist
 
     import gptpar.training.assembly
-    from gptpar.training.pretrain import main as pretrain_main
 
     rank = dist.get_rank()
     out = {}
@@ -101,23 +96,12 @@ def run_cases(d, live_pid, only=None):
         if rank == 0 and prepare is not None:
             prepare()
         dist.barrier()
-        buf = io.StringIO()
-        with contextlib.ExitStack() as stack:
-            for target, attr, value in patches:
-                old = getattr(target, attr)
-                setattr(target, attr, value)
-                stack.callback(setattr, target, attr, old)
-            with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-                try:
-                    rc = pretrain_main(["--config", config] + list(extra))
-                except Exception:  # noqa: BLE001 - an escaped exception is a result too (a traceback, no exit)
-                    rc = "exception"
-                    traceback.print_exc()
+        rc, output = main_output(["--config", config] + list(extra), patches)
         dist.barrier()
         if rank == 0 and name in snapshots:  # (before, after) of the folder the case must leave alone
             folder, before = snapshots[name]
             snapshots[name] = (before, snapshot(folder))
-        out[name] = (rc, buf.getvalue(), snapshots.get(name) if rank == 0 else None)
+        out[name] = (rc, output, snapshots.get(name) if rank == 0 else None)
 
     snapshots = {}
 

@@ -2,7 +2,6 @@
 and training.lr_schedule_on_resume=checkpoint keeping the checkpoint's schedule. The trainer's loop runs with a fake
 engine that records the LR of every step and a fake checkpointer that hands the saved client state back; the LRs
 are compared with Megatron's cosine schedule written out here."""
-import math
 import types
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 import gptpar.training.trainer as trainer_module
 from gptpar.config import config_from_dict
 from gptpar.schedules import LearningRateSchedule, resumed_schedule, saved_schedule
+from gptpar.testing.runs import cosine_lr
 
 LR, MIN_LR, WARMUP = 1e-3, 1e-4, 3
 ONE_RANK = types.SimpleNamespace(dp_size=1, tp_size=1, world_size=1, rank=0, dp_rank=0, tp_rank=0,
@@ -19,12 +19,7 @@ ONE_RANK = types.SimpleNamespace(dp_size=1, tp_size=1, world_size=1, rank=0, dp_
 
 def megatron_cosine(k, decay_iters, warmup=WARMUP, max_lr=LR, min_lr=MIN_LR):
     """LR of the iteration after k completed ones (Megatron's AnnealingLR, cosine)."""
-    if warmup and k <= warmup:
-        return max_lr * k / warmup
-    if k > decay_iters:
-        return min_lr
-    ratio = (k - warmup) / (decay_iters - warmup)
-    return min_lr + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (max_lr - min_lr)
+    return cosine_lr(k, warmup, decay_iters, max_lr, min_lr)
 
 
 class Engine:
