@@ -16,6 +16,7 @@ import contextlib
 import functools
 import os
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -31,7 +32,7 @@ from gptpar.training.cli import parse, usage
 from gptpar.training.collectives import CollectiveLog
 from gptpar.training.diagnostics import Diagnostics, diagnostics_dir, point_nccl_dump_at
 from gptpar.config import ConfigError
-from gptpar.training.launcher_watch import watch_launcher
+from gptpar.training.launcher_watch import launcher_chain, watch_launcher
 from gptpar.training.reporting import LogPathError, LogWriteError
 from gptpar.training.preflight import run_preflight
 from gptpar.training.replicas import ReplicaDivergenceError
@@ -49,13 +50,28 @@ FAILURES = ((NonFiniteWeightsError, 1, ""),  # the last save refused: the weight
             (LogPathError, 2, "logging error: "))  # logging.metrics_file / tensorboard_dir cannot be written
 
 
+# How long a rank other than its node's first waits, after a refusal, for its launcher to end it (see say_refusal).
+REFUSAL_WAIT_SECONDS = 60.0
+
+
+def say_refusal(line: str) -> None:
+    """One line per node for a refusal that every rank of the node meets alike (they read the same files): local
+    rank 0 says it. A launcher ends every rank once one fails (torchrun, DeepSpeed's launch.py), so another local
+    rank that refused first would end rank 0 before its line: under one, that rank waits to be ended, and says the
+    line itself only if it was not."""
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        if not launcher_chain():
+            return
+        time.sleep(REFUSAL_WAIT_SECONDS)
+    print(line, file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> int:
     # parse: every config error ends here, before any process group exists
     try:
         cfg, flags, sizes = parse(sys.argv[1:] if argv is None else list(argv))
     except ConfigError as e:
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # the ranks of a node read the same files: one line each
-            print(f"pretrain_gpt.py: config error: {e}", file=sys.stderr, flush=True)
+        say_refusal(f"pretrain_gpt.py: config error: {e}")
         return 2
     if flags["help"] or flags["dry_run"]:
         try:

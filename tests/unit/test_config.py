@@ -359,3 +359,23 @@ def test_removed_wandb_key_says_what_replaced_it():
         config_from_dict(base(logging={"wandb_project": "run"}))
     with pytest.raises(ConfigError, match=r"logging.wandb_project in override 'logging.wandb_project=run' is no longer"):
         config_from_dict(base(), ["logging.wandb_project=run"])
+
+
+def test_a_refusal_is_said_by_local_rank_0_and_never_lost(monkeypatch, capsys):
+    """Local rank 0 says a config refusal at once; another local rank says nothing outside a launcher (rank 0 of the
+    node says it), and under one waits to be ended with the job first (so rank 0's line is not cut off), saying the
+    line itself only when it was not ended."""
+    import gptpar.training.pretrain as pretrain
+
+    slept = []
+    monkeypatch.setattr(pretrain.time, "sleep", slept.append)
+    bad = ["--config", "configs/cpu_tiny.json", "--set", "parallel.tensor_model_parallel_size=3"]
+    for local_rank, chain, said, waited in (("0", [], True, []), ("1", [], False, []),
+                                            ("1", [(1, 1, "torchrun")], True, [pretrain.REFUSAL_WAIT_SECONDS])):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        monkeypatch.setattr(pretrain, "launcher_chain", lambda chain=chain: chain)
+        slept.clear()
+        assert pretrain.main(bad) == 2
+        err = capsys.readouterr().err
+        assert (err.count("pretrain_gpt.py: config error: ") == 1) == said and err.count("\n") == int(said), err
+        assert slept == waited
