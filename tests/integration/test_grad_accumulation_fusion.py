@@ -157,7 +157,7 @@ def test_embedding_lookup_adds_repeated_ids_in_fp32(device):
     """The fused lookup's gradient is the fp32 sum of every position's bf16 gradient, however often an id repeats
     (a CPU's own bf16 embedding backward sums them in bf16), and the same bits when run again (CUDA's accumulating
     index_put_ sorts the ids; a CPU's index_add_ adds them in order; a CPU's accumulating index_put_ does not).
-    How far off each of those is: docs/benchmarks.md (gradient-accumulation fusion, the word embedding)."""
+    How far off each of those is: bench/results/HISTORY.md (gradient-accumulation fusion, the word embedding)."""
     from gptpar.tensor_parallel.grad_accumulation import embedding_into_main_grad
 
     g = torch.Generator().manual_seed(0)
