@@ -238,6 +238,9 @@ def memory_per_gpu(*, num_layers: int, hidden_size: int, num_attention_heads: in
                                 embedding_weight=embedding_weight,
                                 position_embedding_type=position_embedding_type, embed_layernorm=embed_layernorm)
     ranges = stage_layer_ranges(num_layers, pp_size, partition_method, embedding_weight)
+    if virtual_stages > 1 and any((end - start) % virtual_stages for start, end in ranges):
+        raise ValueError(f"virtual_stages {virtual_stages} must divide every stage's layers "
+                         f"({[end - start for start, end in ranges]})")
     v_pad = pad_vocab_size(vocab_size, tp_size, make_vocab_size_divisible_by)
     casts = cache = 0
     if precision == "fp8":

@@ -379,3 +379,9 @@ def test_megatron_h100_layouts_fit_with_sequence_parallelism(row):
               activation_checkpointing="selective")
     assert memory_per_gpu(sequence_parallel=True, **kw)["max"]["total"] / GIB < h100_gib
     assert memory_per_gpu(**kw)["max"]["total"] / GIB > h100_gib   # what the estimate said before it knew SP
+    # and with the interleaved schedule at any chunking the stages' layers allow (the table does not say)
+    per_stage = layers // pp
+    for v in (v for v in range(2, per_stage + 1) if per_stage % v == 0):
+        assert memory_per_gpu(sequence_parallel=True, virtual_stages=v, **kw)["max"]["total"] / GIB < h100_gib
+    with pytest.raises(ValueError, match="virtual_stages"):
+        memory_per_gpu(sequence_parallel=True, virtual_stages=per_stage + 1, **kw)
