@@ -361,8 +361,9 @@ def test_bloom_176b_as_it_ran_is_near_its_published_60_gb_and_fits():
 
 # Megatron-LM's README, "Training Speed and Scalability" (images/model_table.png since its commit 937571cf, July
 # 2024): GPT models on up to 6144 H100s, vocab 131072, seq 4096, with data-, tensor- and pipeline-parallel
-# communication overlapped. (size, heads, hidden, layers, tp, pp, dp, GPUs, batch). Megatron runs these with
-# sequence parallelism and selective recompute; the table gives no micro batch: 1.
+# communication overlapped. (size, heads, hidden, layers, tp, pp, dp, GPUs, batch). The overlap named there,
+# --tp-comm-overlap, runs only with sequence parallelism (megatron/training/arguments.py asserts it). The table gives
+# no micro batch (1 here) nor recompute (selective here: with flash attention the same as none).
 MEGATRON_H100 = [("177B", 96, 12288, 96, 8, 6, 48, 2304, 1152), ("314B", 128, 16384, 96, 8, 8, 48, 3072, 1536),
                  ("462B", 144, 18432, 112, 8, 16, 48, 6144, 3072)]
 
