@@ -386,3 +386,16 @@ def test_megatron_h100_layouts_fit_with_sequence_parallelism(row):
         assert memory_per_gpu(sequence_parallel=True, virtual_stages=v, **kw)["max"]["total"] / GIB < h100_gib
     with pytest.raises(ValueError, match="virtual_stages"):
         memory_per_gpu(sequence_parallel=True, virtual_stages=per_stage + 1, **kw)
+
+
+def test_the_configs_sequence_parallel_reaches_the_dry_run_and_the_planner():
+    from gptpar.estimate.planner import Hardware, predict_layout
+
+    def plan(sp):
+        cfg = load_config(os.path.join(ROOT, "configs", "200b.json"), [f"parallel.sequence_parallel={sp}"])
+        s = settings_of(cfg)
+        return memory_of(s)["max"], predict_layout(s, Hardware())["mem_gib"]
+
+    (off, off_planned), (on, on_planned) = plan("false"), plan("true")
+    assert on["activations"] < off["activations"] and on["pipe_buffers"] == off["pipe_buffers"] / 8
+    assert (off_planned, on_planned) == (pytest.approx(off["total"] / GIB), pytest.approx(on["total"] / GIB))
