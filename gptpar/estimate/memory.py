@@ -1,4 +1,5 @@
-"""Per-GPU memory estimate: weights, gradients, optimizer state, activations and a fixed CUDA context.
+"""Per-GPU memory estimate: weights, gradients, optimizer state, activations, the allocator's reserve and a CUDA
+context, per pipeline stage at the steady state (docs/planning.md, Memory, has every term with its sources).
 
 Pure arithmetic, shared by tools/memory.py, the topology planner and the dry-run report.
 
@@ -32,7 +33,7 @@ one fp32 scale per 256-element block of each: 2 + 2*4/256 = 2.03 bytes, sharded 
 under ZeRO-1 the optimizer steps on flat partitions, so that never applies, without ZeRO it applies to biases
 and LayerNorms, a negligible share of a large model (the estimate ignores it).
 
-Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 1-5:
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", arXiv 2205.05198:
 34sbh + 5as^2b bytes per layer and micro batch of b sequences, 2-byte activations, 1-byte dropout masks),
 with tensor parallelism t and an FFN of width f (4h in the paper: 4*s*b*f/(t*s*b*h) = 16/t):
     kept by every layer     s*b*h * (10/t_sp + (8 + 4f/h)/t)      t_sp = t with sequence parallelism, else 1
@@ -50,7 +51,8 @@ DeepSpeed's pipeline engine also keeps each in-flight micro batch's stage output
 stage's input, stored by no layer of this one): 2*s*b*h/t_sp per micro batch (per chunk when interleaved) on every
 stage but the last. The last stage holds the logits, 2*s*b*V/t in the activation dtype: gptpar's vocab-parallel
 cross-entropy makes no fp32 copy of them and writes their gradient into the same buffer
-(gptpar.tensor_parallel.cross_entropy). fp32 training doubles every activation byte.
+(gptpar.tensor_parallel.cross_entropy). fp32 training doubles every activation byte (masks too: a
+slight overcount).
 ALiBi adds its bias to the attention core: 2*a*s^2/t bytes per micro batch under a causal mask (b times that
 with an explicit per-sample mask, not modelled); SDPA's memory-efficient kernel takes and keeps it.
 

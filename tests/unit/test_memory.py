@@ -207,7 +207,7 @@ def _shape(rng):
 
 @pytest.mark.parametrize("seed", range(10))
 def test_activations_with_sequence_parallelism_follow_the_paper(seed):
-    """The paper's table 2, per layer and micro batch (FFN 4h, 2-byte activations, 1-byte masks): no parallelism
+    """The paper's per-layer formulas, per micro batch (FFN 4h, 2-byte activations, 1-byte masks): no parallelism
     sbh(34 + 5as/h); tensor parallel sbh(10 + 24/t + 5as/(ht)); tensor + sequence parallel sbh/t (34 + 5as/h);
     selective recompute drops the 5as/h term (recomputed, one layer's at a time), full keeps the 2sbh input (over t
     with sequence parallelism) and recomputes one whole layer at a time."""
