@@ -120,10 +120,9 @@ def model_state_bytes(params: int, precision: str, zero_stage: int = 1, dp_size:
             "total": params * (weights + grads + optimizer)}
 
 
-# What PyTorch's caching allocator holds beyond the allocated peak, as a fraction of it: gptpar's 1.3B runs on one
-# H100 / H200 (bench/results/h*_2026-11-2*/trainer_*.log, `reserved` against the steady-state peak that
-# tests/unit/test_memory.py derives from the same log) kept 2.7-12.8% (3.3% in most, 12.8% where the first step's
-# Adam state found no cached segment to reuse); the middle of that range. Not allocated, but not free to the job.
+# What PyTorch's caching allocator holds beyond the allocated peak, as a fraction of it: the middle of the range
+# gptpar's measured GPU runs reserved (docs/planning.md, Memory; tests/unit/test_memory.py reads the runs and checks
+# it lies within). Not allocated, but not free to the job either.
 ALLOCATOR_RESERVE_FRACTION = 0.08
 # DeepSpeed's pipeline engine reduces the gradients over dp in flattened buckets of this many elements
 # (deepspeed.runtime.engine.MEMORY_OPT_ALLREDUCE_SIZE): one bucket's copy exists at a time.

@@ -338,8 +338,8 @@ def test_bloom_176b_as_it_ran_is_near_its_published_60_gb_and_fits():
     """BigScience's model card for the 176B run: "one copy of the model takes 48 GPUs (using 60 GB of memory on
     each GPU)" (tp 4 x pp 12 = 48, dp 8, micro batch 2, bf16, ZeRO-1, full recompute, 384 A100 80GB). That run's
     software (Megatron-DeepSpeed, 2022) had an unfused attention (its fused softmax keeps the s x s tensors of
-    the layer being recomputed) and DeepSpeed's BF16_Optimizer without immediate_grad_update (each micro batch's
-    bf16 gradients kept until its backward ends): within 15% of 60 GB (nvidia-smi's figure: the total). gptpar
+    the layer being recomputed) and DeepSpeed's BF16_Optimizer at its default, without immediate_grad_update (each
+    micro batch's bf16 gradients kept until its backward ends; assumed for that 2022 run): within 15% of 60 GB (nvidia-smi's figure: the total). gptpar
     running the same layout (configs/176b_bloom.json) holds less by exactly those two terms."""
     cfg = load_config(os.path.join(ROOT, "configs", "176b_bloom.json"))
     s = settings_of(cfg)
