@@ -1,4 +1,5 @@
-"""Per-GPU memory estimate: weights, gradients, optimizer state, activations and a fixed CUDA context.
+"""Per-GPU memory estimate: weights, gradients, optimizer state, activations, the allocator's reserve and a CUDA
+context, per pipeline stage at the steady state (docs/planning.md, Memory, has every term with its sources).
 
 Pure arithmetic, shared by tools/memory.py, the topology planner and the dry-run report.
 
@@ -32,19 +33,39 @@ one fp32 scale per 256-element block of each: 2 + 2*4/256 = 2.03 bytes, sharded 
 under ZeRO-1 the optimizer steps on flat partitions, so that never applies, without ZeRO it applies to biases
 and LayerNorms, a negligible share of a large model (the estimate ignores it).
 
-Activations (Korthikanti et al. 2022, "Reducing activation recomputation", no sequence parallelism),
-per transformer layer and micro batch of b sequences, in bytes with 2-byte activations:
-    full layer (none)       s*b*h * (10 + 24/tp + 5*a*s/(h*tp))
-    selective recompute     s*b*h * (10 + 24/tp)   (the attention core's s x s tensors, 5*a*s^2*b/tp bytes, are
-                                                    recomputed; the paper's 34/tp adds sequence parallelism)
-    full recompute          2*s*b*h            (only the layer input is kept; recomputed in backward)
-Stage 0 of a 1F1B pipeline keeps min(pp, m) micro batches in flight (m = micro batches per step);
-one layer (full) or one attention core (selective) is rematerialised at a time on top. The last stage also
-holds the fp32 logits and their gradient (2 * 4 * s*b*V/tp).
-ALiBi adds its bias to the attention core: 2*a*s^2/tp bytes per micro batch under a causal mask (b times that
-with an explicit per-sample mask, not modelled).
-SDPA's flash and memory-efficient kernels never store the s x s tensors, so on them `none` holds what
-`selective` does; the 5as/h term describes an unfused attention (and the 176B prequel log's runs).
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", arXiv 2205.05198:
+34sbh + 5as^2b bytes per layer and micro batch of b sequences, 2-byte activations, 1-byte dropout masks),
+with tensor parallelism t and an FFN of width f (4h in the paper: 4*s*b*f/(t*s*b*h) = 16/t):
+    kept by every layer     s*b*h * (10/t_sp + (8 + 4f/h)/t)      t_sp = t with sequence parallelism, else 1
+                            (10 = the two LayerNorm inputs, the QKV and MLP inputs and the two dropout masks:
+                             replicated over tp unless sequence parallelism shards them; 34/t with it at f = 4h)
+    attention core          5*a*s^2*b/t  (softmax output, its dropout mask and output) - only an unfused
+                            attention stores it; gptpar's SDPA (flash / memory-efficient) never does
+    none                    every layer keeps both
+    selective               every layer keeps the first; one core is rebuilt at a time in backward
+    full                    every layer keeps its input, 2*s*b*h/t_sp; one whole layer is rebuilt at a time
+Micro batches in flight on stage i: min(pp - i, m) for 1F1B (m = micro batches per step); with Megatron's
+interleaved schedule of v model chunks per rank ((pp - i - 1)*2 + (v - 1)*pp + 1)/v micro batches' worth of the
+stage's layers (stage 0: pp + (pp - 1)/v, the paper's L*(1 + (p - 1)/(p*m))), never more than m.
+DeepSpeed's pipeline engine also keeps each in-flight micro batch's stage output until its backward (the next
+stage's input, stored by no layer of this one): 2*s*b*h/t_sp per micro batch (per chunk when interleaved) on every
+stage but the last. The last stage holds the logits, 2*s*b*V/t in the activation dtype: gptpar's vocab-parallel
+cross-entropy makes no fp32 copy of them and writes their gradient into the same buffer
+(gptpar.tensor_parallel.cross_entropy). fp32 training doubles every activation byte (masks too: a
+slight overcount).
+ALiBi adds its bias to the attention core: 2*a*s^2/t bytes per micro batch under a causal mask (b times that
+with an explicit per-sample mask, not modelled); SDPA's memory-efficient kernel takes and keeps it.
+
+The peak is the largest of the step's phases, each on top of the model states (which all exist from the first
+optimizer step on: the steady state):
+    forward/backward   + activations (+ pipe buffers, logits) + float8 casts
+                       + 2 bytes/param of half-precision gradients when bf16 keeps them until the micro batch's
+                         backward ends (DeepSpeed's default; gptpar sets bf16.immediate_grad_update: one at a time)
+    dp reduction       + one flattened gradient bucket: DeepSpeed's pipeline engine reduces the gradients in
+                         buckets of MEMORY_OPT_ALLREDUCE_SIZE = 5e8 elements (fp32 under bf16), copying each
+and the allocator's reserve (PyTorch's caching allocator: segments it holds beyond the allocated peak,
+ALLOCATOR_RESERVE_FRACTION of it, from gptpar's measured runs) and the CUDA context come on top: `total` is what
+nvidia-smi shows, `peak_allocated` what torch.cuda.max_memory_allocated reports.
 """
 from __future__ import annotations
 
@@ -99,31 +120,82 @@ def model_state_bytes(params: int, precision: str, zero_stage: int = 1, dp_size:
             "total": params * (weights + grads + optimizer)}
 
 
+# What PyTorch's caching allocator holds beyond the allocated peak, as a fraction of it: the middle of the range
+# gptpar's measured GPU runs reserved (docs/planning.md, Memory; tests/unit/test_memory.py reads the runs and checks
+# it lies within). Not allocated, but not free to the job either.
+ALLOCATOR_RESERVE_FRACTION = 0.08
+# DeepSpeed's pipeline engine reduces the gradients over dp in flattened buckets of this many elements
+# (deepspeed.runtime.engine.MEMORY_OPT_ALLREDUCE_SIZE): one bucket's copy exists at a time.
+REDUCE_BUCKET_ELEMENTS = 500_000_000
+# Bytes of one activation element per training precision (fp8's GEMMs keep bf16 inputs, see above).
+ACTIVATION_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
+# Bytes per gradient element the dp reduction flattens: fp32 under bf16 (gptpar reduces in fp32), else the grads'.
+_BUCKET_BYTES = {"fp32": 4, "bf16": 4, "fp16": 2}
+
+
+def micro_batches_in_flight(pp_size: int, stage: int, num_micro_batches: int, virtual_stages: int = 1) -> float:
+    """Micro batches whose activations stage `stage` holds at once, in units of the stage's whole set of layers.
+
+    1F1B (virtual_stages 1, what gptpar runs): min(pp - stage, m). Megatron's interleaved schedule with v model
+    chunks per rank runs (pp - stage - 1)*2 + (v - 1)*pp warm-up chunk forwards and one more before its first
+    backward, each over 1/v of the stage's layers: ((pp - stage - 1)*2 + (v - 1)*pp + 1)/v (stage 0: pp + (pp-1)/v,
+    Korthikanti et al.'s L*(1 + (p - 1)/(p*m))); never more than all m micro batches."""
+    if virtual_stages < 1:
+        raise ValueError(f"virtual_stages must be >= 1, got {virtual_stages}")
+    m = max(1, num_micro_batches)
+    if virtual_stages == 1 or pp_size == 1:
+        return float(max(1, min(pp_size - stage, m)))
+    v = virtual_stages
+    return min(((pp_size - stage - 1) * 2 + (v - 1) * pp_size + 1) / v, float(m))
+
+
+def layer_activation_bytes(*, seq_length: int, micro_batch_size: int, hidden_size: int, num_attention_heads: int,
+                           tp_size: int = 1, ffn_hidden_size: Optional[int] = None, sequence_parallel: bool = False,
+                           flash_attention: bool = False, alibi: bool = False) -> Dict[str, float]:
+    """One transformer layer's activations for one micro batch, in bytes of 2-byte activations (Korthikanti et al.
+    2022): {"kept": what every layer keeps whatever the attention, "core": the attention core's s x s tensors (0
+    with flash attention, + the ALiBi bias), "input": the layer input full recompute keeps}."""
+    s, b, h, a, t = seq_length, micro_batch_size, hidden_size, num_attention_heads, tp_size
+    f = ffn_hidden_size or 4 * h
+    t_sp = t if sequence_parallel else 1
+    sbh = s * b * h
+    # 10 replicated (or sequence-sharded) + QKV's Q, K, V and the projection input (8) + the FFN's two (4f/h)
+    kept = sbh * 10 / t_sp + (8 * sbh + 4 * s * b * f) / t
+    core = 0.0 if flash_attention else 5 * a * s * s * b / t
+    if alibi:  # the bias SDPA keeps, (a/tp, s, s) in 2 bytes shared by the micro batch; rebuilt with the core
+        core += 2 * a * s * s / t
+    return {"kept": kept, "core": core, "input": 2 * sbh / t_sp}
+
+
 def activation_bytes(*, seq_length: int, micro_batch_size: int, hidden_size: int, num_attention_heads: int,
                      layers_on_stage: int, tp_size: int = 1, pp_size: int = 1, num_micro_batches: int = 1,
                      activation_checkpointing=True, stage: int = 0,
-                     vocab_size: Optional[int] = None, alibi: bool = False) -> float:
-    """Peak activation bytes of one pipeline stage (stage 0 is the worst: most micro batches in flight).
+                     vocab_size: Optional[int] = None, alibi: bool = False, sequence_parallel: bool = False,
+                     flash_attention: bool = False, virtual_stages: int = 1,
+                     ffn_hidden_size: Optional[int] = None) -> float:
+    """Peak activation bytes (2-byte activations) of one pipeline stage (stage 0 is the worst: most micro
+    batches in flight).
 
     activation_checkpointing: "none" | "selective" | "full" or a bool (True = full, False = none).
-    vocab_size (padded) adds the fp32 logits + their gradient; pass it for the stage computing the loss.
+    vocab_size (padded) adds the logits, 2*s*b*V/tp; pass it for the stage computing the loss.
+    flash_attention: the attention stores no s x s tensors (gptpar's SDPA; memory_per_gpu's default); False is the
+    paper's unfused attention. The pipeline engine's output buffers are memory_per_gpu's `pipe_buffers`.
     """
-    s, b, h, a, t = seq_length, micro_batch_size, hidden_size, num_attention_heads, tp_size
-    attention_core = s * b * h * 5 * a * s / (h * t)     # softmax input/output, dropout mask and output
-    if alibi:  # + the ALiBi bias SDPA keeps, (a/tp, s, s) in 2 bytes shared by the micro batch; rebuilt with the core
-        attention_core += 2 * a * s * s / t
-    full_layer = s * b * h * (10 + 24 / t) + attention_core
-    in_flight = max(1, min(pp_size - stage, num_micro_batches))
+    layer = layer_activation_bytes(seq_length=seq_length, micro_batch_size=micro_batch_size,
+                                   hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+                                   tp_size=tp_size, ffn_hidden_size=ffn_hidden_size,
+                                   sequence_parallel=sequence_parallel, flash_attention=flash_attention, alibi=alibi)
+    kept, core = layer["kept"], layer["core"]
+    in_flight = micro_batches_in_flight(pp_size, stage, num_micro_batches, virtual_stages)
     mode = recompute_mode(activation_checkpointing)
     if mode == "full":
-        per_mb = layers_on_stage * 2 * s * b * h
-        total = in_flight * per_mb + full_layer          # + the layer being recomputed
+        total = in_flight * layers_on_stage * layer["input"] + kept + core   # + the layer being recomputed
     elif mode == "selective":
-        total = in_flight * layers_on_stage * (full_layer - attention_core) + attention_core   # + one core
+        total = in_flight * layers_on_stage * kept + core                   # + one core rebuilt at a time
     else:
-        total = in_flight * layers_on_stage * full_layer
+        total = in_flight * layers_on_stage * (kept + core)
     if vocab_size:
-        total += 2 * 4 * s * b * vocab_size / t
+        total += 2 * seq_length * micro_batch_size * vocab_size / tp_size
     return total
 
 
@@ -135,11 +207,24 @@ def memory_per_gpu(*, num_layers: int, hidden_size: int, num_attention_heads: in
                    ffn_hidden_size: Optional[int] = None, make_vocab_size_divisible_by: int = 128,
                    max_position_embeddings: Optional[int] = None,
                    cuda_context_bytes: float = CUDA_CONTEXT_BYTES, embedding_weight: int = 1,
-                   position_embedding_type: str = "learned", embed_layernorm: bool = False) -> Dict[str, dict]:
-    """Bytes per GPU for every pipeline stage and for the heaviest one.
+                   position_embedding_type: str = "learned", embed_layernorm: bool = False,
+                   sequence_parallel: bool = False, virtual_stages: int = 1, flash_attention: bool = True,
+                   immediate_grad_update: bool = True,
+                   allocator_reserve_fraction: float = ALLOCATOR_RESERVE_FRACTION) -> Dict[str, dict]:
+    """Bytes per GPU for every pipeline stage and for the heaviest one, at the steady state (after the first
+    optimizer step: every optimizer state exists).
 
-    Returns {"stages": [{"stage", "params", "weights", "gradients", "optimizer", "activations", "float8_casts",
-    "cuda_context", "total"}...], "max": <the stage dict with the largest total>}; float8_casts is 0 unless
+    sequence_parallel (parallel.sequence_parallel) shards the LayerNorm/dropout activations and the pipeline's
+    buffers over tp; virtual_stages > 1 prices Megatron's interleaved schedule (a what-if: gptpar runs 1F1B);
+    flash_attention False prices an unfused attention (Megatron's fused softmax: the 176B prequel's runs);
+    immediate_grad_update False keeps bf16's half-precision gradients to the end of each backward (DeepSpeed's
+    default, BLOOM's BF16_Optimizer); allocator_reserve_fraction: see ALLOCATOR_RESERVE_FRACTION.
+
+    Returns {"stages": [{"stage", "params", "weights", "gradients", "optimizer", "activations", "pipe_buffers",
+    "half_gradients", "reduce_bucket", "float8_casts", "peak_allocated", "allocator_reserve", "cuda_context",
+    "total"}...], "max": <the stage dict with the largest total>}. peak_allocated = weights + gradients + optimizer
+    + float8_casts + max(activations + pipe_buffers + half_gradients, reduce_bucket) (the forward/backward and the
+    dp-reduction phases); total = peak_allocated + allocator_reserve + cuda_context. float8_casts is 0 unless
     precision is fp8.
     """
     if global_batch_size % (micro_batch_size * dp_size):
@@ -154,6 +239,9 @@ def memory_per_gpu(*, num_layers: int, hidden_size: int, num_attention_heads: in
                                 embedding_weight=embedding_weight,
                                 position_embedding_type=position_embedding_type, embed_layernorm=embed_layernorm)
     ranges = stage_layer_ranges(num_layers, pp_size, partition_method, embedding_weight)
+    if virtual_stages > 1 and any((end - start) % virtual_stages for start, end in ranges):
+        raise ValueError(f"virtual_stages {virtual_stages} must divide every stage's layers "
+                         f"({[end - start for start, end in ranges]})")
     v_pad = pad_vocab_size(vocab_size, tp_size, make_vocab_size_divisible_by)
     casts = cache = 0
     if precision == "fp8":
@@ -161,21 +249,36 @@ def memory_per_gpu(*, num_layers: int, hidden_size: int, num_attention_heads: in
         cached = fp8_recipe == "tensorwise"  # Float8Matmul.caches_weights
         casts = float8_cast_bytes(gemms, micro_batch_size * seq_length, weights_cached=cached)
         cache = float8_weight_cache_bytes(gemms) if cached else 0
+    scale = ACTIVATION_ELEMENT_BYTES.get(precision, 2) / 2     # the formulas count 2-byte activations
+    ds_precision = deepspeed_precision(precision) if precision in PRECISIONS else precision
+    t_sp = tp_size if sequence_parallel else 1
     stages = []
     for i, (params, (start, end)) in enumerate(zip(per_rank, ranges)):
         st = model_state_bytes(params, precision, zero_stage, dp_size, optimizer)
         f8 = casts + cache * (end - start)
-        act = activation_bytes(seq_length=seq_length, micro_batch_size=micro_batch_size, hidden_size=hidden_size,
-                               num_attention_heads=num_attention_heads, layers_on_stage=end - start,
-                               tp_size=tp_size, pp_size=pp_size, num_micro_batches=m,
-                               activation_checkpointing=activation_checkpointing, stage=i,
-                               alibi=position_embedding_type == "alibi",
-                               vocab_size=v_pad if i == pp_size - 1 else None)
+        act = scale * activation_bytes(
+            seq_length=seq_length, micro_batch_size=micro_batch_size, hidden_size=hidden_size,
+            num_attention_heads=num_attention_heads, layers_on_stage=end - start, tp_size=tp_size,
+            pp_size=pp_size, num_micro_batches=m, activation_checkpointing=activation_checkpointing, stage=i,
+            alibi=position_embedding_type == "alibi", vocab_size=v_pad if i == pp_size - 1 else None,
+            sequence_parallel=sequence_parallel, flash_attention=flash_attention, virtual_stages=virtual_stages,
+            ffn_hidden_size=ffn_hidden_size)
+        pipe = 0.0
+        if i < pp_size - 1:   # each in-flight micro batch's (chunk's) stage output, kept for its backward
+            chunks = micro_batches_in_flight(pp_size, i, m, virtual_stages) * virtual_stages
+            pipe = scale * chunks * 2 * seq_length * micro_batch_size * hidden_size / t_sp
+        half_grads = 2 * params if ds_precision == "bf16" and not immediate_grad_update else 0
+        bucket = _BUCKET_BYTES[ds_precision] * min(params, REDUCE_BUCKET_ELEMENTS)
+        peak = st["total"] + f8 + max(act + pipe + half_grads, bucket)
+        reserve = allocator_reserve_fraction * peak
         stages.append({"stage": i, "params": params, "weights": st["weights"], "gradients": st["gradients"],
-                       "optimizer": st["optimizer"], "activations": act, "float8_casts": f8,
-                       "cuda_context": cuda_context_bytes, "total": st["total"] + act + f8 + cuda_context_bytes})
+                       "optimizer": st["optimizer"], "activations": act, "pipe_buffers": pipe,
+                       "half_gradients": half_grads, "reduce_bucket": bucket, "float8_casts": f8,
+                       "peak_allocated": peak, "allocator_reserve": reserve, "cuda_context": cuda_context_bytes,
+                       "total": peak + reserve + cuda_context_bytes})
     return {"stages": stages, "max": max(stages, key=lambda d: d["total"])}
 
 
-__all__ = ["GIB", "PRECISIONS", "MOMENT_BYTES", "CUDA_CONTEXT_BYTES", "state_bytes_per_param", "model_state_bytes",
-           "activation_bytes", "memory_per_gpu"]
+__all__ = ["GIB", "PRECISIONS", "MOMENT_BYTES", "CUDA_CONTEXT_BYTES", "ALLOCATOR_RESERVE_FRACTION",
+           "REDUCE_BUCKET_ELEMENTS", "state_bytes_per_param", "model_state_bytes", "micro_batches_in_flight",
+           "layer_activation_bytes", "activation_bytes", "memory_per_gpu"]

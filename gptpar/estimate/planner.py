@@ -129,6 +129,7 @@ def predict_layout(s: dict, hw: Hardware) -> dict:
                          optimizer=s["optimizer"], activation_checkpointing=s["activation_checkpointing"],
                          ffn_hidden_size=s["ffn_hidden_size"],
                          make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"],
+                         sequence_parallel=s.get("sequence_parallel", False),
                          **embedding_kind(s))["max"]["total"] / GIB
     out.update(mem_gib=mem, fits=mem <= hw.gpu_mem_gib)
     return out
@@ -300,6 +301,7 @@ def _candidate(s, tp, pp, dp, mbs, gbs_req, nodes, hw) -> Optional[Candidate]:
                          zero_stage=s["zero_stage"], optimizer=s["optimizer"],
                          activation_checkpointing=s["activation_checkpointing"], ffn_hidden_size=s["ffn_hidden_size"],
                          make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"],
+                         sequence_parallel=s.get("sequence_parallel", False),
                          **embedding_kind(s))["max"]["total"] / GIB
     if mem > hw.gpu_mem_gib:
         return None

@@ -96,10 +96,12 @@ def render_dry_run(config: Config, dp_size: int, sec_per_iter: Optional[float] =
                   f"micro batch {mbs}, "
                   f"recompute {s['activation_checkpointing']}) ==",
               f"heaviest stage {worst['stage']}: weights {worst['weights'] / GIB:.1f} + grads "
-              f"{worst['gradients'] / GIB:.1f} + optimizer {worst['optimizer'] / GIB:.1f} + activations "
-              f"{worst['activations'] / GIB:.1f}"
+              f"{worst['gradients'] / GIB:.1f} + optimizer {worst['optimizer'] / GIB:.1f} + "
+              + _transient(worst)
               + (f" + float8 casts {worst['float8_casts'] / GIB:.2f}" if worst["float8_casts"] else "")
-              + f" + CUDA context {worst['cuda_context'] / GIB:.1f} = {worst['total'] / GIB:.1f} GiB"]
+              + f" = peak allocated {worst['peak_allocated'] / GIB:.1f}; + allocator reserve "
+              f"{worst['allocator_reserve'] / GIB:.1f} + CUDA context {worst['cuda_context'] / GIB:.1f} = "
+              f"{worst['total'] / GIB:.1f} GiB"]
     if s["precision"] == "fp8":
         lines += ["", f"== float8 GEMMs (training.precision fp8, fp8_recipe {s['fp8_recipe']}; "
                       "gptpar.estimate.float8_gemms.plan_float8_gemm) ==",
@@ -162,8 +164,9 @@ def render_plan(s: dict, params: int, heaviest: dict, kinds: Sequence[GpuKind],
              f"model:    {_billions(params)} parameters, {s['num_layers']} layers x hidden {s['hidden_size']}, seq "
              f"{s['seq_length']}, {s['precision']}, recompute {s['activation_checkpointing']}",
              f"training: {samples:,} samples = {samples / gbs:,.0f} global batches of {gbs:,}",
-             f"memory:   {need:.1f} GiB per GPU on the heaviest stage (stage {heaviest['stage']}; the estimate is a "
-             "lower bound: leave ~15% headroom)",
+             f"memory:   {need:.1f} GiB per GPU on the heaviest stage (stage {heaviest['stage']}; with the "
+             f"allocator's reserve {heaviest['allocator_reserve'] / GIB:.1f} and the CUDA context "
+             f"{heaviest['cuda_context'] / GIB:.1f})",
              f"  {'GPU kind':<26} {'GPU memory':<22} {'s/iter':>8} {'days':>8} {'GPU-hours':>12}  source"]
     for kind in kinds:
         t = predict_layout(s, kind.hardware)
@@ -187,5 +190,15 @@ def _time_row(kind: str, memory: str, sec: float, s: dict, source: str) -> str:
     return (f"  {kind[:26]:<26} {memory:<22} {sec:>8.1f} {cost['days']:>8.1f} {cost['gpu_hours']:>12,.0f}  "
             f"{source}")
 
+
+
+def _transient(st: dict) -> str:
+    """The heaviest phase on top of the model states (gptpar.estimate.memory.memory_per_gpu's peak)."""
+    fwd_bwd = st["activations"] + st["pipe_buffers"] + st["half_gradients"]
+    if st["reduce_bucket"] > fwd_bwd:
+        return f"dp-reduction bucket {st['reduce_bucket'] / GIB:.1f}"
+    return (f"activations {st['activations'] / GIB:.1f}"
+            + (f" + pipeline buffers {st['pipe_buffers'] / GIB:.1f}" if st["pipe_buffers"] else "")
+            + (f" + bf16 gradients {st['half_gradients'] / GIB:.1f}" if st["half_gradients"] else ""))
 
 __all__ = ["render_dry_run", "render_plan", "default_kinds", "nodes_phrase"]

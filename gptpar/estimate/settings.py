@@ -25,7 +25,7 @@ def settings_of(cfg: Config, dp_size: Optional[int] = None) -> dict:
         "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by, "activation": m.activation,
         "position_embedding_type": m.position_embedding_type, "embed_layernorm": m.embed_layernorm,
         "padded_vocab_size": m.padded_vocab_size(tp),
-        "tp_size": tp, "pp_size": p.pipeline_model_parallel_size, "dp_size": dp_size or p.data_parallel_size or 1,
+        "tp_size": tp, "pp_size": p.pipeline_model_parallel_size, "sequence_parallel": p.sequence_parallel, "dp_size": dp_size or p.data_parallel_size or 1,
         "partition_method": p.partition_method, "embedding_weight": p.embedding_weight or 1,
         "micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size,
         "precision": t.precision, "fp8_recipe": t.fp8_recipe, "zero_stage": t.zero_stage, "optimizer": t.optimizer,
@@ -49,7 +49,7 @@ def memory_of(s: dict) -> dict:
                           activation_checkpointing=s["activation_checkpointing"],
                           ffn_hidden_size=s["ffn_hidden_size"], max_position_embeddings=s["max_position_embeddings"],
                           make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"],
-                          **embedding_kind(s))
+                          sequence_parallel=s.get("sequence_parallel", False), **embedding_kind(s))
 
 
 def embedding_kind(s: dict) -> dict:

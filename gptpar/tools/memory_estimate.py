@@ -43,11 +43,13 @@ def main(argv=None) -> int:
         return 0
     print(f"tp={s['tp_size']} pp={s['pp_size']} dp={dp} micro batch {s['micro_batch_size']} {s['precision']} "
           f"{s['optimizer']} ZeRO-{s['zero_stage']} recompute {s['activation_checkpointing']} (GiB)")
-    print(f"{'stage':>5} {'params/rank':>14} {'weights':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'ctx':>6} "
-          f"{'total':>8}")
+    # activ+: the heaviest phase over the model states (activations, pipeline buffers, ...: gptpar.estimate.memory)
+    print(f"{'stage':>5} {'params/rank':>14} {'weights':>8} {'grads':>8} {'optim':>8} {'activ+':>8} {'reserve':>8} "
+          f"{'ctx':>6} {'total':>8}")
     for st in mem["stages"]:
+        transient = st["peak_allocated"] - st["weights"] - st["gradients"] - st["optimizer"]
         print(f"{st['stage']:>5} {st['params']:>14,} {st['weights'] / GIB:>8.1f} {st['gradients'] / GIB:>8.1f} "
-              f"{st['optimizer'] / GIB:>8.1f} {st['activations'] / GIB:>8.1f} {st['cuda_context'] / GIB:>6.1f} "
-              f"{st['total'] / GIB:>8.1f}")
+              f"{st['optimizer'] / GIB:>8.1f} {transient / GIB:>8.1f} {st['allocator_reserve'] / GIB:>8.1f} "
+              f"{st['cuda_context'] / GIB:>6.1f} {st['total'] / GIB:>8.1f}")
     print(f"heaviest: stage {out['max_stage']}, {out['max_gib']:.1f} GiB")
     return 0

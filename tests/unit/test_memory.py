@@ -1,15 +1,20 @@
-"""gptpar.estimate.memory against the 200B sizing notes' arithmetic, independent formulas, the 176B prequel log's
-measured memory columns and the 104B tune-up notes' 8-bit Adam rows (docs/planning.md's Sources)."""
+"""gptpar.estimate.memory against the 200B sizing notes' arithmetic, Korthikanti et al. 2022's activation formulas,
+the 176B prequel log's measured memory columns, the 104B tune-up notes' 8-bit Adam rows (docs/planning.md's
+Sources), gptpar's own GPU runs under bench/results/ (read at test time), BLOOM-176B's published per-GPU memory and
+the layouts of Megatron-LM's published H100 table."""
+import glob
+import json
 import os
 import random
+import re
 
 import pytest
 
 from gptpar.estimate.flops import params_per_stage
-from gptpar.estimate.memory import (CUDA_CONTEXT_BYTES, GIB, activation_bytes, memory_per_gpu, model_state_bytes,
-                           state_bytes_per_param)
+from gptpar.estimate.memory import (ALLOCATOR_RESERVE_FRACTION, CUDA_CONTEXT_BYTES, GIB, activation_bytes,
+                                    memory_per_gpu, micro_batches_in_flight, model_state_bytes, state_bytes_per_param)
 from gptpar.estimate.settings import memory_of, settings_of
-from gptpar.config import load_config
+from gptpar.config import config_from_dict, load_config
 from gptpar.testing import ROOT
 
 
@@ -67,7 +72,8 @@ def test_activations_follow_korthikanti(seed):
     none = activation_bytes(seq_length=s, micro_batch_size=b, hidden_size=h, num_attention_heads=a,
                             layers_on_stage=layers, tp_size=t, pp_size=pp, num_micro_batches=m,
                             activation_checkpointing=False, stage=pp - 1, vocab_size=1000 * t)
-    assert none == pytest.approx(layers * full + 8 * s * b * 1000)   # last stage: 1 in flight + fp32 logits
+    # last stage: 1 in flight + the logits in 2 bytes (the vocab-parallel loss writes their gradient in place)
+    assert none == pytest.approx(layers * full + 2 * s * b * 1000)
 
 
 def test_stage_totals_add_up_and_heaviest_holds_an_embedding():
@@ -78,9 +84,15 @@ def test_stage_totals_add_up_and_heaviest_holds_an_embedding():
                               tp_size=8, per_tp_rank=True)
     for st, p in zip(mem["stages"], params):
         assert st["params"] == p
-        assert st["total"] == pytest.approx(st["weights"] + st["gradients"] + st["optimizer"] + st["activations"]
-                                            + CUDA_CONTEXT_BYTES)
+        states = st["weights"] + st["gradients"] + st["optimizer"]
+        assert st["peak_allocated"] == pytest.approx(
+            states + max(st["activations"] + st["pipe_buffers"] + st["half_gradients"], st["reduce_bucket"]))
+        assert st["allocator_reserve"] == pytest.approx(ALLOCATOR_RESERVE_FRACTION * st["peak_allocated"])
+        assert st["total"] == pytest.approx(st["peak_allocated"] + st["allocator_reserve"] + CUDA_CONTEXT_BYTES)
     assert mem["max"]["stage"] in (0, 11)
+    # the last stage sends nothing on: no output buffers; the others keep one per micro batch in flight
+    assert mem["stages"][-1]["pipe_buffers"] == 0
+    assert mem["stages"][0]["pipe_buffers"] == pytest.approx(min(12, 512) * 2 * 2048 * 1 * 14336)
 
 
 # the 176B prequel log's measured memory (the max over GPUs, "first (last) nodes"): (layers, hidden, heads, tp, pp,
@@ -181,3 +193,209 @@ def test_104b_8bit_adam_fits_where_the_baseline_would_not():
     saving = estimate_104b((2, 32, 2), "adamw") - bnb[2, 32, 2]
     assert BNB_104B[2, 32, 2] <= V100_GB < BNB_104B[2, 32, 2] + saving
     assert BNB_104B[2, 32, 2] + (BASELINE_104B[4, 32, 1] - BNB_104B[4, 32, 1]) > V100_GB
+
+
+# -- Korthikanti et al. 2022 with sequence parallelism, recompute modes and the interleaved schedule ------------
+
+def _shape(rng):
+    t = rng.choice([1, 2, 4, 8])
+    a = t * rng.randint(1, 8)
+    return dict(seq_length=rng.choice([256, 1024, 2048]) * t, micro_batch_size=rng.randint(1, 8),
+                hidden_size=a * rng.randint(8, 64), num_attention_heads=a, tp_size=t,
+                layers_on_stage=rng.randint(1, 12), pp_size=rng.randint(1, 16), num_micro_batches=rng.randint(1, 64))
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_activations_with_sequence_parallelism_follow_the_paper(seed):
+    """The paper's per-layer formulas, per micro batch (FFN 4h, 2-byte activations, 1-byte masks): no parallelism
+    sbh(34 + 5as/h); tensor parallel sbh(10 + 24/t + 5as/(ht)); tensor + sequence parallel sbh/t (34 + 5as/h);
+    selective recompute drops the 5as/h term (recomputed, one layer's at a time), full keeps the 2sbh input (over t
+    with sequence parallelism) and recomputes one whole layer at a time."""
+    rng = random.Random(200 + seed)
+    kw = _shape(rng)
+    s, b, h, a, t = (kw[k] for k in ("seq_length", "micro_batch_size", "hidden_size", "num_attention_heads",
+                                     "tp_size"))
+    layers, f = kw["layers_on_stage"], min(kw["pp_size"], kw["num_micro_batches"])
+    core = 5 * a * s * s * b / t
+    tp_only, tp_sp = s * b * h * (10 + 24 / t), s * b * h * 34 / t
+    for sp, kept, inp in ((False, tp_only, 2 * s * b * h), (True, tp_sp, 2 * s * b * h / t)):
+        got = {mode: activation_bytes(activation_checkpointing=mode, sequence_parallel=sp, **kw)
+               for mode in ("none", "selective", "full")}
+        assert got["none"] == pytest.approx(f * layers * (kept + core))
+        assert got["selective"] == pytest.approx(f * layers * kept + core)
+        assert got["full"] == pytest.approx(f * layers * inp + kept + core)
+        # gptpar's SDPA (flash / memory-efficient) keeps no s x s tensor: none and selective hold the same
+        flash = {mode: activation_bytes(activation_checkpointing=mode, sequence_parallel=sp, flash_attention=True,
+                                        **kw) for mode in ("none", "selective")}
+        assert flash["none"] == flash["selective"] == pytest.approx(f * layers * kept)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_sequence_parallelism_divides_the_activations_by_tp(seed):
+    """With sequence parallelism a tp group holds exactly the activations of one unsplit GPU, shared t ways:
+    activations(t, SP) = activations(t = 1) / t in every recompute mode, with and without flash attention."""
+    rng = random.Random(300 + seed)
+    kw = _shape(rng)
+    t = kw["tp_size"]
+    for mode in ("none", "selective", "full"):
+        for flash in (False, True):
+            one = activation_bytes(activation_checkpointing=mode, flash_attention=flash, **dict(kw, tp_size=1))
+            sp = activation_bytes(activation_checkpointing=mode, flash_attention=flash, sequence_parallel=True, **kw)
+            assert sp == pytest.approx(one / t)
+            if t > 1:
+                assert sp < activation_bytes(activation_checkpointing=mode, flash_attention=flash, **kw)
+
+
+def test_recompute_modes_order_and_zero1_shards_the_optimizer():
+    """full < selective < none (an unfused attention; with flash attention selective = none), per GPU; ZeRO-1
+    divides only the optimizer term by dp."""
+    kw = dict(num_layers=48, hidden_size=7168, num_attention_heads=56, vocab_size=131072, seq_length=4096,
+              micro_batch_size=1, global_batch_size=192, tp_size=8, pp_size=4, dp_size=4)
+    peak = {mode: memory_per_gpu(activation_checkpointing=mode, flash_attention=False, **kw)["max"]["peak_allocated"]
+            for mode in ("none", "selective", "full")}
+    assert peak["full"] < peak["selective"] < peak["none"]
+    flash = {mode: memory_per_gpu(activation_checkpointing=mode, **kw)["max"]["peak_allocated"]
+             for mode in ("none", "selective", "full")}
+    assert flash["full"] < flash["selective"] == flash["none"]
+    one = memory_per_gpu(**dict(kw, dp_size=1, global_batch_size=48))["stages"]
+    eight = memory_per_gpu(**dict(kw, dp_size=8, global_batch_size=384))["stages"]   # the same 48 micro batches
+    for a, b in zip(one, eight):
+        assert b["optimizer"] == pytest.approx(a["optimizer"] / 8)
+        assert (b["weights"], b["gradients"], b["activations"]) == (a["weights"], a["gradients"], a["activations"])
+
+
+@pytest.mark.parametrize("pp,v,m", [(4, 2, 64), (8, 4, 64), (16, 3, 8), (6, 1, 3), (12, 1, 128)])
+def test_micro_batches_in_flight(pp, v, m):
+    """1F1B: stage i holds min(pp - i, m). Interleaved: Korthikanti et al.'s first stage holds
+    L*(1 + (p - 1)/(p*v)) layers' activations for L/p = its own layers, i.e. pp + (pp - 1)/v micro batches' worth."""
+    if v == 1:
+        assert [micro_batches_in_flight(pp, i, m) for i in range(pp)] == [min(pp - i, m) for i in range(pp)]
+    else:
+        assert micro_batches_in_flight(pp, 0, m, v) == pytest.approx(min(pp * (1 + (pp - 1) / (pp * v)), m))
+        assert all(micro_batches_in_flight(pp, i, m, v) >= micro_batches_in_flight(pp, i, m) for i in range(pp))
+    with pytest.raises(ValueError, match="virtual_stages"):
+        micro_batches_in_flight(pp, 0, m, 0)
+
+
+def test_interleaving_and_kept_half_gradients_add_memory():
+    kw = dict(num_layers=96, hidden_size=12288, num_attention_heads=96, vocab_size=131072, seq_length=4096,
+              micro_batch_size=1, global_batch_size=1152, tp_size=8, pp_size=6, dp_size=48, sequence_parallel=True,
+              activation_checkpointing="selective")
+    base = memory_per_gpu(**kw)["stages"][0]
+    inter = memory_per_gpu(virtual_stages=2, **kw)["stages"][0]
+    # stage 0 of 6: 6 + 5/2 micro batches' worth of its layers instead of 6
+    assert inter["activations"] == pytest.approx(base["activations"] * (6 + 5 / 2) / 6)
+    kept = memory_per_gpu(immediate_grad_update=False, **kw)["stages"][0]
+    assert kept["half_gradients"] == 2 * kept["params"] and base["half_gradients"] == 0
+
+
+# -- gptpar's own GPU runs: the steady-state peak after the optimizer's first step --------------------------
+
+def measured_gpu_runs():
+    """(log, resolved config, steady-state peak MiB, reserved MiB) of every bf16 trainer run under bench/results/.
+
+    The log's one memory line ("after 1 iterations") gives the peak of iteration 1, before AdamW's state existed:
+    its moments are made by the first step, at its end. DeepSpeed's "end bf16_ optimizer" line gives what was
+    allocated before iteration 1 (bf16 weights, fp32 master copy and gradient buffer). The steady-state peak is
+    the allocation after the step (weights + every optimizer state) plus what iteration 1 rose above its start
+    (activations, logits and transients: the same every iteration). fp8's one run peaked at its step (max
+    allocated = allocated: its forward/backward peak is not in the log), so it gives no figure."""
+    runs = []
+    for log in sorted(glob.glob(os.path.join(ROOT, "bench", "results", "h*", "trainer_*.log"))):
+        text = open(log).read()
+        start = text.index("resolved config:\n") + len("resolved config:\n")
+        cfg, _ = json.JSONDecoder().raw_decode(text[start:])
+        before = re.search(r"end bf16_ optimizer\nMA ([\d.]+) GB", text)
+        line = re.search(r"\(after 1 iterations\) memory \(MB\) \| allocated: ([\d.]+) \| max allocated: ([\d.]+) "
+                         r"\| reserved: ([\d.]+)", text)
+        if cfg["training"]["precision"] != "bf16" or not (before and line):
+            continue
+        allocated, max_allocated, reserved = map(float, line.groups())
+        start_mib = float(before.group(1)) * 1024       # DeepSpeed's see_memory_usage: GiB, 2 decimals
+        runs.append((log, cfg, allocated + max_allocated - start_mib, reserved))
+    return runs
+
+
+def test_estimate_within_10_percent_of_gptpars_measured_gpu_peaks():
+    runs = measured_gpu_runs()
+    assert len(runs) >= 10   # the H100 and H200 runs of 2026-11-26/27
+    assert {os.path.basename(os.path.dirname(log))[:4] for log, *_ in runs} == {"h100", "h200"}
+    reserve_fractions = []
+    for log, cfg, peak_mib, reserved_mib in runs:
+        mem = memory_of(settings_of(config_from_dict(cfg)))["max"]
+        estimate = mem["peak_allocated"] / 2 ** 20
+        assert abs(estimate - peak_mib) / peak_mib < 0.10, (log, estimate, peak_mib)
+        # reserved (allocated + the allocator's reserve) against the log's reserved
+        held = (mem["peak_allocated"] + mem["allocator_reserve"]) / 2 ** 20
+        assert abs(held - reserved_mib) / reserved_mib < 0.10, (log, held, reserved_mib)
+        reserve_fractions.append(reserved_mib / peak_mib - 1)
+    assert min(reserve_fractions) <= ALLOCATOR_RESERVE_FRACTION <= max(reserve_fractions)
+
+
+# -- published large runs ---------------------------------------------------------------------------------
+
+def test_bloom_176b_as_it_ran_is_near_its_published_60_gb_and_fits():
+    """BigScience's model card for the 176B run: "one copy of the model takes 48 GPUs (using 60 GB of memory on
+    each GPU)" (tp 4 x pp 12 = 48, dp 8, micro batch 2, bf16, ZeRO-1, full recompute, 384 A100 80GB). That run's
+    software (Megatron-DeepSpeed, 2022) had an unfused attention (its fused softmax keeps the s x s tensors of
+    the layer being recomputed) and DeepSpeed's BF16_Optimizer at its default, without immediate_grad_update (each
+    micro batch's bf16 gradients kept until its backward ends; assumed for that 2022 run): within 15% of 60 GB (nvidia-smi's figure: the total). gptpar
+    running the same layout (configs/176b_bloom.json) holds less by exactly those two terms."""
+    cfg = load_config(os.path.join(ROOT, "configs", "176b_bloom.json"))
+    s = settings_of(cfg)
+    assert (s["tp_size"], s["pp_size"], s["dp_size"], s["micro_batch_size"]) == (4, 12, 8, 2)
+    assert s["activation_checkpointing"] == "full" and s["precision"] == "bf16"
+    kw = {k: s[k] for k in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
+                            "micro_batch_size", "global_batch_size", "tp_size", "pp_size", "dp_size",
+                            "partition_method", "precision", "zero_stage", "activation_checkpointing",
+                            "ffn_hidden_size", "make_vocab_size_divisible_by", "position_embedding_type",
+                            "embed_layernorm")}
+    as_ran = memory_per_gpu(flash_attention=False, immediate_grad_update=False, **kw)["max"]
+    assert 0.85 * 60e9 < as_ran["total"] < 1.15 * 60e9
+    gptpar = memory_of(s)["max"]
+    assert gptpar["total"] < as_ran["total"] < 80e9
+    stage = as_ran["stage"]
+    assert as_ran["half_gradients"] == 2 * as_ran["params"]
+    assert memory_of(s)["stages"][stage]["half_gradients"] == 0
+
+
+# Megatron-LM's README, "Training Speed and Scalability" (images/model_table.png since its commit 937571cf, July
+# 2024): GPT models on up to 6144 H100s, vocab 131072, seq 4096, with data-, tensor- and pipeline-parallel
+# communication overlapped. (size, heads, hidden, layers, tp, pp, dp, GPUs, batch). The overlap named there,
+# --tp-comm-overlap, runs only with sequence parallelism (megatron/training/arguments.py asserts it). The table gives
+# no micro batch (1 here) nor recompute (selective here: with flash attention the same as none).
+MEGATRON_H100 = [("177B", 96, 12288, 96, 8, 6, 48, 2304, 1152), ("314B", 128, 16384, 96, 8, 8, 48, 3072, 1536),
+                 ("462B", 144, 18432, 112, 8, 16, 48, 6144, 3072)]
+
+
+@pytest.mark.parametrize("row", MEGATRON_H100, ids=[r[0] for r in MEGATRON_H100])
+def test_megatron_h100_layouts_fit_with_sequence_parallelism(row):
+    _, heads, hidden, layers, tp, pp, dp, gpus, batch = row
+    assert tp * pp * dp == gpus
+    # an H100 80GB's memory as torch reports it (measured: bench/results/h100_2026-11-26/layer_200b_tp8.json)
+    with open(os.path.join(ROOT, "bench", "results", "h100_2026-11-26", "layer_200b_tp8.json")) as f:
+        h100_gib = json.load(f)["gpu_mem_gib"]
+    kw = dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, vocab_size=131072, seq_length=4096,
+              micro_batch_size=1, global_batch_size=batch, tp_size=tp, pp_size=pp, dp_size=dp,
+              activation_checkpointing="selective")
+    assert memory_per_gpu(sequence_parallel=True, **kw)["max"]["total"] / GIB < h100_gib
+    assert memory_per_gpu(**kw)["max"]["total"] / GIB > h100_gib   # what the estimate said before it knew SP
+    # and with the interleaved schedule at any chunking the stages' layers allow (the table does not say)
+    per_stage = layers // pp
+    for v in (v for v in range(2, per_stage + 1) if per_stage % v == 0):
+        assert memory_per_gpu(sequence_parallel=True, virtual_stages=v, **kw)["max"]["total"] / GIB < h100_gib
+    with pytest.raises(ValueError, match="virtual_stages"):
+        memory_per_gpu(sequence_parallel=True, virtual_stages=per_stage + 1, **kw)
+
+
+def test_the_configs_sequence_parallel_reaches_the_dry_run_and_the_planner():
+    from gptpar.estimate.planner import Hardware, predict_layout
+
+    def plan(sp):
+        cfg = load_config(os.path.join(ROOT, "configs", "200b.json"), [f"parallel.sequence_parallel={sp}"])
+        s = settings_of(cfg)
+        return memory_of(s)["max"], predict_layout(s, Hardware())["mem_gib"]
+
+    (off, off_planned), (on, on_planned) = plan("false"), plan("true")
+    assert on["activations"] < off["activations"] and on["pipe_buffers"] == off["pipe_buffers"] / 8
+    assert (off_planned, on_planned) == (pytest.approx(off["total"] / GIB), pytest.approx(on["total"] / GIB))
