@@ -91,7 +91,7 @@ def test_plan_topology_prints_calibrated_kinds_beside_the_a100(tmp_path):
     text = subprocess.run([sys.executable, "tools/plan_topology.py", "--config", CONFIG_200B, "--nodes", "40",
                            "--calibration", path, "--measured", os.path.join("tests", "data", "seed_runs.json")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
-    assert "A100 80GB" in text and "fast.json" in text and "): 207.92 s/it" in text
+    assert "a100-80gb" in text and "fast.json" in text and "): 207.92 s/it" in text
 
 
 def test_bad_calibration_files(tmp_path):

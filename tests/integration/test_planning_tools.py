@@ -201,7 +201,8 @@ def test_memory_tool_prints_what_the_dry_run_prints(tmp_path, capsys):
         tool = _memory_figures(run("memory.py", "--config", config).stdout, r"\s*\d+\s+[\d,]+\s",
                                r"dp=(\d+) micro batch (\d+) (\w+) (\w+) ZeRO-(\d) recompute (\w+)",
                                r"heaviest: stage (\d+), ([\d.]+) GiB")
-        assert pretrain_main(["--config", os.path.join(ROOT, config), "--dry-run"]) == 0
+        # per GPU, with its CUDA context, as the memory tool prints (an fp32 config's plain dry run plans for the CPU)
+        assert pretrain_main(["--config", os.path.join(ROOT, config), "--dry-run", "--gpu", "a100-80gb"]) == 0
         dry = _memory_figures(capsys.readouterr().out, r"\s*\d+\s+\[\d+, \d+\)",
                               r"memory per GPU \((\w+), (\w+), ZeRO-(\d) over dp=(\d+), micro batch (\d+), "
                               r"recompute (\w+)\)",
