@@ -139,7 +139,18 @@ BAD_INPUT = [
      "pipeline_model_parallel_size (100)"),
     ("plan_topology.py", ["--config", "configs/200b.json", "--nodes", "0"], "--nodes"),
     ("plan_topology.py", ["--config", "configs/200b.json", "--nodes", "1", "--gpu-mem", "8"], "--gpu-mem"),
+] + [  # one line each, exit 2
+    ("plan_topology.py", ["--config", "configs/200b.json", "--nodes", "4", "--measured", "no/such.json"],
+     "error: --measured 'no/such.json': no such file"),
+    ("plan_topology.py", ["--config", "configs/200b.json", "--nodes", "4", "--gpu", "v100"],
+     "error: --gpu 'v100': unknown GPU kind (known: a100-80gb, h100-80gb, h200)"),
+    ("plan_topology.py", ["--config", "configs/200b.json", "--nodes", "4", "--assume", "zero-bubble"],
+     "error: --assume 'zero-bubble': unknown assumption"),
+    ("tflops.py", ["--log", "no/such.log"], "error: --log 'no/such.log': no such file"),
+    ("tflops.py", ["--config", "configs/181b_48nodes.json", "--gpu", "384", "--sec-per-iter", "120.85"],
+     "the number of GPUs is --gpus 384"),
 ]
+ONE_LINE = BAD_INPUT[-5:]
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +166,18 @@ def test_bad_input_is_one_clear_message(bad_input_runs, tool, args, needle):
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
     assert needle in proc.stderr, proc.stderr
+    if (tool, args, needle) in ONE_LINE:
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and not proc.stdout, proc.stderr
+
+
+def test_tflops_never_abbreviates_an_option():
+    """--gpu was an abbreviation of --gpus; no option is abbreviated now (--sec-per is not --sec-per-iter)."""
+    proc = run("tflops.py", "--config", "configs/181b_48nodes.json", "--gpus", "384", "--sec-per", "120.85",
+               check=False)
+    assert proc.returncode == 2 and "unrecognized arguments: --sec-per" in proc.stderr
+    out = run_json("tflops.py", "--config", "configs/181b_48nodes.json", "--gpus", "384", "--sec-per-iter", "120.85",
+                   "--gpu", "a100-80gb")
+    assert out["mfu"] == pytest.approx(out["tflops"] / 312)
 
 
 def test_allreduce_bench_on_two_gloo_ranks():

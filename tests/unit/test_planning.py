@@ -270,3 +270,97 @@ def test_each_layout_is_priced_in_days_and_gpu_hours():
         days, hours = days_and_gpu_hours(s["train_samples"], s["global_batch_size"], c.sec_per_requested_batch,
                                          c.tp * c.pp * c.dp)
         assert (c.days, c.gpu_hours) == (pytest.approx(days, rel=1e-12), pytest.approx(hours, rel=1e-12))
+
+
+CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".json"))
+
+
+def test_dry_run_json_for_every_config_on_every_kind(capsys):
+    """pretrain_gpt.py --config C --dry-run --json --gpu KIND: one JSON object, the plan for KIND at C's own layout,
+    equal to the time model's figures."""
+    from gptpar.estimate.kinds import kind_names
+    from gptpar.estimate.planner import hardware_of, predict_layout, training_time
+    from gptpar.training.pretrain import main as pretrain_main
+
+    for name in CONFIGS:
+        cfg = load_config(os.path.join(ROOT, "configs", name))
+        s = settings_of(cfg)
+        for kind in kind_names():
+            assert pretrain_main(["--config", os.path.join(ROOT, "configs", name), "--dry-run", "--json",
+                                  "--gpu", kind]) == 0, (name, kind)
+            out = capsys.readouterr().out
+            assert len(out.strip().splitlines()) == 1
+            d = json.loads(out)
+            want = predict_layout(s, hardware_of(kind))
+            cost = training_time(s["train_samples"], s["global_batch_size"], want["sec_per_iter"], d["gpus"])
+            assert d["gpu"] == kind and d["gpus"] == s["tp_size"] * s["pp_size"] * s["dp_size"]
+            assert d["sec_per_iter"] == pytest.approx(want["sec_per_iter"])
+            assert d["memory_gib"] == pytest.approx(memory_of(s)["max"]["total"] / GIB)
+            assert d["fits"] is (d["memory_gib"] <= hardware_of(kind).gpu_mem_gib)
+            assert (d["days"], d["gpu_hours"]) == (pytest.approx(cost["days"]), pytest.approx(cost["gpu_hours"]))
+            assert d["tflops_per_gpu"] > 0 and d["assumptions"] == [] and d["error_band"]["median"] > 0
+
+
+def test_dry_run_names_its_assumptions(capsys):
+    from gptpar.training.pretrain import main as pretrain_main
+
+    args = ["--config", os.path.join(ROOT, "configs", "200b.json"), "--dry-run", "--gpu", "h100-80gb"]
+    assert pretrain_main(args + ["--json", "--assume", "dp-comm-overlap", "--assume", "tp-comm-overlap"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["assumptions"] == ["tp-comm-overlap", "dp-comm-overlap"] and d["parts"]["tp_comm_s"] == 0
+    assert pretrain_main(args + ["--assume", "dp-comm-overlap"]) == 0
+    text = capsys.readouterr().out
+    assert "assumes:  dp-comm-overlap (gradient reduction overlapped" in text
+    assert "plan for h100-80gb" in text
+    assert pretrain_main(args) == 0
+    assert "assumes:  what gptpar runs (1F1B schedule" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra,needle", [(["--gpu", "v100"], "--gpu 'v100': unknown GPU kind (known: a100-80gb"),
+                                          (["--assume", "zero-bubble"], "--assume 'zero-bubble': unknown assumption"),
+                                          (["--assume", "interleaved=3"], "interleaved=3 needs")])
+def test_dry_run_bad_kind_or_assumption_is_one_line_exit_2(capsys, extra, needle):
+    from gptpar.training.pretrain import main as pretrain_main
+
+    assert pretrain_main(["--config", os.path.join(ROOT, "configs", "200b.json"), "--dry-run", *extra]) == 2
+    out, err = capsys.readouterr()
+    assert not out and len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+def test_a_cpu_configs_dry_run_has_no_gpu_rows_and_no_cuda_context(capsys):
+    from gptpar.training.pretrain import main as pretrain_main
+
+    assert pretrain_main(["--config", os.path.join(ROOT, "configs", "cpu_tiny.json"), "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    plan = text.split("\n\n")[0]
+    assert "GPU kinds: none for an fp32 config; pass --gpu KIND" in plan and "s/iter" not in plan
+    assert "CUDA context" not in text
+    assert pretrain_main(["--config", os.path.join(ROOT, "configs", "cpu_tiny.json"), "--dry-run", "--gpu",
+                          "a100-80gb"]) == 0
+    rows = plan_rows(capsys.readouterr().out)
+    assert list(rows)[0] == "a100-80gb" and rows["a100-80gb"][1] > 0   # three significant digits, never 0.0
+
+
+def test_plan_topology_ranks_for_the_kind_asked(capsys):
+    from gptpar.estimate.planner import hardware_of, plan_topology
+    from gptpar.tools.plan_topology import main as plan_main
+
+    args = ["--config", os.path.join(ROOT, "configs", "200b.json"), "--nodes", "48", "--gpu", "h100-80gb"]
+    assert plan_main(args + ["--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    best = plan_topology(settings_of(config("200b")), 48, hardware_of("h100-80gb"))[0]
+    assert d["gpu"] == "h100-80gb" and d["gpu_mem"] == pytest.approx(hardware_of("h100-80gb").gpu_mem_gib)
+    assert (d["candidates"][0]["tp"], d["candidates"][0]["pp"], d["candidates"][0]["dp"]) == (best.tp, best.pp, best.dp)
+    assert d["sec_per_iter"] == pytest.approx(best.sec_per_requested_batch) and d["days"] == pytest.approx(best.days)
+    assert d["fits"] is True and d["memory_gib"] == best.mem_gib and d["assumptions"] == []
+    assert plan_main(args) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert "8 h100-80gb (79.2 GiB" in head and "error band ±" in head and "A100" not in head
+
+
+def test_planning_doc_names_the_notes_by_file_name_only():
+    with open(os.path.join(ROOT, "docs", "planning.md")) as f:
+        text = f.read()
+    assert "/work/" not in text and "seeds/`" not in text
+    for name in ("000_8a7d515bbeffde54.txt", "003_c1a2cf81af8065a2.txt"):
+        assert f"`{name}`" in text
