@@ -172,7 +172,7 @@ def predict(s: dict, tp: int, pp: int, dp: int, mbs: int, gbs: int, hw: Hardware
 def _dp_comm(s, rank_params, tp, dp, hw, assume, slot_compute, mode) -> float:
     """Seconds of the data-parallel exchange that the iteration waits for.
 
-    gptpar (DeepSpeed 0.19.8's pipeline engine): after the last micro batch's backward, one all-reduce of the
+    gptpar (DeepSpeed's pipeline engine, pinned): after the last micro batch's backward, an all-reduce of the
     gradients in the communication dtype (bf16/fp16: 2 bytes; DeepSpeed's ZeRO config leaves overlap_comm off below
     stage 3), then ZeRO-1's all-gather of the updated 2-byte parameters (mixed precision always runs ZeRO-1).
     What-ifs: distributed-optimizer reduce-scatters instead; ddp drops the all-gather; dp-comm-overlap hides the

@@ -17,7 +17,7 @@ from gptpar.estimate.flops import (exact_model_params, model_size_formula, param
 from gptpar.estimate.memory import GIB
 from gptpar.estimate.kinds import DEFAULT_KIND, Assumptions, describe, kind_names
 from gptpar.estimate.planner import GpuKind, gpu_kind, predict_layout, training_time
-from gptpar.estimate.validation import band_phrase, error_band
+from gptpar.estimate.validation import error_band
 from gptpar.estimate.settings import embedding_kind, memory_of, settings_of
 from gptpar.model.config import pad_vocab_size
 from gptpar.estimate.float8_gemms import describe_float8_gemms, layer_float8_gemms
@@ -198,14 +198,15 @@ def render_plan(s: dict, params: int, heaviest: dict, kinds: Sequence[GpuKind],
         lines.append("GPU kinds: none for an fp32 config; pass --gpu KIND (a100-80gb, h100-80gb, h200) for a GPU plan")
     else:
         lines += [assumptions_line(assume), f"plan for {kinds[0].name}, then the other kinds; error band = the time "
-                  "model on published measured runs of that kind",
-                  f"  {'GPU kind':<26} {'GPU memory':<22} {'s/iter':>8} {'days':>8} {'GPU-hours':>12}  {'error band':<18}"
-                  "  source"]
+                  "model on published measured runs of that kind ((all) = of every kind: none of its own yet)",
+                  f"  {'GPU kind':<26} {'GPU memory':<22} {'s/iter':>8} {'days':>8} {'GPU-hours':>12}  "
+                  f"{'error band':<24}  source"]
     for kind in kinds:
         t = predict_layout(s, kind.hardware, assume)
         fits = "fits" if need <= kind.hardware.gpu_mem_gib else "DOES NOT FIT"
         b = error_band(kind.hardware.name)
-        band = f"±{100 * b['median']:.0f}% med, ±{100 * b['worst']:.0f}% max"
+        band = (f"±{100 * b['median']:.0f}% med, ±{100 * b['worst']:.0f}% max"
+                + (" (all)" if b["kind"] == "all" else ""))
         lines.append(_time_row(kind.name, f"{kind.hardware.gpu_mem_gib:.1f} GiB: {fits}", t["sec_per_iter"], s,
                                band, kind.source + (f"; measured at another shape ({', '.join(kind.notes)}), the "
                                                     "rate carried over" if kind.notes else "")))
@@ -223,7 +224,7 @@ def _time_row(kind: str, memory: str, sec: float, s: dict, band: str, source: st
     world = s["tp_size"] * s["pp_size"] * s["dp_size"]
     cost = training_time(s["train_samples"], s["global_batch_size"], sec, world)
     return (f"  {kind[:26]:<26} {memory:<22} {sig3(sec):>8} {sig3(cost['days']):>8} {cost['gpu_hours']:>12,.0f}  "
-            f"{band:<18}  {source}")
+            f"{band:<24}  {source}")
 
 
 def plan_json(config: Config, dp_size: int, kinds: Sequence[GpuKind], gpu: Optional[str],

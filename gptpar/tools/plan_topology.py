@@ -102,7 +102,8 @@ def main(argv=None) -> int:
           f"{'days':>7} {'GPU-hours':>10} {'TFLOPs':>6} {'compute':>7} {'bubble':>6} {'tp comm':>7} {'pp comm':>7} "
           f"{'dp comm':>7}  flags")
     for i, c in enumerate(cands[:TOP], 1):
-        print(f"{i:>3} {c.nodes:>5} {c.tp:>3} {c.pp:>3} {c.dp:>3} {c.mbs:>3} {c.global_batch_size:>5} {c.mem_gib:>7.1f} "
+        print(f"{i:>3} {c.nodes:>5} {c.tp:>3} {c.pp:>3} {c.dp:>3} {c.mbs:>3} {c.global_batch_size:>5} "
+              f"{c.mem_gib:>7.1f} "
               f"{sig3(c.sec_per_requested_batch):>7} {sig3(c.days):>7} {c.gpu_hours:>10,.0f} {c.tflops_per_gpu:>6.0f} "
               f"{sig3(c.compute_s):>7} {sig3(c.bubble_s):>6} {sig3(c.tp_comm_s):>7} {sig3(c.pp_comm_s):>7} "
               f"{sig3(c.dp_comm_s):>7}  {', '.join(c.soft)}")

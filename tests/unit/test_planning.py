@@ -179,7 +179,7 @@ def plan_rows(text):
     rows = {}
     for line in lines[header + 1:]:
         kind, memory, rest = line[2:28].strip(), line[29:51].strip(), line[51:].split(None, 3)
-        band, source = rest[3].split("  ", 1)   # the error band, then the source
+        band, source = rest[3][:24].strip(), rest[3][24:]   # the error band, then the source
         rows[kind] = (memory, float(rest[0]), float(rest[1]), float(rest[2].replace(",", "")), source.strip(), band)
     return rows
 
@@ -222,7 +222,8 @@ def test_dry_run_starts_with_the_plan_of_200b(capsys):
         assert memory == f"{hw.gpu_mem_gib:.1f} GiB: fits"
         assert source.endswith(f"gptpar/estimate/calibrations/kinds/{kind}.json")
         b = error_band(kind)
-        assert band == f"±{100 * b['median']:.0f}% med, ±{100 * b['worst']:.0f}% max"
+        all_kinds = " (all)" if b["kind"] == "all" else ""
+        assert band == f"±{100 * b['median']:.0f}% med, ±{100 * b['worst']:.0f}% max{all_kinds}"
     _, sec, days, gpu_hours, source, _ = rows["measured (--sec-per-iter)"]
     assert sec == 150.0 and days == pytest.approx(days_and_gpu_hours(samples, gbs, 150, gpus)[0], rel=5e-3)
     B, q, L, h, V = 2048, 2048, 80, 14400, 250880   # Narayanan eq. 3, written out

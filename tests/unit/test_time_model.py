@@ -108,7 +108,7 @@ def _rank_params(s, tp, pp):
 
 
 def test_the_dp_exchange_as_gptpar_runs_it_and_its_what_ifs():
-    """bf16 in DeepSpeed 0.19.8's pipeline engine: the gradient all-reduce in bf16 after the last backward, then
+    """bf16 in DeepSpeed's pipeline engine: the gradient all-reduce in bf16 after the last backward, then
     ZeRO-1's all-gather of the 2-byte weights; neither overlapped (overlap_comm defaults off below stage 3)."""
     s = s181()
     hw = hardware_of("h100-80gb")
