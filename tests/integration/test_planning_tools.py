@@ -170,6 +170,13 @@ def test_bad_input_is_one_clear_message(bad_input_runs, tool, args, needle):
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and not proc.stdout, proc.stderr
 
 
+def test_no_layout_fits_is_status_1_in_one_line():
+    proc = run("plan_topology.py", "--config", "configs/200b.json", "--nodes", "1", "--gpu", "h100-80gb", check=False)
+    assert proc.returncode == 1 and not proc.stdout
+    assert proc.stderr.strip() == ("error: no layout fits 1 nodes x 8 h100-80gb GPUs with 79.18 GiB: raise "
+                                   "--nodes or --gpu-mem")
+
+
 def test_tflops_never_abbreviates_an_option():
     """--gpu was an abbreviation of --gpus; no option is abbreviated now (--sec-per is not --sec-per-iter)."""
     proc = run("tflops.py", "--config", "configs/181b_48nodes.json", "--gpus", "384", "--sec-per", "120.85",

@@ -243,3 +243,18 @@ def test_the_a100_rate_reproduces_its_seed_row():
     assert predict(s, 8, 1, 1, 2, 512, hw)["sec_per_iter"] == pytest.approx(119.19, rel=0.01)
     from gptpar.estimate.planner import Hardware
     assert replace(Hardware(), name="a100-80gb") == hw
+
+
+def test_a_calibration_refines_the_kind_it_was_measured_on():
+    """--calibration h100 (measured on an H100) keeps h100-80gb's links, HBM, memory and attention rate and replaces
+    only its GEMM rate, by the measured seconds per layer of the config's recompute mode."""
+    from gptpar.estimate.planner import calibrated_kind
+
+    s = config_settings("200b")   # full recompute
+    kind = calibrated_kind("h100", s)
+    base = hardware_of("h100-80gb")
+    assert kind.hardware.name == "h100-80gb"
+    assert replace(kind.hardware, achieved_tflops=base.achieved_tflops, gpu_mem_gib=base.gpu_mem_gib) == base
+    cal = load_calibration("h100")
+    assert kind.hardware.achieved_tflops == calibrated_hardware(cal, "full", base).achieved_tflops
+    assert kind.hardware.achieved_tflops != base.achieved_tflops   # full recompute measured its own rate
