@@ -297,12 +297,12 @@ def kind_of_gpu(gpu: str) -> Optional[str]:
     return None
 
 
-def calibrated_kind(path: str, s: dict, base: Optional[Hardware] = None) -> GpuKind:
+def calibrated_kind(path: str, s: dict, base: Optional[Hardware] = None, fallback: str = DEFAULT_KIND) -> GpuKind:
     """The GpuKind of a calibration file (or a shipped one's name, e.g. `h100`) for settings `s`: `base` (default:
-    the shipped kind of the GPU it was measured on, else the a100-80gb kind) with the measured compute rate."""
+    the shipped kind of the GPU it was measured on, else the `fallback` kind) with the measured compute rate."""
     cal = load_calibration(path)
     if base is None:
-        base = hardware_of(kind_of_gpu(cal.get("gpu")) or DEFAULT_KIND)
+        base = hardware_of(kind_of_gpu(cal.get("gpu")) or fallback)
     hardware = calibrated_hardware(cal, s["activation_checkpointing"], base)
     when = f", measured {cal['date']}" if cal.get("date") else ""
     return GpuKind(cal["gpu"], f"calibration {cal['path']}{when}", hardware, tuple(calibration_notes(cal, s)))

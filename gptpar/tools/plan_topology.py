@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         s = settings_of(load_config(args.config, args.set))
         hw = kind.hardware
         cands = plan_topology(s, args.nodes, hw, assume=assume)
-        kinds = [kind] + [calibrated_kind(path, s) for path in args.calibration]
+        kinds = [kind] + [calibrated_kind(path, s, fallback=args.gpu) for path in args.calibration]
         layouts = [_layout_row(s, k, args.nodes, assume) for k in kinds] if args.calibration else []
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

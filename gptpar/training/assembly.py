@@ -224,8 +224,8 @@ def dry_run(cfg: Config, tp: int, pp: int, dp: int, sec_per_iter: Optional[float
     per iteration to price and rate; `calibrations`: GPU kinds to predict for besides the shipped kinds (files or
     shipped names); `gpu`: the kind to plan for and rank by; `assume`: what-ifs (gptpar.estimate.kinds); `as_json`:
     one JSON object instead of the text. A bad kind, assumption or calibration raises ConfigError."""
-    from gptpar.estimate.kinds import parse_assumptions
-    from gptpar.estimate.planner import calibrated_kind, hardware_of
+    from gptpar.estimate.kinds import DEFAULT_KIND, parse_assumptions
+    from gptpar.estimate.planner import calibrated_kind
     from gptpar.estimate.report import plan_json, plan_kinds, render_dry_run
     from gptpar.estimate.settings import settings_of
     from gptpar.model.pipeline import model_parameter_count, partition_layers, stage_parameter_counts
@@ -234,10 +234,7 @@ def dry_run(cfg: Config, tp: int, pp: int, dp: int, sec_per_iter: Optional[float
     try:
         what_if = parse_assumptions(assume)
         kinds = plan_kinds(s, gpu)
-        base = {k.name: k.hardware for k in kinds}
-        extra = [calibrated_kind(path, s, base.get(gpu or "")) for path in calibrations]
-        if gpu is not None:
-            hardware_of(gpu)
+        extra = [calibrated_kind(path, s, fallback=gpu or DEFAULT_KIND) for path in calibrations]
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if as_json:
