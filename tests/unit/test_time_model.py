@@ -180,9 +180,9 @@ def test_gptpars_own_1_3b_runs_within_10_percent(kind, run):
     assert predicted == pytest.approx(measured["sec_per_iter_median"], rel=0.10)
 
 
-# The bands the table must stay in: the target (±10% median, ±25% worst) where it is met; a100-80gb's current
+# The bands the table must stay in: the target (±10% median, ±25% worst) where it is met; a100-80gb's worst row
 # error, which does not meet it (docs/planning.md says why), so that it cannot grow unnoticed.
-BANDS = {"h100-80gb": (0.10, 0.25), "a100-80gb": (0.11, 0.29)}
+BANDS = {"h100-80gb": (0.10, 0.25), "a100-80gb": (0.10, 0.29)}
 
 
 def test_published_runs_stay_in_their_band():
