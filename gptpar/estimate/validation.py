@@ -28,12 +28,14 @@ def published_runs(path: str = RUNS_PATH) -> List[dict]:
 
 
 def run_settings(run: dict) -> dict:
-    """The time model's settings for a published run (GPT-2 architecture, f = 4h, learned positions)."""
+    """The time model's settings for a published run (GPT-2 architecture, f = 4h, learned positions, unless its
+    `model` says otherwise; `transformer` partitioning unless its `layout` names another)."""
     m, lay = run["model"], run["layout"]
-    return {**m, "ffn_hidden_size": 4 * m["hidden_size"], "max_position_embeddings": m["seq_length"],
+    return {"ffn_hidden_size": 4 * m["hidden_size"], "max_position_embeddings": m["seq_length"],
             "make_vocab_size_divisible_by": 128, "activation": "gelu", "position_embedding_type": "learned",
-            "embed_layernorm": False, "tp_size": lay["tp"], "pp_size": lay["pp"], "dp_size": lay["dp"],
-            "partition_method": "transformer", "embedding_weight": 1, "micro_batch_size": lay["micro_batch_size"],
+            "embed_layernorm": False, **m, "tp_size": lay["tp"], "pp_size": lay["pp"], "dp_size": lay["dp"],
+            "partition_method": lay.get("partition_method", "transformer"), "embedding_weight": 1,
+            "micro_batch_size": lay["micro_batch_size"],
             "global_batch_size": lay["global_batch_size"], "precision": run["precision"], "fp8_recipe": "tensorwise",
             "zero_stage": 1, "optimizer": "adamw", "activation_checkpointing": run["recompute"],
             "sequence_parallel": False, "rampup_batch_size": None, "train_samples": None}
