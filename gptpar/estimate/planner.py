@@ -240,18 +240,17 @@ def training_time(train_samples: Optional[int], global_batch_size: int, sec_per_
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU kinds: the A100 fit, and calibrations (measured seconds per layer, bench/bench_layer.py)
+# GPU kinds: the shipped kinds (calibrations/kinds/), and calibrations (measured seconds per layer, bench_layer.py)
 # ---------------------------------------------------------------------------------------------
 
 CALIBRATIONS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibrations")
 A100_KIND = "a100-80gb"
-A100_SOURCE = "time model fitted to measured Megatron-DeepSpeed runs on A100 80GB nodes (docs/planning.md)"
 
 
 @dataclass(frozen=True)
 class GpuKind:
     """A GPU kind the plan predicts for: its name, where its compute rate comes from, its Hardware, and how the
-    calibrated shape differs from the config's (empty for the A100 fit)."""
+    calibrated shape differs from the config's (empty for a shipped kind)."""
 
     name: str
     source: str
@@ -351,12 +350,12 @@ def load_calibration(path: str) -> dict:
 
 
 def calibrated_hardware(cal: dict, mode: str, base: Hardware = Hardware()) -> Hardware:
-    """The Hardware of the calibration's GPU kind: `base` (the A100 cluster's network and time-model curves)
+    """The Hardware of the calibration's GPU kind: `base` (a kind's links, HBM, attention rate and time-model curves)
     with `achieved_tflops` set so that the time model gives, at the calibrated shape, exactly the measured
-    seconds per layer of `mode` (the layer's FLOPs at that micro batch / tp, divided by the measured time,
-    with the model's micro-batch efficiency and shape penalties at that shape taken back out), and the
-    GPU's memory when the file has it. Optional `network` {intra_node_gbps, inter_node_gbps} in the file
-    replaces the A100 cluster's bandwidths."""
+    seconds per layer of `mode` (the layer's FLOPs at that micro batch / tp, less the attention core at the base's
+    attention rate, divided by the measured time left, with the model's micro-batch efficiency and shape penalties
+    at that shape taken back out), and the GPU's memory when the file has it. Optional `network`
+    {intra_node_gbps, inter_node_gbps} in the file replaces the base's bandwidths."""
     mode = recompute_mode(mode)
     if mode not in cal["modes"]:
         raise ValueError(f"calibration {cal.get('path', '')} has no {mode!r} measurement (has "
@@ -379,7 +378,9 @@ def calibrated_hardware(cal: dict, mode: str, base: Hardware = Hardware()) -> Ha
     return replace(base, achieved_tflops=measured / factor / 1e12,
                    gpu_mem_gib=cal.get("gpu_mem_gib") or base.gpu_mem_gib,
                    intra_node_gbps=network.get("intra_node_gbps", base.intra_node_gbps),
-                   inter_node_gbps=network.get("inter_node_gbps", base.inter_node_gbps))
+                   inter_node_gbps=network.get("inter_node_gbps", base.inter_node_gbps),
+                   # a layer measured with float8 GEMMs (bench_layer --dtype fp8) has the speed-up in its rate already
+                   fp8_layer_speedup=1.0 if cal.get("float8") else base.fp8_layer_speedup)
 
 
 def calibration_notes(cal: dict, s: dict) -> List[str]:
@@ -459,4 +460,4 @@ def _candidate(s, tp, pp, dp, mbs, gbs_req, nodes, hw, assume=Assumptions()) -> 
 __all__ = ["Hardware", "Candidate", "GpuKind", "compute_rate", "fp8_factor", "predict", "predict_layout", "tflops_of",
            "training_time", "hardware_of", "gpu_kind", "Assumptions", "DEFAULT_KIND",
            "a100_kind", "shipped_calibrations", "calibrated_kind", "load_calibration", "calibrated_hardware",
-           "calibration_notes", "plan_topology", "A100_KIND", "A100_SOURCE", "CALIBRATIONS_DIR"]
+           "calibration_notes", "plan_topology", "A100_KIND", "CALIBRATIONS_DIR", "kind_of_gpu", "attention_flops"]

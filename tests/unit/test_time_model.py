@@ -258,3 +258,16 @@ def test_a_calibration_refines_the_kind_it_was_measured_on():
     cal = load_calibration("h100")
     assert kind.hardware.achieved_tflops == calibrated_hardware(cal, "full", base).achieved_tflops
     assert kind.hardware.achieved_tflops != base.achieved_tflops   # full recompute measured its own rate
+
+
+def test_a_float8_calibration_is_not_sped_up_twice(tmp_path):
+    """bench_layer --dtype fp8 measured the fp8 GEMMs: its rate is the fp8 rate, and the kind's fp8 speed-up is not
+    applied on top of it; a bf16 measurement gets the speed-up for an fp8 config."""
+    bf16 = load_calibration("h100")
+    f8 = dict(bf16, float8="GEMMs float8 through torchao")
+    s = dict(config_settings("200b"), precision="fp8")
+    base = hardware_of("h100-80gb")
+    from_bf16 = predict(s, 8, 10, 4, 2, 2048, calibrated_hardware(bf16, "full", base))
+    from_f8 = predict(s, 8, 10, 4, 2, 2048, calibrated_hardware(f8, "full", base))
+    assert from_f8["compute_s"] > from_bf16["compute_s"]   # the same seconds per layer, no second speed-up
+    assert calibrated_hardware(f8, "full", base).fp8_layer_speedup == 1.0
