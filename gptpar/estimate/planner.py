@@ -172,9 +172,10 @@ def predict(s: dict, tp: int, pp: int, dp: int, mbs: int, gbs: int, hw: Hardware
 def _dp_comm(s, rank_params, tp, dp, hw, assume, slot_compute, mode) -> float:
     """Seconds of the data-parallel exchange that the iteration waits for.
 
-    gptpar (DeepSpeed's pipeline engine, pinned): after the last micro batch's backward, an all-reduce of the
-    gradients in the communication dtype (bf16/fp16: 2 bytes; DeepSpeed's ZeRO config leaves overlap_comm off below
-    stage 3), then ZeRO-1's all-gather of the updated 2-byte parameters (mixed precision always runs ZeRO-1).
+    gptpar (DeepSpeed's pipeline engine, pinned): after the last micro batch's backward, bf16's BF16_Optimizer
+    all-reduces its gradients in bf16 (2 bytes), fp16's ZeRO-1 optimizer reduces each gradient partition to the rank
+    that owns it (zero_optimization.reduce_scatter, on by default: a reduce-scatter's bytes); overlap_comm defaults
+    off below stage 3. Then ZeRO-1's all-gather of the updated 2-byte parameters (mixed precision always runs ZeRO-1).
     What-ifs: distributed-optimizer reduce-scatters instead; ddp drops the all-gather; dp-comm-overlap hides the
     reduction behind one micro batch's backward (and, with distributed-optimizer, the all-gather behind one forward).
     """
@@ -184,7 +185,8 @@ def _dp_comm(s, rank_params, tp, dp, hw, assume, slot_compute, mode) -> float:
     fp32 = s.get("precision") == "fp32"
     grad_bytes = 4 if fp32 else 2
     ring = (dp - 1) / dp
-    reduce = rank_params * grad_bytes * ring * (1 if assume.distributed_optimizer else 2) / bw
+    scatter = assume.distributed_optimizer or (s.get("precision") == "fp16" and not assume.ddp)
+    reduce = rank_params * grad_bytes * ring * (1 if scatter else 2) / bw
     zero = (not fp32 or s.get("zero_stage", 0) >= 1) and not assume.ddp
     gather = rank_params * (4 if fp32 else 2) * ring / bw if zero or assume.distributed_optimizer else 0.0
     if assume.dp_comm_overlap:

@@ -271,3 +271,15 @@ def test_a_float8_calibration_is_not_sped_up_twice(tmp_path):
     from_f8 = predict(s, 8, 10, 4, 2, 2048, calibrated_hardware(f8, "full", base))
     assert from_f8["compute_s"] > from_bf16["compute_s"]   # the same seconds per layer, no second speed-up
     assert calibrated_hardware(f8, "full", base).fp8_layer_speedup == 1.0
+
+
+def test_fp16_reduces_its_gradients_by_partition():
+    """DeepSpeed's fp16 ZeRO-1 optimizer reduces each gradient partition to its owner (reduce_scatter on by default):
+    half the bytes of bf16's all-reduce; the parameter all-gather after the step is the same."""
+    s = s181()
+    hw = hardware_of("a100-80gb")
+    P, bw, ring = _rank_params(s, 8, 6), hw.inter_node_gbps / hw.gpus_per_node * 1e9, 7 / 8
+    bf16 = predict(s, 8, 6, 8, 4, 2048, hw)["dp_comm_s"]
+    fp16 = predict(dict(s, precision="fp16"), 8, 6, 8, 4, 2048, hw)["dp_comm_s"]
+    assert bf16 == pytest.approx(P * 2 * 2 * ring / bw + P * 2 * ring / bw)
+    assert fp16 == pytest.approx(P * 2 * ring / bw + P * 2 * ring / bw)
