@@ -246,7 +246,6 @@ def training_time(train_samples: Optional[int], global_batch_size: int, sec_per_
 # ---------------------------------------------------------------------------------------------
 
 CALIBRATIONS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibrations")
-A100_KIND = "a100-80gb"
 
 
 @dataclass(frozen=True)
@@ -258,10 +257,6 @@ class GpuKind:
     source: str
     hardware: Hardware
     notes: tuple = ()
-
-
-def a100_kind(gpus_per_node: int = 8, gpu_mem_gib: float = 80.0) -> GpuKind:
-    return gpu_kind("a100-80gb", gpus_per_node, gpu_mem_gib)
 
 
 def hardware_of(name: str, gpus_per_node: int = 8, gpu_mem_gib: Optional[float] = None) -> Hardware:
@@ -461,5 +456,5 @@ def _candidate(s, tp, pp, dp, mbs, gbs_req, nodes, hw, assume=Assumptions()) -> 
 
 __all__ = ["Hardware", "Candidate", "GpuKind", "compute_rate", "fp8_factor", "predict", "predict_layout", "tflops_of",
            "training_time", "hardware_of", "gpu_kind", "Assumptions", "DEFAULT_KIND",
-           "a100_kind", "shipped_calibrations", "calibrated_kind", "load_calibration", "calibrated_hardware",
-           "calibration_notes", "plan_topology", "A100_KIND", "CALIBRATIONS_DIR", "kind_of_gpu", "attention_flops"]
+           "shipped_calibrations", "calibrated_kind", "load_calibration", "calibrated_hardware",
+           "calibration_notes", "plan_topology", "CALIBRATIONS_DIR", "kind_of_gpu", "attention_flops"]
