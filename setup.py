@@ -7,7 +7,7 @@ setup(
     description="Tensor, pipeline and data parallel GPT training on PyTorch + DeepSpeed, runnable on CPU/gloo",
     packages=find_packages(include=["gptpar", "gptpar.*"]),
     # the planner's shipped GPU calibrations (--calibration h100)
-    package_data={"gptpar.estimate": ["calibrations/*.json"]},
+    package_data={"gptpar.estimate": ["calibrations/*.json", "calibrations/kinds/*.json", "published_runs.json"]},
     python_requires=">=3.10",
     install_requires=[
         # The range gptpar supports (the GPU image runs 2.11, CI 2.13), so that installing gptpar where a torch

@@ -15,8 +15,9 @@ from typing import List, Optional, Sequence, Tuple
 from gptpar.estimate.flops import (exact_model_params, model_size_formula, params_per_stage, resolve_partition_method,
                                    stage_layer_ranges, tflops_per_gpu)
 from gptpar.estimate.memory import GIB
-from gptpar.estimate.planner import (GpuKind, a100_kind, calibrated_kind, predict_layout, shipped_calibrations,
-                                     training_time)
+from gptpar.estimate.kinds import DEFAULT_KIND, Assumptions, describe, kind_names
+from gptpar.estimate.planner import GpuKind, gpu_kind, predict_layout, training_time
+from gptpar.estimate.validation import error_band
 from gptpar.estimate.settings import embedding_kind, memory_of, settings_of
 from gptpar.model.config import pad_vocab_size
 from gptpar.estimate.float8_gemms import describe_float8_gemms, layer_float8_gemms
@@ -34,12 +35,14 @@ def _billions(count: float) -> str:
 
 def render_dry_run(config: Config, dp_size: int, sec_per_iter: Optional[float] = None,
                    meta_param_count: Optional[int] = None, measured: Sequence[Tuple] = (),
-                   kinds: Optional[Sequence[GpuKind]] = None, meta_stage_params: Optional[Sequence[int]] = None) -> str:
+                   kinds: Optional[Sequence[GpuKind]] = None, meta_stage_params: Optional[Sequence[int]] = None,
+                   assume: Assumptions = Assumptions()) -> str:
     """The report for `config` on dp_size data-parallel ranks; meta_param_count (the real model's unique
     parameters on the meta device) and meta_stage_params (each stage's) are compared with the formulas.
     `measured`: rows (where, layers, hidden, tp, pp, dp, mbs, gbs, sec/it, printed TFLOPs, formula) of runs whose
     TFLOPs to recompute when their shape is this model's (tests/data/seed_runs.json: the reference A100/V100 runs).
-    `kinds`: the GPU kinds to predict for; None = the A100 fit and every shipped calibration."""
+    `kinds`: the GPU kinds to predict for, the first ranks; None = plan_kinds (every shipped kind, none for an
+    fp32 config: it plans for the CPU). `assume`: the what-ifs the time model applies."""
     s = settings_of(config, dp_size)
     cfg = config.to_dict()
     cfg["parallel"]["data_parallel_size"] = dp_size
@@ -56,7 +59,12 @@ def render_dry_run(config: Config, dp_size: int, sec_per_iter: Optional[float] =
                                                            "make_vocab_size_divisible_by",
                                                            "position_embedding_type", "embed_layernorm")})
     mem = memory_of(s)
-    lines = render_plan(s, exact, mem["max"], default_kinds(s) if kinds is None else kinds, sec_per_iter)
+    kinds = plan_kinds(s) if kinds is None else list(kinds)
+    if not kinds:   # a CPU plan: no GPU's CUDA context, no caching allocator's reserve in the memory
+        def cpu(m):
+            return dict(m, total=m["peak_allocated"], cuda_context=0, allocator_reserve=0)
+        mem = {"max": cpu(mem["max"]), "stages": [cpu(m) for m in mem["stages"]]}
+    lines = render_plan(s, exact, mem["max"], kinds, sec_per_iter, assume)
     world = tp * pp * dp
     lines += ["", f"derived: world_size={world} (tp {tp} x pp {pp} x dp {dp}), padded_vocab_size={v_pad}, "
                   f"micro_batches={gbs // (mbs * dp) if gbs else '?'} per step, "
@@ -99,9 +107,10 @@ def render_dry_run(config: Config, dp_size: int, sec_per_iter: Optional[float] =
               f"{worst['gradients'] / GIB:.1f} + optimizer {worst['optimizer'] / GIB:.1f} + "
               + _transient(worst)
               + (f" + float8 casts {worst['float8_casts'] / GIB:.2f}" if worst["float8_casts"] else "")
-              + f" = peak allocated {worst['peak_allocated'] / GIB:.1f}; + allocator reserve "
-              f"{worst['allocator_reserve'] / GIB:.1f} + CUDA context {worst['cuda_context'] / GIB:.1f} = "
-              f"{worst['total'] / GIB:.1f} GiB"]
+              + f" = peak allocated {worst['peak_allocated'] / GIB:.1f}"
+              + (f"; + allocator reserve {worst['allocator_reserve'] / GIB:.1f} + CUDA context "
+                 f"{worst['cuda_context'] / GIB:.1f} = {worst['total'] / GIB:.1f}" if worst["cuda_context"] else "")
+              + " GiB"]
     if s["precision"] == "fp8":
         lines += ["", f"== float8 GEMMs (training.precision fp8, fp8_recipe {s['fp8_recipe']}; "
                       "gptpar.estimate.float8_gemms.plan_float8_gemm) ==",
@@ -131,15 +140,18 @@ def render_dry_run(config: Config, dp_size: int, sec_per_iter: Optional[float] =
     return "\n".join(lines) + "\n"
 
 
-def default_kinds(s: dict) -> List[GpuKind]:
-    """The A100 fit and each shipped calibration that measured the config's recompute mode."""
-    kinds = [a100_kind()]
-    for name in shipped_calibrations():
-        try:
-            kinds.append(calibrated_kind(name, s))
-        except ValueError:  # no measurement of this recompute mode
-            continue
-    return kinds
+def is_cpu_config(s: dict) -> bool:
+    """An fp32 config: gptpar's CPU configs are fp32, a GPU run would use bf16, fp16 or fp8."""
+    return s["precision"] == "fp32"
+
+
+def plan_kinds(s: dict, gpu: Optional[str] = None) -> List[GpuKind]:
+    """The GPU kinds a plan predicts for, the one it ranks by first: `gpu`, then the other shipped kinds; with no
+    `gpu`, a100-80gb first, and none for an fp32 (CPU) config."""
+    if gpu is None and is_cpu_config(s):
+        return []
+    first = gpu or DEFAULT_KIND
+    return [gpu_kind(first)] + [gpu_kind(k) for k in kind_names() if k != first]
 
 
 def nodes_phrase(world: int, gpus_per_node: int) -> str:
@@ -152,43 +164,71 @@ def nodes_phrase(world: int, gpus_per_node: int) -> str:
     return f"{nodes} node{'s' if nodes > 1 else ''} x {gpus_per_node} GPUs per node"
 
 
+def sig3(x: float) -> str:
+    """Three significant digits, never in exponent form for the sizes a plan prints (0.000412, 1.23, 208)."""
+    if x == 0:
+        return "0"
+    from math import floor, log10
+    digits = max(0, 2 - int(floor(log10(abs(x)))))
+    return f"{x:.{digits}f}"
+
+
+def assumptions_line(assume: Assumptions) -> str:
+    """What the time model assumed: gptpar's own behaviour, or each what-if by name."""
+    if not assume.names():
+        return ("assumes:  what gptpar runs (1F1B schedule; tp communication exposed; gradient all-reduce then ZeRO-1 "
+                "all-gather after the last backward, not overlapped); what-ifs: --assume")
+    return "assumes:  " + "; ".join(f"{flag} ({meaning})" for flag, meaning in describe(assume))
+
+
 def render_plan(s: dict, params: int, heaviest: dict, kinds: Sequence[GpuKind],
-                sec_per_iter: Optional[float] = None) -> List[str]:
+                sec_per_iter: Optional[float] = None, assume: Assumptions = Assumptions()) -> List[str]:
     """The answer first: GPUs, the heaviest stage's memory against each kind's, predicted seconds per iteration and
-    the days and GPU-hours to train the config's samples (and the same for a measured --sec-per-iter)."""
+    the days and GPU-hours to train the config's samples, each with the time model's error band on published runs of
+    that kind (and the same for a measured --sec-per-iter). The first kind is the one the plan is for."""
     tp, pp, dp, gbs, samples = s["tp_size"], s["pp_size"], s["dp_size"], s["global_batch_size"], s["train_samples"]
     world, per_node = tp * pp * dp, kinds[0].hardware.gpus_per_node if kinds else 8
     need = heaviest["total"] / GIB
+    where = f"for {kinds[0].name}" if kinds else "per process (an fp32 config: planned for the CPU, no GPU kind)"
     lines = ["== plan ==",
              f"GPUs:     {world:,} = {nodes_phrase(world, per_node)} (tp {tp} x pp {pp} x dp {dp})",
              f"model:    {_billions(params)} parameters, {s['num_layers']} layers x hidden {s['hidden_size']}, seq "
              f"{s['seq_length']}, {s['precision']}, recompute {s['activation_checkpointing']}",
              f"training: {samples:,} samples = {samples / gbs:,.0f} global batches of {gbs:,}",
-             f"memory:   {need:.1f} GiB per GPU on the heaviest stage (stage {heaviest['stage']}; with the "
-             f"allocator's reserve {heaviest['allocator_reserve'] / GIB:.1f} and the CUDA context "
-             f"{heaviest['cuda_context'] / GIB:.1f})",
-             f"  {'GPU kind':<26} {'GPU memory':<22} {'s/iter':>8} {'days':>8} {'GPU-hours':>12}  source"]
+             f"memory:   {need:.1f} GiB {'per GPU ' if kinds else ''}on the heaviest stage (stage {heaviest['stage']}"
+             + (f"; with the allocator's reserve {heaviest['allocator_reserve'] / GIB:.1f} and the CUDA context "
+                f"{heaviest['cuda_context'] / GIB:.1f})" if kinds else ")")]
+    if not kinds:
+        lines.append("GPU kinds: none for an fp32 config; pass --gpu KIND (a100-80gb, h100-80gb, h200) for a GPU plan")
+    else:
+        lines += [assumptions_line(assume), f"plan for {kinds[0].name}, then the other kinds; error band = the time "
+                  "model on published measured runs of that kind ((all) = of every kind: none of its own yet)",
+                  f"  {'GPU kind':<26} {'GPU memory':<22} {'s/iter':>8} {'days':>8} {'GPU-hours':>12}  "
+                  f"{'error band':<24}  source"]
     for kind in kinds:
-        t = predict_layout(s, kind.hardware)
+        t = predict_layout(s, kind.hardware, assume)
         fits = "fits" if need <= kind.hardware.gpu_mem_gib else "DOES NOT FIT"
+        b = error_band(kind.hardware.name)
+        band = (f"±{100 * b['median']:.0f}% med, ±{100 * b['worst']:.0f}% max"
+                + (" (all)" if b["kind"] == "all" else ""))
         lines.append(_time_row(kind.name, f"{kind.hardware.gpu_mem_gib:.1f} GiB: {fits}", t["sec_per_iter"], s,
-                               kind.source + (f"; measured at another shape ({', '.join(kind.notes)}), the rate "
-                                              "carried over" if kind.notes else "")))
+                               band, kind.source + (f"; measured at another shape ({', '.join(kind.notes)}), the "
+                                                    "rate carried over" if kind.notes else "")))
     if sec_per_iter:
         rate = tflops_per_gpu(num_layers=s["num_layers"], hidden_size=s["hidden_size"],
                               vocab_size=s["padded_vocab_size"], seq_length=s["seq_length"], global_batch_size=gbs,
                               sec_per_iter=sec_per_iter, num_gpus=world, tp_size=tp,
                               recompute=s["activation_checkpointing"], ffn_hidden_size=s["ffn_hidden_size"])
-        lines.append(_time_row("measured (--sec-per-iter)", "", sec_per_iter, s,
+        lines.append(_time_row("measured (--sec-per-iter)", "", sec_per_iter, s, "measured",
                                f"= {rate:.2f} TFLOPs per GPU (improved formula)"))
     return lines
 
 
-def _time_row(kind: str, memory: str, sec: float, s: dict, source: str) -> str:
+def _time_row(kind: str, memory: str, sec: float, s: dict, band: str, source: str) -> str:
     world = s["tp_size"] * s["pp_size"] * s["dp_size"]
     cost = training_time(s["train_samples"], s["global_batch_size"], sec, world)
-    return (f"  {kind[:26]:<26} {memory:<22} {sec:>8.1f} {cost['days']:>8.1f} {cost['gpu_hours']:>12,.0f}  "
-            f"{source}")
+    return (f"  {kind[:26]:<26} {memory:<22} {sig3(sec):>8} {sig3(cost['days']):>8} {cost['gpu_hours']:>12,.0f}  "
+            f"{band:<24}  {source}")
 
 
 
@@ -201,4 +241,40 @@ def _transient(st: dict) -> str:
             + (f" + pipeline buffers {st['pipe_buffers'] / GIB:.1f}" if st["pipe_buffers"] else "")
             + (f" + bf16 gradients {st['half_gradients'] / GIB:.1f}" if st["half_gradients"] else ""))
 
-__all__ = ["render_dry_run", "render_plan", "default_kinds", "nodes_phrase"]
+
+def plan_json(config: Config, dp_size: int, kinds: Sequence[GpuKind], gpu: Optional[str],
+              assume: Assumptions = Assumptions(), sec_per_iter: Optional[float] = None) -> str:
+    """`pretrain_gpt.py --dry-run --json`: one JSON object, the plan for the first kind (gpu, gpus, sec_per_iter,
+    tflops_per_gpu, memory_gib of the heaviest stage, fits, days, gpu_hours, assumptions, error_band, parts) and the
+    same for every kind under `kinds`; gpu and the figures are null for an fp32 config planned without --gpu."""
+    s = settings_of(config, dp_size)
+    world = s["tp_size"] * s["pp_size"] * s["dp_size"]
+    rows = []
+    for kind in kinds:
+        t = predict_layout(s, kind.hardware, assume)
+        cost = training_time(s["train_samples"], s["global_batch_size"], t["sec_per_iter"], world)
+        rows.append({"gpu": kind.name, "gpu_kind": kind.hardware.name, "source": kind.source,
+                     "sec_per_iter": t["sec_per_iter"], "tflops_per_gpu": t["tflops_per_gpu"],
+                     "memory_gib": t["mem_gib"], "gpu_mem_gib": kind.hardware.gpu_mem_gib, "fits": t["fits"],
+                     "days": cost["days"], "gpu_hours": cost["gpu_hours"],
+                     "error_band": error_band(kind.hardware.name),
+                     "parts": {k: v for k, v in t.items() if k.endswith("_s")}})
+    out = {"gpus": world, "tp": s["tp_size"], "pp": s["pp_size"], "dp": s["dp_size"],
+           "micro_batch_size": s["micro_batch_size"], "global_batch_size": s["global_batch_size"],
+           "train_samples": s["train_samples"], "precision": s["precision"],
+           "recompute": s["activation_checkpointing"], "assumptions": assume.names()}
+    if rows:
+        out.update(rows[0])
+    else:
+        mem = memory_of(s)["max"]
+        out.update(gpu=None, sec_per_iter=None, tflops_per_gpu=None, days=None, gpu_hours=None, fits=None,
+                   memory_gib=(mem["total"] - mem["cuda_context"]) / GIB, error_band=None,
+                   note="an fp32 config plans for the CPU: pass --gpu KIND for a GPU plan")
+    out["kinds"] = rows
+    if sec_per_iter:
+        out["measured_sec_per_iter"] = sec_per_iter
+    return json.dumps(out)
+
+
+__all__ = ["render_dry_run", "render_plan", "plan_kinds", "plan_json", "is_cpu_config", "nodes_phrase", "sig3",
+           "assumptions_line"]

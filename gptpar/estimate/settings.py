@@ -36,8 +36,9 @@ def settings_of(cfg: Config, dp_size: Optional[int] = None) -> dict:
     }
 
 
-def memory_of(s: dict) -> dict:
-    """gptpar.estimate.memory.memory_per_gpu for settings `s`: the figures tools/memory.py and the dry run both print."""
+def memory_of(s: dict, virtual_stages: int = 1) -> dict:
+    """gptpar.estimate.memory.memory_per_gpu for settings `s`: the figures tools/memory.py and the dry run both print.
+    virtual_stages > 1 prices the interleaved schedule's in-flight micro batches (the what-if --assume interleaved=V)."""
     return memory_per_gpu(num_layers=s["num_layers"], hidden_size=s["hidden_size"],
                           num_attention_heads=s["num_attention_heads"], vocab_size=s["vocab_size"],
                           seq_length=s["seq_length"], micro_batch_size=s["micro_batch_size"],
@@ -49,7 +50,8 @@ def memory_of(s: dict) -> dict:
                           activation_checkpointing=s["activation_checkpointing"],
                           ffn_hidden_size=s["ffn_hidden_size"], max_position_embeddings=s["max_position_embeddings"],
                           make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"],
-                          sequence_parallel=s.get("sequence_parallel", False), **embedding_kind(s))
+                          sequence_parallel=s.get("sequence_parallel", False), virtual_stages=virtual_stages,
+                          **embedding_kind(s))
 
 
 def embedding_kind(s: dict) -> dict:

@@ -9,7 +9,9 @@
 checked as pretrain_gpt.py reads it (--set overrides a key); recompute is the config's
 training.activation_checkpointing (with flags alone full recompute, as the reference Megatron-DeepSpeed runs did);
 --no-recompute turns it off.
-Formula: improved (Narayanan) unless --formula legacy.
+Formula: improved (Narayanan) unless --formula legacy. --gpu KIND (a100-80gb, h100-80gb, h200) adds the model FLOPs
+utilisation against that kind's dense bf16/fp16 peak (`mfu`). Options are never abbreviated (--gpu is the kind,
+--gpus the GPU count).
 """
 import argparse
 import json
@@ -18,6 +20,7 @@ import sys
 
 
 from gptpar.estimate.flops import model_flops_per_iteration, tflops_per_gpu
+from gptpar.estimate.kinds import kind_names, load_kind
 from gptpar.estimate.settings import require
 from gptpar.tools.model_flags import add_model_flags, settings_from_args
 from gptpar.training.reporting import parse_log_line
@@ -38,11 +41,20 @@ def parse_log(path: str):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     add_model_flags(parser)
     parser.add_argument("--log", help="a training log with Megatron-format iteration lines")
+    parser.add_argument("--gpu", metavar="KIND", help="a GPU kind whose peak the MFU is against (a100-80gb, "
+                                                      "h100-80gb, h200); the GPU count is --gpus")
     args = parser.parse_args(argv)
     try:
+        if args.log and not os.path.isfile(args.log):   # before any model flag is asked for
+            raise ValueError(f"--log {args.log!r}: no such file")
+        if args.gpu and args.gpu.isdigit():   # --gpu once abbreviated --gpus
+            raise ValueError(f"--gpu takes a GPU kind ({', '.join(kind_names())}); the number of GPUs is "
+                             f"--gpus {args.gpu}")
+        peak = load_kind(args.gpu)["peak_tflops"] if args.gpu else None
         s = settings_from_args(args)
         require(s, "num_layers", "hidden_size", "seq_length", "vocab_size", "gpus")
         kw = dict(num_layers=s["num_layers"], hidden_size=s["hidden_size"], vocab_size=s["padded_vocab_size"],
@@ -50,8 +62,6 @@ def main(argv=None) -> int:
                   tp_size=s["tp_size"], ffn_hidden_size=s["ffn_hidden_size"],
                   glu=s.get("activation", "gelu").endswith("glu"))
         if args.log:
-            if not os.path.isfile(args.log):
-                raise ValueError(f"--log {args.log!r}: no such file")
             rows = parse_log(args.log)
             if not rows:
                 raise ValueError(f"--log {args.log}: no 'iteration ... elapsed time per iteration' lines found")
@@ -73,6 +83,8 @@ def main(argv=None) -> int:
             out = {"tflops": tf, "flops_per_iteration": flops, "formula": s["formula"], "recompute": s["recompute"],
                    "gpus": s["gpus"], "sec_per_iter": s["sec_per_iter"], "global_batch_size": s["global_batch_size"],
                    "padded_vocab_size": s["padded_vocab_size"]}
+        if peak:
+            out.update(gpu=args.gpu, peak_tflops=peak, mfu=out["tflops"] / peak)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -90,4 +102,6 @@ def main(argv=None) -> int:
     else:
         print(f"FLOPs per iteration: {out['flops_per_iteration']:.4e}")
         print(f"TFLOPs per GPU: {out['tflops']:.2f}")
+    if peak:
+        print(f"MFU on {args.gpu}: {100 * out['mfu']:.1f}% of {peak} TFLOPs (dense bf16/fp16 peak)")
     return 0

@@ -218,25 +218,38 @@ def build_trainer(cfg: Config, pstate, log, load_target, init_from=None, collect
 
 
 def dry_run(cfg: Config, tp: int, pp: int, dp: int, sec_per_iter: Optional[float] = None,
-            calibrations: Sequence[str] = ()) -> str:
+            calibrations: Sequence[str] = (), gpu: Optional[str] = None, assume: Sequence[str] = (),
+            as_json: bool = False) -> str:
     """The --dry-run report: formulas and a meta-device build, no process group. `sec_per_iter`: a measured time
-    per iteration to price and rate; `calibrations`: GPU kinds to predict for besides the A100 fit and the shipped
-    calibrations (files or shipped names; a bad one raises ConfigError)."""
+    per iteration to price and rate; `calibrations`: GPU kinds to predict for besides the shipped kinds (files or
+    shipped names); `gpu`: the kind to plan for and rank by; `assume`: what-ifs (gptpar.estimate.kinds); `as_json`:
+    one JSON object instead of the text. A bad kind, assumption or calibration raises ConfigError."""
+    from gptpar.estimate.kinds import DEFAULT_KIND, parse_assumptions
     from gptpar.estimate.planner import calibrated_kind
-    from gptpar.estimate.report import default_kinds, render_dry_run
+    from gptpar.estimate.report import plan_json, plan_kinds, render_dry_run
     from gptpar.estimate.settings import settings_of
     from gptpar.model.pipeline import model_parameter_count, partition_layers, stage_parameter_counts
 
     s = settings_of(cfg, dp)
     try:
-        extra = [calibrated_kind(path, s) for path in calibrations]
+        what_if = parse_assumptions(assume)
+        kinds = plan_kinds(s, gpu)
+        extra = [calibrated_kind(path, s, fallback=gpu or DEFAULT_KIND) for path in calibrations]
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if as_json:
+        try:
+            return plan_json(cfg, dp, kinds + extra, gpu, what_if, sec_per_iter)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     plan = partition_layers(cfg.model.num_layers, pp, cfg.resolved_partition_method(pp),
                             cfg.parallel.embedding_weight or 1)
-    return render_dry_run(cfg, dp, sec_per_iter=sec_per_iter, meta_param_count=model_parameter_count(cfg.model, tp),
-                          kinds=default_kinds(s) + extra,
-                          meta_stage_params=[row["params"] for row in stage_parameter_counts(cfg.model, plan, tp)])
+    try:
+        return render_dry_run(cfg, dp, sec_per_iter=sec_per_iter, meta_param_count=model_parameter_count(cfg.model, tp),
+                              kinds=kinds + extra, assume=what_if,
+                              meta_stage_params=[row["params"] for row in stage_parameter_counts(cfg.model, plan, tp)])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 __all__ = ["setup_environment", "seed_everything", "build_gpt", "build_float8", "build_model", "checkpoint_shape",

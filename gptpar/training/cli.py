@@ -22,7 +22,8 @@ from gptpar.config.sections import DEEPSPEED_DOC, DEEPSPEED_SECTION
 
 
 USAGE = """usage: pretrain_gpt.py --config CONFIG.json [--set section.key=value ...] [--verbose]
-                       [--dry-run [--sec-per-iter S] [--calibration FILE|NAME ...]]
+                       [--dry-run [--json] [--gpu KIND] [--assume X ...] [--sec-per-iter S]
+                                  [--calibration FILE|NAME ...]]
                        [Megatron-style aliases, e.g. --micro-batch-size 4 --train-iters 100 --bf16]
 
 Trains a GPT on tp x pp x dp ranks from one JSON config; run it under deepspeed, torchrun or
@@ -36,6 +37,10 @@ options:
                             GPU-hours to train) and its details; starts nothing
   --sec-per-iter S          with --dry-run: a measured time per iteration, priced and rated (TFLOPs)
   --calibration FILE|NAME   with --dry-run: add a GPU kind (a bench/bench_layer.py --json file, or a shipped one: h100)
+  --gpu KIND                with --dry-run: the GPU kind to plan for and rank by (a100-80gb, h100-80gb, h200)
+  --assume X                with --dry-run: a what-if gptpar does not run (interleaved=V, tp-comm-overlap,
+                            dp-comm-overlap, distributed-optimizer, ddp); repeatable
+  --json                    with --dry-run: print the plan as one JSON object
   --verbose, -v             print the resolved config and DeepSpeed's info lines (by default the config is written
                             to the run's folder and its path printed)
   --help, -h                this text
@@ -66,13 +71,14 @@ def parse_args(argv: Sequence[str]) -> Tuple[Optional[str], List[str], Dict[str,
     """(config_path, overrides, flags) from a command line (without the program name).
 
     Overrides come out as `section.key=value` strings in command-line order, aliases included. flags holds
-    `dry_run` (bool), `help` (bool), `verbose` (bool), `sec_per_iter` (float or None) and `calibration` (a list,
-    both for --dry-run) and `local_rank` (int or None, from the DeepSpeed launcher).
+    `dry_run` (bool), `help` (bool), `verbose` (bool), `sec_per_iter` (float or None), `calibration` (a list),
+    `gpu` (a kind or None), `assume` (a list) and `json` (bool), all for --dry-run, and `local_rank` (int or None,
+    from the DeepSpeed launcher).
     """
     aliases = cli_aliases()
     config_path, overrides = None, []
     flags: Dict[str, Any] = {"dry_run": False, "help": False, "verbose": False, "sec_per_iter": None,
-                             "calibration": [], "local_rank": None}
+                             "calibration": [], "local_rank": None, "json": False, "gpu": None, "assume": []}
     args, i = list(argv), 0
 
     def value_of(flag: str, inline: Optional[str]) -> str:
@@ -105,6 +111,12 @@ def parse_args(argv: Sequence[str]) -> Tuple[Optional[str], List[str], Dict[str,
             flags["sec_per_iter"] = _seconds(flag, value_of(flag, inline))
         elif flag == "--calibration":
             flags["calibration"].append(value_of(flag, inline))
+        elif flag == "--gpu":
+            flags["gpu"] = value_of(flag, inline)
+        elif flag == "--assume":
+            flags["assume"].append(value_of(flag, inline))
+        elif flag == "--json":
+            flags["json"] = True
         elif flag in ("--local_rank", "--local-rank"):
             flags["local_rank"] = int(value_of(flag, inline))
         elif flag in LIST_ALIASES:
@@ -138,10 +150,13 @@ def parse_args(argv: Sequence[str]) -> Tuple[Optional[str], List[str], Dict[str,
             else:
                 overrides.append(f"{target}={value_of(flag, inline)}")
         else:
-            known = list(aliases) + ["--config", "--set", "--dry-run", "--verbose", "--sec-per-iter", "--calibration"]
+            known = list(aliases) + ["--config", "--set", "--dry-run", "--verbose", "--sec-per-iter", "--calibration",
+                                     "--gpu", "--assume", "--json"]
             raise ConfigError(f"unknown option {flag}{suggest(flag, known)}")
-    if (flags["sec_per_iter"] is not None or flags["calibration"]) and not flags["dry_run"]:
-        raise ConfigError("--sec-per-iter and --calibration only apply to --dry-run: add --dry-run")
+    if (flags["sec_per_iter"] is not None or flags["calibration"] or flags["gpu"] or flags["assume"]
+            or flags["json"]) and not flags["dry_run"]:
+        raise ConfigError("--sec-per-iter, --calibration, --gpu, --assume and --json only apply to --dry-run: "
+                          "add --dry-run")
     return config_path, overrides, flags
 
 

@@ -75,7 +75,8 @@ def main(argv=None) -> int:
         return 2
     if flags["help"] or flags["dry_run"]:
         try:
-            print(usage() if flags["help"] else dry_run(cfg, *sizes, flags["sec_per_iter"], flags["calibration"]),
+            print(usage() if flags["help"] else dry_run(cfg, *sizes, flags["sec_per_iter"], flags["calibration"],
+                                                        gpu=flags["gpu"], assume=flags["assume"], as_json=flags["json"]),
                   flush=True)
         except ConfigError as e:  # a --calibration file that cannot be read
             print(f"pretrain_gpt.py: config error: {e}", file=sys.stderr, flush=True)

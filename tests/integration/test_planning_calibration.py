@@ -85,13 +85,13 @@ def test_plan_topology_prints_calibrated_kinds_beside_the_a100(tmp_path):
                           "--calibration", path, "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)["layouts"]
-    assert [r["kind"] for r in rows] == ["A100 80GB", "fast.json"]
+    assert [r["kind"] for r in rows] == ["a100-80gb", "fast.json"]
     assert rows[1]["achieved_tflops"] == pytest.approx(3 * rows[0]["achieved_tflops"], rel=1e-9)
     assert rows[1]["compute_s"] == pytest.approx(rows[0]["compute_s"] / 3, rel=1e-9)
     text = subprocess.run([sys.executable, "tools/plan_topology.py", "--config", CONFIG_200B, "--nodes", "40",
                            "--calibration", path, "--measured", os.path.join("tests", "data", "seed_runs.json")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
-    assert "A100 80GB" in text and "fast.json" in text and "): 207.92 s/it" in text
+    assert "a100-80gb" in text and "fast.json" in text and "): 207.92 s/it" in text
 
 
 def test_bad_calibration_files(tmp_path):

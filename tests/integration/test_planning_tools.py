@@ -139,7 +139,18 @@ BAD_INPUT = [
      "pipeline_model_parallel_size (100)"),
     ("plan_topology.py", ["--config", "configs/200b.json", "--nodes", "0"], "--nodes"),
     ("plan_topology.py", ["--config", "configs/200b.json", "--nodes", "1", "--gpu-mem", "8"], "--gpu-mem"),
+] + [  # one line each, exit 2
+    ("plan_topology.py", ["--config", "configs/200b.json", "--nodes", "4", "--measured", "no/such.json"],
+     "error: --measured 'no/such.json': no such file"),
+    ("plan_topology.py", ["--config", "configs/200b.json", "--nodes", "4", "--gpu", "v100"],
+     "error: --gpu 'v100': unknown GPU kind (known: a100-80gb, h100-80gb, h200)"),
+    ("plan_topology.py", ["--config", "configs/200b.json", "--nodes", "4", "--assume", "zero-bubble"],
+     "error: --assume 'zero-bubble': unknown assumption"),
+    ("tflops.py", ["--log", "no/such.log"], "error: --log 'no/such.log': no such file"),
+    ("tflops.py", ["--config", "configs/181b_48nodes.json", "--gpu", "384", "--sec-per-iter", "120.85"],
+     "the number of GPUs is --gpus 384"),
 ]
+ONE_LINE = BAD_INPUT[-5:]
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +166,25 @@ def test_bad_input_is_one_clear_message(bad_input_runs, tool, args, needle):
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
     assert needle in proc.stderr, proc.stderr
+    if (tool, args, needle) in ONE_LINE:
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and not proc.stdout, proc.stderr
+
+
+def test_no_layout_fits_is_status_1_in_one_line():
+    proc = run("plan_topology.py", "--config", "configs/200b.json", "--nodes", "1", "--gpu", "h100-80gb", check=False)
+    assert proc.returncode == 1 and not proc.stdout
+    assert proc.stderr.strip() == ("error: no layout fits 1 nodes x 8 h100-80gb GPUs with 79.18 GiB: raise "
+                                   "--nodes or --gpu-mem")
+
+
+def test_tflops_never_abbreviates_an_option():
+    """--gpu was an abbreviation of --gpus; no option is abbreviated now (--sec-per is not --sec-per-iter)."""
+    proc = run("tflops.py", "--config", "configs/181b_48nodes.json", "--gpus", "384", "--sec-per", "120.85",
+               check=False)
+    assert proc.returncode == 2 and "unrecognized arguments: --sec-per" in proc.stderr
+    out = run_json("tflops.py", "--config", "configs/181b_48nodes.json", "--gpus", "384", "--sec-per-iter", "120.85",
+                   "--gpu", "a100-80gb")
+    assert out["mfu"] == pytest.approx(out["tflops"] / 312)
 
 
 def test_allreduce_bench_on_two_gloo_ranks():
@@ -201,7 +231,8 @@ def test_memory_tool_prints_what_the_dry_run_prints(tmp_path, capsys):
         tool = _memory_figures(run("memory.py", "--config", config).stdout, r"\s*\d+\s+[\d,]+\s",
                                r"dp=(\d+) micro batch (\d+) (\w+) (\w+) ZeRO-(\d) recompute (\w+)",
                                r"heaviest: stage (\d+), ([\d.]+) GiB")
-        assert pretrain_main(["--config", os.path.join(ROOT, config), "--dry-run"]) == 0
+        # per GPU, with its CUDA context, as the memory tool prints (an fp32 config's plain dry run plans for the CPU)
+        assert pretrain_main(["--config", os.path.join(ROOT, config), "--dry-run", "--gpu", "a100-80gb"]) == 0
         dry = _memory_figures(capsys.readouterr().out, r"\s*\d+\s+\[\d+, \d+\)",
                               r"memory per GPU \((\w+), (\w+), ZeRO-(\d) over dp=(\d+), micro batch (\d+), "
                               r"recompute (\w+)\)",

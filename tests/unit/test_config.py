@@ -241,7 +241,7 @@ def test_cli_aliases_and_flags():
         "b", "--rampup-batch-size", "4", "4", "100", "--dry-run", "--sequence-parallel", "--save", "ckpt"])
     assert path == "configs/x.json"
     assert flags == {"dry_run": True, "help": False, "verbose": False, "sec_per_iter": None, "calibration": [],
-                     "local_rank": 0}
+                     "local_rank": 0, "json": False, "gpu": None, "assume": []}
     assert overrides == [
         "training.micro_batch_size=4", "training.lr=0.5", "training.precision=bf16",
         "training.activation_checkpointing=true", "parallel.tensor_model_parallel_size=2",
@@ -257,10 +257,14 @@ def test_dry_run_flags():
     _, _, flags = parse_args(["--config", "x.json", "--dry-run", "--sec-per-iter", "150.5", "--calibration", "h100",
                               "--calibration=mine.json", "--verbose"])
     assert (flags["sec_per_iter"], flags["calibration"], flags["verbose"]) == (150.5, ["h100", "mine.json"], True)
+    _, _, flags = parse_args(["--config", "x.json", "--dry-run", "--json", "--gpu", "h200", "--assume",
+                              "interleaved=2", "--assume=ddp"])
+    assert (flags["json"], flags["gpu"], flags["assume"]) == (True, "h200", ["interleaved=2", "ddp"])
     for bad in ("0", "-3", "abc", "inf", "nan"):
         with pytest.raises(ConfigError, match="--sec-per-iter needs a positive number of seconds"):
             parse_args(["--config", "x.json", "--dry-run", "--sec-per-iter", bad])
-    for argv in (["--sec-per-iter", "150"], ["--calibration", "h100"]):
+    for argv in (["--sec-per-iter", "150"], ["--calibration", "h100"], ["--gpu", "h200"], ["--json"],
+                 ["--assume", "ddp"]):
         with pytest.raises(ConfigError, match="only apply to --dry-run: add --dry-run"):
             parse_args(["--config", "x.json"] + argv)
 
