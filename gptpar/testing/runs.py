@@ -33,7 +33,6 @@ TINY = {
 def rank_env(**extra):
     """The environment of a rank started by hand (CPU, one thread, unbuffered output)."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".venv", "torch_extensions"))
     env.update(extra)
     return env
 
