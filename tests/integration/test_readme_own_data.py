@@ -15,6 +15,7 @@ import pytest
 
 from gptpar.testing import ROOT, free_port
 from gptpar.testing.corpus import write_corpus
+from gptpar.testing.deadline import stretched
 
 ROUND_TRIP = "Ωmega naïve café 🚀"
 VENV_BIN = os.path.dirname(sys.executable)
@@ -43,7 +44,7 @@ def run_block(commands, cwd, timeout):
     env.pop("DS_ACCELERATOR", None)  # the block sets it where it is needed
     script = "set -e\n" + "\n".join(commands) + "\n"
     return subprocess.run(["bash", "-c", script], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+                          stderr=subprocess.STDOUT, text=True, timeout=stretched(timeout))
 
 
 def check_tokenizer(cwd, output):
