@@ -200,13 +200,13 @@ def wait_for_release(lock: str, poll_s: float = 0.1) -> None:
 def load(builder, loaded: dict, *, first_notice: float = FIRST_NOTICE_S, say: Callable[[str], None] = None):
     """The op of `builder` (a DeepSpeed OpBuilder), also put in `loaded` (DeepSpeed's cache of loaded ops, which
     its own later `builder.load()` returns from). A library stamped by an earlier start is imported as it is (a
-    stale lock beside it is named, not waited on); otherwise DeepSpeed builds or loads it under a LockWatch and
+    stale lock beside it is named, by local rank 0, not waited on); otherwise DeepSpeed builds or loads it under a LockWatch and
     the result is stamped."""
     folder = build_dir(builder.name)
     lock, key = os.path.join(folder, "lock"), build_key(builder)
     if stamped(folder, builder.name, key):
         module = import_library(folder, builder.name)
-        if os.path.exists(lock) and not builders_in(folder):
+        if os.path.exists(lock) and os.environ.get("LOCAL_RANK", "0") == "0" and not builders_in(folder):
             (say or (lambda line: print(line, file=sys.stderr, flush=True)))(
                 f"gptpar: note: {lock} is a stale build lock (no process is building there); the op was loaded "
                 f"without it. Remove it (rm {lock}): a start that rebuilds the op would wait on it")
