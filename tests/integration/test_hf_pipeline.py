@@ -1,19 +1,20 @@
 """The Hugging Face export inside transformers behaves as the training tokenizer: transformers' text-generation
 pipeline (which decodes the continuation alone and appends it to the prompt), `generate` + `decode`, and gptpar's
-tools/generate.py on the checkpoint give the same text on multilingual prompts, compared after stripping leading
-whitespace (a whole-sequence `decode` of the export starts with the dummy prefix's space; docs/evaluation.md).
+tools/generate.py with the run's SentencePiece tokenizer give the same text on multilingual prompts, compared after
+stripping leading whitespace (a whole-sequence `decode` of the export starts with the dummy prefix's space;
+docs/evaluation.md).
 
-A tiny model trained two iterations on a generated multilingual corpus, with the tokenizer the README's own-data
-block trains (byte fallback, the vocabulary the corpus reaches), exported with tools/convert_checkpoint.py; offline."""
+A tiny random GPT exported by gptpar's Hugging Face export (`save_hf`, what tools/convert_checkpoint.py --to hf
+writes) with the tokenizer the README's own-data block trains on a generated multilingual corpus (byte fallback, the
+vocabulary the corpus reaches); in one process, offline."""
 import contextlib
 import io
-import os
 
 import pytest
+import torch
 
-from gptpar.testing import run_distributed
 from gptpar.testing.corpus import write_corpus
-from gptpar.testing.runs import environ_kept, run_mains, write_config
+from gptpar.testing.runs import environ_kept
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,22 +32,21 @@ def _tool(module, argv):
 
 @pytest.fixture(scope="module")
 def export(tmp_path_factory):
-    """(checkpoint folder, export folder): a 1-rank tiny run on the corpus's tokenizer, exported to Hugging Face."""
-    from gptpar.tools import convert_checkpoint, train_tokenizer
+    """(the SentencePiece model, the export folder): a random 2-layer GPT on the corpus's tokenizer, exported."""
+    from gptpar.checkpoint.huggingface import save_hf
+    from gptpar.model.config import GPTConfig
+    from gptpar.model.gpt import GPTModel
+    from gptpar.tools import train_tokenizer
 
     d = tmp_path_factory.mktemp("hf_pipeline")
     write_corpus(str(d / "corpus.jsonl"), n_docs=300)
     pieces = train_tokenizer.train([str(d / "corpus.jsonl")], 4096, "bpe", str(d / "tok"), byte_fallback=True,
                                    cap_vocab=True)
-    config = write_config(d / "run.json", model=dict(vocab_size=pieces, seq_length=64, max_position_embeddings=64),
-                          parallel=dict(data_parallel_size=1),
-                          training=dict(train_iters=2, lr_warmup_iters=0),
-                          data=dict(tokenizer_model=str(d / "tok.model")), checkpoint=dict(save=str(d / "ck")))
-    out, = run_distributed(run_mains, 1, ([("run", ["--config", config])],), timeout=300)
-    assert out["run"][0] == 0, out["run"][1]
-    rc, text = _tool(convert_checkpoint, ["--load", str(d / "ck"), "--to", "hf", "--output", str(d / "hf")])
-    assert rc == 0, text
-    return str(d / "ck"), str(d / "hf")
+    config = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=64, vocab_size=pieces)
+    torch.manual_seed(0)
+    model = GPTModel(config)
+    save_hf(model.state_dict(), config, str(d / "hf"), str(d / "tok.model"), log=lambda line: None)
+    return str(d / "tok.model"), str(d / "hf")
 
 
 def test_a_continuation_decoded_alone_keeps_its_space(export):
@@ -62,7 +62,7 @@ def test_a_continuation_decoded_alone_keeps_its_space(export):
 def test_pipeline_generate_and_gptpar_give_the_same_text(export):
     from gptpar.tools import generate
 
-    ck, hf = export
+    sp_model, hf = export
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf)
     pipe = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer, device="cpu")
@@ -75,8 +75,8 @@ def test_pipeline_generate_and_gptpar_give_the_same_text(export):
         decoded = tokenizer.decode(out[0], skip_special_tokens=True)
         first_new = tokenizer.convert_ids_to_tokens(out[0][inputs["input_ids"].shape[1]:].tolist())[0]
         spaced += first_new.startswith("▁")
-        rc, ours = _tool(generate, ["--load", ck, "--prompt", prompt, "--max-new-tokens", str(NEW_TOKENS),
-                                    "--greedy"])
+        rc, ours = _tool(generate, ["--load", hf, "--tokenizer", sp_model, "--prompt", prompt,
+                                    "--max-new-tokens", str(NEW_TOKENS), "--greedy"])
         assert rc == 0, ours
         ours = ours.rstrip("\n")
         assert piped.lstrip() == decoded.lstrip() == ours.lstrip(), (prompt, piped, decoded, ours)
