@@ -71,7 +71,8 @@ def _sentencepiece_fast(path: str):
     tok.pre_tokenizer = pre_tokenizers.Sequence(split)
     # Every "▁" decodes to its space, the first one too: transformers' text-generation pipeline decodes the
     # continuation alone and appends it to the prompt, so a continuation's leading "▁" must stay a space. Stripping
-    # it (SentencePiece's decode, Llama's Metaspace prepend_scheme="first") would run "rose" and "three" together.
+    # it (SentencePiece's decode; tokenizers' Metaspace decoder unless prepend_scheme="never") would run "rose"
+    # and "three" together.
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
     tok.add_special_tokens([AddedToken(p.piece, normalized=False, special=True)
                             for p in proto.pieces if p.type in (2, 3)])  # UNKNOWN, CONTROL
