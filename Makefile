@@ -3,8 +3,9 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.gptpar-installed
-# DeepSpeed JIT-builds ops into torch's extensions folder; keep it inside the venv so a fresh clone is self-contained.
-export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
+# DeepSpeed JIT-builds its CPU communication op into torch's extensions folder: `import gptpar` makes that
+# <venv>/torch_extensions unless TORCH_EXTENSIONS_DIR is set (gptpar/extensions_dir.py), for make and for the
+# commands typed by hand alike, so the op is built once per venv.
 export DS_ACCELERATOR ?= cpu
 export PYTHONUNBUFFERED := 1
 
@@ -22,10 +23,11 @@ $(STAMP): setup.py
 	$(VENV)/bin/pip install -q torch==2.13.0 deepspeed==0.19.8
 	@echo "$(VENV): installing gptpar (editable) with its test, evaluation and plotting extras (.[dev])"
 	$(VENV)/bin/pip install -q -e ".[dev]"
-	# DeepSpeed JIT-compiles its CPU shared-memory comm op at the first init_distributed (~30 s): build it
-	# once now, into the venv's extensions folder, instead of inside the first test or the demo.
-	@echo "$(VENV): building DeepSpeed's CPU shared-memory communication op (~30 s)"
-	DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load()" \
+	# DeepSpeed JIT-compiles its CPU shared-memory comm op at the first init_distributed (~40 s): build it
+	# once now, into the venv's extensions folder, through gptpar's loader, which stamps it so that every later
+	# start imports it as it is (gptpar/training/engine/comm_op.py), instead of inside the first test or the demo.
+	@echo "$(VENV): building DeepSpeed's CPU shared-memory communication op (~40 s)"
+	DS_ACCELERATOR=cpu $(PY) -c "from gptpar.training.engine.deepspeed_api import load_comm_op; load_comm_op()" \
 		> /dev/null 2>&1 || echo "note: DeepSpeed's shm op did not prebuild; it will build on first use"
 	touch $(STAMP)
 	@echo "$(VENV) is ready"

@@ -9,7 +9,12 @@ Names are resolved lazily so that `import gptpar` stays fast and never imports D
 """
 import importlib
 
+from gptpar.extensions_dir import use_default_extensions_dir
+
 __version__ = "0.1.0"
+
+# Before anything can load a DeepSpeed op: one extensions folder per venv, whichever way gptpar starts.
+use_default_extensions_dir()
 
 _EXPORTS = {
     # parallel state

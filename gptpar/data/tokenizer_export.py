@@ -13,6 +13,9 @@ SentencePiece does with that model's own settings:
     model           BPE over the model's pieces, its merges in the order of the pieces' scores (transformers'
                     SentencePieceExtractor), unknown characters fused into one <unk> (or byte fallback)
     special tokens  the model's control pieces (<pad>, <s>, <eod>) and <unk>, declared pad/bos/eos/unk
+    decoder         "▁" -> " ", bytes of byte fallback -> characters; no strip of a leading space, so a piece
+                    decoded alone keeps its space (transformers' pipeline decodes a continuation alone) and a
+                    whole text decodes with the one space of its dummy prefix before it (docs/evaluation.md)
 
 `export_tokenizer` checks the result: `AutoTokenizer` on the written folder must encode every probe text to the ids
 gptpar's own tokenizer gives, else the export is refused. Two differences are known and left: text that spells a
@@ -66,8 +69,11 @@ def _sentencepiece_fast(path: str):
     if trainer.split_digits:
         split.append(pre_tokenizers.Digits(individual_digits=True))
     tok.pre_tokenizer = pre_tokenizers.Sequence(split)
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-                                    + ([decoders.Strip(" ", 1, 0)] if normalizer.add_dummy_prefix else []))
+    # Every "▁" decodes to its space, the first one too: transformers' text-generation pipeline decodes the
+    # continuation alone and appends it to the prompt, so a continuation's leading "▁" must stay a space. Stripping
+    # it (SentencePiece's decode; tokenizers' Metaspace decoder unless prepend_scheme="never") would run "rose"
+    # and "three" together.
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
     tok.add_special_tokens([AddedToken(p.piece, normalized=False, special=True)
                             for p in proto.pieces if p.type in (2, 3)])  # UNKNOWN, CONTROL
     return tok, {"unk_token": trainer.unk_piece, **{name: proto.pieces[i].piece for name, i in

@@ -8,6 +8,7 @@
                        main inside harness ranks, and the contract's formulas written out (lr, batch ramp-up, TFLOPs)
     faults.py          pretrain_gpt.py with test-only faults injected from outside the package (FAULTS is its path)
     tiny_tokenizer.py  a small Hugging Face fast tokenizer trained on gptpar's own sources
+    corpus.py          a generated multilingual jsonl corpus (prose in eight languages, code, emoji)
     indexed_reference.py  an independent reader and writer of the indexed dataset format (.bin/.idx)
 
 ROOT is the source checkout this package was imported from: runs.py and faults.py start its pretrain_gpt.py, and the

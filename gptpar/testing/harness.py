@@ -5,7 +5,8 @@
 `fn(*args)` runs on every rank after torch.distributed is initialised (gloo, a free local port) and
 must be a module-level (picklable) function. Its return values come back as a list indexed by rank;
 an exception on any rank is raised here with that rank's traceback; a rank that hangs past `timeout`
-seconds gets every rank killed and a TimeoutError raised, so a broken collective cannot hang CI.
+seconds (an idle machine's: a busy one stretches them by its measured load, gptpar.testing.deadline) gets every
+rank killed and a TimeoutError raised, so a broken collective cannot hang CI.
 
 Ranks are fresh interpreters (multiprocessing's spawn) unless `fork_ranks_from_server(preload)` was called: then
 they are forked from one server process that imported `preload` (torch, DeepSpeed) once, instead of each spending
@@ -36,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from gptpar.parallel import free_port  # noqa: F401 (re-exported for tests)
+from gptpar.testing.deadline import Deadline
 
 
 # None: spawn each rank; else the modules the forkserver imports before it forks ranks (fork_ranks_from_server).
@@ -179,7 +181,8 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence = (), *, timeo
         p.start()
     out: List[Any] = [None] * world_size
     pending = set(range(world_size))
-    deadline = time.monotonic() + timeout
+    deadline = Deadline(timeout)  # idle-equivalent seconds: a busy machine stretches it (gptpar.testing.deadline)
+    start = time.monotonic()
     try:
         while pending:
             try:
@@ -189,9 +192,10 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence = (), *, timeo
                 if dead:
                     raise RuntimeError(f"rank {dead[0]} of {world_size} died (exit code "
                                        f"{procs[dead[0]].exitcode}) in {fn.__name__} without a result")
-                if time.monotonic() > deadline:
+                if deadline.expired():
                     raise TimeoutError(f"distributed run of {fn.__name__} on {world_size} ranks did not finish "
-                                       f"within {timeout:.0f}s (ranks {sorted(pending)} hung)") from None
+                                       f"within {timeout:.0f}s of an idle machine's time ({time.monotonic() - start:.0f}"
+                                       f" s waited at the measured load; ranks {sorted(pending)} hung)") from None
                 continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} of {world_size} failed in {fn.__name__}:\n{value}")

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 from gptpar.testing import ROOT, free_port
+from gptpar.testing.deadline import communicate
 from gptpar.training.engine import allow_fp16_on_cpu
 
 
@@ -33,7 +34,6 @@ TINY = {
 def rank_env(**extra):
     """The environment of a rank started by hand (CPU, one thread, unbuffered output)."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".venv", "torch_extensions"))
     env.update(extra)
     return env
 
@@ -53,11 +53,12 @@ def launch_ranks(world_size, argv, script=os.path.join(ROOT, "pretrain_gpt.py"),
 
 
 def finish_ranks(procs, timeout=120):
-    """(exit codes, outputs) of ranks started by `launch_ranks`; all killed if one outlives `timeout` seconds."""
+    """(exit codes, outputs) of ranks started by `launch_ranks`; all killed if one outlives `timeout` seconds of an
+    idle machine (stretched by the load measured while waiting: gptpar.testing.deadline)."""
     outs = []
     for p in procs:
         try:
-            outs.append(p.communicate(timeout=timeout)[0])
+            outs.append(communicate(p, timeout))
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()

@@ -131,8 +131,6 @@ def main():
     args, extra = parse()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("DS_ACCELERATOR", "cpu")
-    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(os.path.dirname(sys.executable)),
-                                                        "torch_extensions"))
     with open(os.path.join(ROOT, CONFIG)) as f:
         cfg = json.load(f)
     prepare_data(cfg, env)

@@ -59,7 +59,9 @@ def build_gpt(config, pstate, *, partition_method: str = "auto", embedding_weigh
 
         return GPTModel(config, tp_group=pstate.tp_group, **kw)
     from gptpar.model.pipeline import build_pipeline_model
+    from gptpar.training.engine.deepspeed_api import load_comm_op
 
+    load_comm_op()  # before the pipeline builder's init_distributed asks DeepSpeed for it
     model, _ = build_pipeline_model(config, pstate, partition_method=partition_method,
                                     embedding_weight=embedding_weight, **kw)
     return model

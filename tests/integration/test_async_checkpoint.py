@@ -27,6 +27,7 @@ from gptpar.training.reporting import parse_log_line
 from gptpar.testing.runs import finish_ranks, launch_ranks, log_lines, read_jsonl, run_mains, write_config
 
 from gptpar.testing import FAULTS  # pretrain_gpt.py with a fault injected
+from gptpar.testing.deadline import Deadline
 MANIFEST = "gptpar_manifest.json"
 CASES = {"dp_fp32_zero1": dict(parallel=dict(data_parallel_size=2), training=dict(precision="fp32", zero_stage=1)),
          "pp_bf16": dict(parallel=dict(pipeline_model_parallel_size=2, data_parallel_size=1),
@@ -123,12 +124,12 @@ def test_async_checkpoints_equal_blocking_ones(equal_runs, name):
 
 def _read_until(proc, prefix, seen, timeout=180):
     """Lines of `proc`'s output up to the first that starts with `prefix`."""
-    deadline = time.monotonic() + timeout
+    deadline = Deadline(timeout)
     for line in proc.stdout:
         seen.append(line)
         if line.startswith(prefix):
             return
-        assert time.monotonic() < deadline, "".join(seen)
+        assert not deadline.expired(), "".join(seen)
     raise AssertionError(f"{prefix!r} never came:\n" + "".join(seen))
 
 

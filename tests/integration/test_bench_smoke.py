@@ -11,6 +11,7 @@ import pytest
 
 from gptpar.testing import load_script
 from gptpar.testing import ROOT as REPO
+from gptpar.testing.deadline import stretched
 
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu"}
 
@@ -18,7 +19,7 @@ ENV = {**os.environ, "DS_ACCELERATOR": "cpu"}
 def _run(args, tmp_path, timeout):
     out_json = tmp_path / "out.json"
     out = subprocess.run([sys.executable, *args, "--tiny", "--json", str(out_json)], cwd=REPO, env=ENV,
-                         capture_output=True, text=True, timeout=timeout)
+                         capture_output=True, text=True, timeout=stretched(timeout))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "summary:" in out.stdout
     return out.stdout, json.loads(out_json.read_text())
@@ -63,7 +64,7 @@ def test_peer_loop_tiny(tmp_path):
 
     out_json = tmp_path / "peer.json"
     out = subprocess.run([sys.executable, "bench/bench_peer_loop.py", "--tiny", "--device", "cpu", "--json",
-                          str(out_json)], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+                          str(out_json)], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=stretched(120))
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out_json.read_text())
     assert json.loads(out.stdout.strip().splitlines()[-1]) == res
@@ -82,7 +83,7 @@ def _peer_and_gptpar(tmp_path, *flags):
     out_json = tmp_path / "both.json"
     out = subprocess.run([sys.executable, "bench/bench_peer_loop.py", "--tiny", "--device", "cpu", "--gptpar",
                           *flags, "--json", str(out_json)], cwd=REPO, env=ENV, capture_output=True, text=True,
-                         timeout=900)
+                         timeout=stretched(900))
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out_json.read_text())
     assert res["peer"]["loop"].startswith("peer") and res["gptpar"]["loop"] == "gptpar GPTModel"
@@ -112,7 +113,7 @@ def test_bench_loss_memory_tiny(tmp_path):
     textbook F.cross_entropy on an fp32 copy of the logits, in bf16 and fp32."""
     out_json = tmp_path / "loss.json"
     out = subprocess.run([sys.executable, "bench/bench_loss_memory.py", "--tiny", "--json", str(out_json)], cwd=REPO,
-                         env=ENV, capture_output=True, text=True, timeout=300)
+                         env=ENV, capture_output=True, text=True, timeout=stretched(300))
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {(r["dtype"], r["path"]): r for r in json.loads(out_json.read_text())}
     assert set(rows) == {(d, p) for d in ("bf16", "fp32") for p in ("model", "pipeline", "textbook")}
@@ -177,7 +178,7 @@ def test_bench_layer_tiny_calibrates_the_planner(tmp_path):
 
     cal_path = tmp_path / "cal.json"
     out = subprocess.run([sys.executable, "bench/bench_layer.py", "--tiny", "--device", "cpu", "--json", str(cal_path)],
-                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=stretched(120))
     assert out.returncode == 0, out.stderr[-3000:]
     cal = load_calibration(str(cal_path))
     sh = cal["shape"]
@@ -212,7 +213,7 @@ def test_bench_layer_fp8_tiny(tmp_path):
     cal_path = tmp_path / "cal_fp8.json"
     out = subprocess.run([sys.executable, "bench/bench_layer.py", "--tiny", "--device", "cpu", "--dtype", "fp8",
                           "--modes", "none,full", "--json", str(cal_path)],
-                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=180)
+                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=stretched(180))
     assert out.returncode == 0, out.stderr[-3000:]
     cal = json.loads(cal_path.read_text())
     sh = cal["shape"]
@@ -230,7 +231,7 @@ def test_bench_fp8_padding_tiny(tmp_path):
     pytest.importorskip("torchao")
     out_json = tmp_path / "padding.json"
     out = subprocess.run([sys.executable, "bench/bench_fp8_padding.py", "--tiny", "--json", str(out_json)], cwd=REPO,
-                         env=ENV, capture_output=True, text=True, timeout=180)
+                         env=ENV, capture_output=True, text=True, timeout=stretched(180))
     assert out.returncode == 0, out.stderr[-3000:]
     (row,) = json.loads(out_json.read_text())["rows"]
     assert row["extra_flops"] == pytest.approx(48 * 32 / (40 * 24) - 1) == pytest.approx(row["planned_extra_flops"])
@@ -241,7 +242,8 @@ def _gpu_script_on_cpu(mode, tmp_path, timeout, env=None):
     """`bash bench/gpu.sh MODE` with GPU_CPU_SMOKE=1: every step at a tiny shape on the CPU, so the one GPU call
     runs a script whose flow, flags and summary have run end to end. Returns (stdout, out folder, raw folder)."""
     out = tmp_path / "out"
-    run = subprocess.run(["bash", "bench/gpu.sh", mode], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+    run = subprocess.run(["bash", "bench/gpu.sh", mode], cwd=REPO, capture_output=True, text=True,
+                         timeout=stretched(timeout),
                          env={**ENV, "GPU_CPU_SMOKE": "1", "OUT": str(out), "PYTHON": sys.executable, **(env or {})})
     assert run.returncode == 0, run.stderr[-3000:]
     files = sorted(os.listdir(out))
@@ -280,7 +282,8 @@ def _rounds_of_stand_ins(tmp_path, speeds):
     runs = [arg for name, speed in speeds.items()
             for arg in ("--run", f"{name}={sys.executable} -c {shlex.quote(STAND_IN)} {speed}")]
     out = subprocess.run([sys.executable, "bench/rounds.py", "--out", str(tmp_path), "--rounds", "3", "--timed", "3",
-                          "--timeout", "120"] + runs, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=180)
+                          "--timeout", "120"] + runs, cwd=REPO, env=ENV, capture_output=True, text=True,
+                          timeout=stretched(180))
     return out, tmp_path / "rounds"
 
 
@@ -389,7 +392,7 @@ def test_gpu_trainer_flow_on_cpu(tmp_path):
     """bench/gpu_trainer.py's whole flow (bf16 train/save/resume, recompute, fp16 loss scaling, the bench) at a
     tiny shape on CPU: every run exits 0 and every check of its summary holds (minutes: slow)."""
     out = subprocess.run([sys.executable, "bench/gpu_trainer.py", "--out", str(tmp_path), "--cpu-smoke"],
-                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
+                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=stretched(900))
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert out.returncode == 0 and all(v is True for v in summary["checks"].values()), summary["checks"]
     assert set(summary["exit_codes"]) == set("abcde")
@@ -403,7 +406,7 @@ def test_bench_optimizer8bit_smoke(tmp_path):
     use): both state figures, their ratio and the loss ratio come from the runs it made."""
     pytest.importorskip("bitsandbytes")
     out = subprocess.run([sys.executable, "bench/bench_optimizer8bit.py", "--out", str(tmp_path), "--train-iters", "2"],
-                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
+                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=stretched(900))
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     state = summary["state"]
@@ -455,7 +458,7 @@ def test_trace_kernels_reads_a_profiler_trace(tmp_path):
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({"traceEvents": events}))
     out = subprocess.run([sys.executable, "bench/trace_kernels.py", str(trace), "--iterations", "2"], cwd=REPO,
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=stretched(60))
     assert out.returncode == 0, out.stderr
     assert "0.04 ms per iteration in gaps of >= 20 us" in out.stdout
 
@@ -464,7 +467,7 @@ def test_trace_kernels_reads_a_profiler_trace(tmp_path):
 def test_bench_straggler_smoke():
     """bench/bench_straggler.py end to end for 3 iterations: every part timed on both ranks, the shares printed."""
     out = subprocess.run([sys.executable, "bench/bench_straggler.py", "--iters", "3"], cwd=REPO, capture_output=True,
-                         text=True, timeout=300)
+                         text=True, timeout=stretched(300))
     assert out.returncode == 0, out.stderr
     for rank in (0, 1):
         line = next(line for line in out.stdout.splitlines() if line.startswith(f"rank {rank}: iteration "))

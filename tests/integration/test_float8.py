@@ -26,6 +26,7 @@ from gptpar.tensor_parallel.float8 import (Float8Gemm, Float8Matmul, describe_fl
 from gptpar.testing import run_distributed
 from gptpar.config import ConfigError, config_from_dict, load_config
 from gptpar.testing import ROOT
+from gptpar.testing.deadline import stretched
 
 RECIPES = ("tensorwise", "rowwise")
 
@@ -244,7 +245,7 @@ def test_import_is_quiet_and_says_why():
              "from gptpar.tensor_parallel.float8 import Float8Matmul\nprint(Float8Matmul().import_note)")
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               cwd=ROOT) for code in codes]  # side by side: each takes seconds to import torch
-    (_, plain_err), (ours_out, ours_err) = (p.communicate(timeout=300) for p in procs)
+    (_, plain_err), (ours_out, ours_err) = (p.communicate(timeout=stretched(300)) for p in procs)
     assert procs[1].returncode == 0, ours_err
     failed = plain_err.count("Failed to load")
     assert "Failed to load" not in ours_err and "register_constant" not in ours_err

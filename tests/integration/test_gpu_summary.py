@@ -8,13 +8,14 @@ import sys
 
 from gptpar.training.reporting import METRIC_KEYS, MetricsWriter, format_memory_line
 from gptpar.testing.runs import ROOT
+from gptpar.testing.deadline import stretched
 
 GiB = 2 ** 30
 
 
 def _summary(*args):
     run = subprocess.run([sys.executable, "bench/gpu_summary.py", *args], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+                         timeout=stretched(120), env=dict(os.environ, PYTHONPATH=ROOT))
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout
 

@@ -17,6 +17,7 @@ import pytest
 
 from gptpar.training.straggler import stragglers
 from gptpar.testing.runs import ROOT, finish_ranks, launch_ranks, write_config
+from gptpar.testing.deadline import Deadline, stretched
 
 
 def _follow(proc, lines):
@@ -27,9 +28,9 @@ def _follow(proc, lines):
 
 
 def _wait_for(lines, prefix, timeout):
-    deadline = time.monotonic() + timeout
+    deadline = Deadline(timeout)
     while not any(line.startswith(prefix) for line in list(lines)):
-        assert time.monotonic() < deadline, "".join(lines)
+        assert not deadline.expired(), "".join(lines)
         time.sleep(0.05)
 
 
@@ -46,8 +47,8 @@ def test_a_stopped_rank_is_named_by_diagnose_hang(tmp_path):
         _wait_for(lines, " iteration        2/", timeout=180)
         procs[2].send_signal(signal.SIGSTOP)
         for rank in (1, 3):
-            procs[rank].wait(timeout=180)
-        procs[0].wait(timeout=60)
+            procs[rank].wait(timeout=stretched(180))
+        procs[0].wait(timeout=stretched(60))
     finally:
         procs[2].kill()
     reader.join(timeout=10)
@@ -61,7 +62,7 @@ def test_a_stopped_rank_is_named_by_diagnose_hang(tmp_path):
         assert "Traceback" not in outs[rank], outs[rank]
     assert sorted(os.listdir(ck / "diagnostics")) == ["rank_0.json", "rank_1.json", "rank_3.json"]
     p = subprocess.run([sys.executable, "tools/diagnose_hang.py", str(ck / "diagnostics")], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=stretched(60))
     assert p.returncode == 0, p.stderr
     report = p.stdout.splitlines()
     assert [line.split(" (")[0] for line in report if line.startswith("suspect:")] == ["suspect: rank 2"], p.stdout
@@ -83,8 +84,8 @@ def test_a_rank_paused_by_a_duty_cycle_is_named_a_straggler(tmp_path):
     try:
         _wait_for(lines, " iteration        5/", timeout=180)
         start = len(lines)
-        deadline = time.monotonic() + 90
-        while sum(line.startswith(" iteration ") for line in lines[start:]) < 4 and time.monotonic() < deadline:
+        deadline = Deadline(90)
+        while sum(line.startswith(" iteration ") for line in lines[start:]) < 4 and not deadline.expired():
             procs[1].send_signal(signal.SIGSTOP)  # stopped 3/4 of the time
             time.sleep(0.03)
             procs[1].send_signal(signal.SIGCONT)
@@ -133,7 +134,7 @@ def test_diagnose_names_who_never_entered_and_who_wrote_nothing(tmp_path):
     for rank, record in files.items():
         (tmp_path / f"rank_{rank}.json").write_text(json.dumps(record))
     p = subprocess.run([sys.executable, "tools/diagnose_hang.py", str(tmp_path)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=60)
+                       text=True, timeout=stretched(60))
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     assert lines[0] == ("suspect: rank 2 (node2, pp 0/dp 2/tp 0): wrote nothing (stopped, hung outside a collective, "
@@ -144,5 +145,5 @@ def test_diagnose_names_who_never_entered_and_who_wrote_nothing(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     p = subprocess.run([sys.executable, "tools/diagnose_hang.py", str(empty)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=60)
+                       text=True, timeout=stretched(60))
     assert p.returncode == 2 and p.stderr.startswith("diagnose_hang.py: error: ") and "SIGUSR2" in p.stderr

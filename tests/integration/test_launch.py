@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from gptpar.testing.runs import ROOT
+from gptpar.testing.deadline import stretched
 
 HOSTFILE_SH = os.path.join(ROOT, "examples", "launch_hostfile.sh")
 SLURM = os.path.join(ROOT, "examples", "slurm_200b.sbatch")
@@ -25,7 +26,7 @@ def _run(cmd, **env):
         if key not in env:
             full.pop(key, None)
     return subprocess.run(cmd, cwd=ROOT, env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          timeout=60)
+                          timeout=stretched(60))
 
 
 def _hostfile(tmp_path, nodes):

@@ -12,11 +12,12 @@ from gptpar.testing.runs import ROOT, rank_env, write_config
 
 LAUNCH = [sys.executable, "-m", "gptpar.launch", "--nproc_per_node", "2"]
 from gptpar.testing import FAULTS  # pretrain_gpt.py with a fault injected
+from gptpar.testing.deadline import stretched
 
 
 def _launch(argv, timeout=240, **env):
     return subprocess.run(LAUNCH + argv, cwd=ROOT, env=rank_env(**env), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+                          stderr=subprocess.STDOUT, text=True, timeout=stretched(timeout))
 
 
 def _losses(metrics_file):
@@ -71,7 +72,7 @@ def test_a_master_port_in_use_is_named(tmp_path):
         env = rank_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         rank0 = subprocess.run([sys.executable, "pretrain_gpt.py", "--config", write_config(tmp_path / "c.json")],
                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               timeout=120)
+                               timeout=stretched(120))
     assert rank0.returncode == 2, rank0.stdout
     assert f"pretrain_gpt.py: launch error: the master port {port} (MASTER_PORT) on 127.0.0.1 is already in use" \
         in rank0.stdout and "Traceback" not in rank0.stdout, rank0.stdout

@@ -7,6 +7,7 @@ import time
 
 from gptpar.checkpoint.layout import read_latest
 from gptpar.testing.runs import ROOT, write_config
+from gptpar.testing.deadline import Deadline, stretched
 
 
 def test_sigterm_to_the_launcher_saves_and_ends_without_a_traceback(tmp_path):
@@ -16,14 +17,14 @@ def test_sigterm_to_the_launcher_saves_and_ends_without_a_traceback(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "gptpar.launch", "--nproc_per_node", "2", "pretrain_gpt.py",
                              "--config", cfg], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-    seen, deadline = [], time.monotonic() + 180
+    seen, deadline = [], Deadline(180)
     for line in proc.stdout:
         seen.append(line)
         if line.startswith(" iteration        1/"):
             break
-        assert time.monotonic() < deadline, "".join(seen)
+        assert not deadline.expired(), "".join(seen)
     proc.send_signal(signal.SIGTERM)
-    out = "".join(seen) + proc.communicate(timeout=120)[0]
+    out = "".join(seen) + proc.communicate(timeout=stretched(120))[0]
     assert proc.returncode == 128 + signal.SIGTERM, out
     assert "Traceback" not in out and "SignalException" not in out, out
     assert "gptpar.launch: torchrun received SIGTERM" in out and "received SIGTERM" in out

@@ -12,6 +12,7 @@ import venv
 
 from gptpar.testing.runs import ROOT
 from gptpar.training.engine.deepspeed_api import DEEPSPEED_VERSION
+from gptpar.testing.deadline import stretched
 
 # What the scratch environment holds, as installed distributions (metadata only): torch at the GPU image's
 # version, the rest at any version their unpinned requirement takes (DeepSpeed at its pin).
@@ -61,7 +62,7 @@ def test_pip_keeps_an_installed_torch_2_11(tmp_path):
     env["PIP_CONFIG_FILE"] = os.devnull  # no config file either: no index or find-links from anywhere
     p = subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "--dry-run", "--no-index",
                         "--no-build-isolation", "--no-cache-dir", "--disable-pip-version-check", "--quiet",
-                        "--report", "-", str(project)], capture_output=True, text=True, env=env, timeout=120)
+                        "--report", "-", str(project)], capture_output=True, text=True, env=env, timeout=stretched(120))
     assert p.returncode == 0, p.stdout + p.stderr
     report = json.loads(p.stdout)
     assert [item["metadata"]["name"] for item in report["install"]] == ["gptpar"], report["install"]

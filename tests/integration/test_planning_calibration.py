@@ -11,6 +11,7 @@ from gptpar.estimate.planner import Hardware, calibrated_hardware, compute_rate,
 from gptpar.estimate.settings import settings_of
 from gptpar.config import load_config
 from gptpar.testing import ROOT
+from gptpar.testing.deadline import stretched
 
 CONFIG_200B = os.path.join(ROOT, "configs", "200b.json")
 
@@ -82,7 +83,8 @@ def test_plan_topology_prints_calibrated_kinds_beside_the_a100(tmp_path):
     shape = _shape_200b()
     path = _write(tmp_path, "fast.json", shape, {"full": _layer_seconds(shape, "full", a100) / 3})
     out = subprocess.run([sys.executable, "tools/plan_topology.py", "--config", CONFIG_200B, "--nodes", "40",
-                          "--calibration", path, "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                          "--calibration", path, "--json"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=stretched(120))
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)["layouts"]
     assert [r["kind"] for r in rows] == ["a100-80gb", "fast.json"]
@@ -90,7 +92,7 @@ def test_plan_topology_prints_calibrated_kinds_beside_the_a100(tmp_path):
     assert rows[1]["compute_s"] == pytest.approx(rows[0]["compute_s"] / 3, rel=1e-9)
     text = subprocess.run([sys.executable, "tools/plan_topology.py", "--config", CONFIG_200B, "--nodes", "40",
                            "--calibration", path, "--measured", os.path.join("tests", "data", "seed_runs.json")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
+                          cwd=ROOT, capture_output=True, text=True, timeout=stretched(120)).stdout
     assert "a100-80gb" in text and "fast.json" in text and "): 207.92 s/it" in text
 
 

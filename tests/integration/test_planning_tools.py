@@ -8,6 +8,7 @@ import sys
 
 import pytest
 from gptpar.testing import ROOT
+from gptpar.testing.deadline import stretched
 
 
 # Three log lines of the 176B prequel log (fp16 "Best TFLOPs" section), verbatim
@@ -20,7 +21,7 @@ some other line that the parser must skip
 
 def run(tool, *args, check=True):
     proc = subprocess.run([sys.executable, os.path.join("tools", tool), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": ""})
+                          text=True, timeout=stretched(60), env={**os.environ, "PYTHONPATH": ""})
     if check:
         assert proc.returncode == 0, proc.stderr
     return proc
@@ -56,7 +57,7 @@ def test_planners_answer_without_importing_torch(call):
             f"try:\n    runpy.run_path('tools/{call[0]}', run_name='__main__')\nexcept SystemExit as e:\n"
             f"    assert not e.code, e.code\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=stretched(60),
                           env={**os.environ, "PYTHONPATH": ""})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip()
@@ -191,7 +192,7 @@ def test_allreduce_bench_on_two_gloo_ranks():
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc_per_node", "2", "tools/allreduce_bench.py", "--min-bytes", "4K", "--max-bytes",
                            "64K", "--factor", "4", "--iters", "3", "--warmup", "1", "--backend", "gloo", "--json"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, capture_output=True, text=True, timeout=stretched(120),
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][0])

@@ -17,6 +17,7 @@ from gptpar.quiet import KNOWN_LINES, held_back_lines, hold_back_warnings
 from gptpar.checkpoint.layout import RESOLVED_CONFIG
 from gptpar.training.assembly import resolved_config_path, write_resolved_config
 from gptpar.testing.runs import ROOT, rank_env
+from gptpar.testing.deadline import stretched
 
 TINY = os.path.join(ROOT, "configs", "cpu_tiny.json")
 
@@ -90,7 +91,7 @@ def test_known_warnings_are_filtered():
 def _run(*extra):
     out = subprocess.run([sys.executable, "pretrain_gpt.py", "--config", TINY, "--set", "training.train_iters=3",
                           "--set", "training.eval_interval=null", *extra], cwd=ROOT, env=rank_env(),
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=stretched(300))
     assert out.returncode == 0, out.stderr
     return out.stdout + out.stderr
 

@@ -21,6 +21,7 @@ from gptpar.testing import flip_a_byte_inside_a_tensor, run_distributed
 from gptpar.checkpoint.checkpointer import read_latest
 from gptpar.training.trainer import Trainer
 from gptpar.testing.runs import ROOT, log_lines, main_output, write_config
+from gptpar.testing.deadline import stretched
 
 
 # The checkpoint folder's documented layout (gptpar.checkpoint.layout), spelled out.
@@ -662,7 +663,7 @@ def _tool(*argv, file_size_limit=None):
 
     def limit():
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-    p = subprocess.run([sys.executable] + list(argv), cwd=ROOT, capture_output=True, text=True, timeout=300,
+    p = subprocess.run([sys.executable] + list(argv), cwd=ROOT, capture_output=True, text=True, timeout=stretched(300),
                        preexec_fn=limit if file_size_limit else None)
     return p.returncode, p.stdout + p.stderr
 

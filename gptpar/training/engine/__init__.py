@@ -11,6 +11,8 @@ fp32/bf16/fp16), split by what changes together:
     checkpointing.py    DeepSpeed's checkpoint files of one tag (save, load, the fp16 loss scale saved in them)
     optimizer_state.py  one parameter's full optimizer state (universal checkpoints), the precision plan, bytes held
     host_scalar.py      HostScalar: the step's loss and grad norm read without waiting for the optimizer step
+    comm_op.py          DeepSpeed's CPU communication op: built once per venv, imported as it is after; a wait on
+                        its build lock is said (the lock, whether a build runs, how to clear it)
 
 Nothing else in gptpar/ imports DeepSpeed except the pipeline-stage builder (gptpar/model/pipeline.py:
 `PipelineModule`, `LayerSpec`, the topology); tests/unit/test_package_structure.py keeps it so. The trainer and the

@@ -27,6 +27,9 @@ uses them, and the test that breaks when one changes:
       number of micro-batches (step.py)
     `save_checkpoint(..., save_latest=False)` / `load_checkpoint`      test_trainer.py::test_exact_resume
       (checkpointing.py)
+    the CPU accelerator's `create_op_builder("ShareMemCommBuilder")`,   test_comm_op.py::test_deepspeed_takes_the_op_gptpar_loaded
+      `deepspeed.ops.__compatible_ops__`, and `OpBuilder._loaded_ops`,
+      the cache `builder.load()` returns from (`load_comm_op`)
     the module's `universal_checkpoint_info` saved into the model       test_universal_checkpoint.py::test_deepspeeds_own_converter_agrees
       states, as `ds_to_universal.py` reads it (`attach_universal_info`)
     `deepspeed.utils.safe_{set,get}_full_fp32_param` /                 test_universal_checkpoint.py::test_optimizer_state_moved_with_the_reshape,
@@ -101,6 +104,7 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config:
     PipelineModule)."""
     import deepspeed
 
+    load_comm_op()
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
     return engine
 
@@ -477,6 +481,26 @@ def attach_universal_info(model: torch.nn.Module, info: dict) -> None:
 
     setattr(model, UNIVERSAL_CHECKPOINT_INFO, dict(info, **{UNIVERSAL_CHECKPOINT_VERSION_KEY:
                                                             UNIVERSAL_CHECKPOINT_VERSION_VALUE}))
+
+
+def load_comm_op() -> None:
+    """DeepSpeed's CPU shared-memory communication op loaded before DeepSpeed's init_distributed asks for it
+    (gptpar.training.engine.comm_op: a library built once is imported as it is, a wait on a build lock is said).
+    Only where DeepSpeed itself would load it: the CPU accelerator, the op compatible (Linux), not loaded yet."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    import gptpar.training.engine.comm_op as comm_op
+
+    acc = get_accelerator()
+    if acc._name != "cpu":
+        return
+    builder = acc.create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return
+    if builder.name not in OpBuilder._loaded_ops:
+        comm_op.load(builder, OpBuilder._loaded_ops)
 
 
 def accelerator():
