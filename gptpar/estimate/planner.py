@@ -16,7 +16,7 @@ from gptpar.estimate.flops import model_flops_per_iteration, params_per_stage, s
 from gptpar.estimate.memory import GIB, memory_per_gpu
 from gptpar.estimate.settings import embedding_kind, require
 from gptpar.model.config import check_tp_divides, pad_vocab_size, recompute_mode
-from gptpar.estimate.float8_gemms import float8_flags, layer_float8_gemms
+from gptpar.tensor_parallel.float8_shapes import float8_flags, layer_float8_gemms
 from gptpar.schedules import rampup_split_problem
 
 

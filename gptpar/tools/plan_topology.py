@@ -24,7 +24,7 @@ import sys
 from gptpar.estimate.planner import (a100_kind, calibrated_kind, plan_topology, predict_layout,
                                      training_time)
 from gptpar.estimate.settings import settings_of
-from gptpar.estimate.float8_gemms import describe_float8_gemms, layer_float8_gemms
+from gptpar.tensor_parallel.float8_shapes import describe_float8_gemms, layer_float8_gemms
 from gptpar.config import load_config
 
 TOP = 20
