@@ -158,7 +158,7 @@ def check_start(cfg, world_size: int, shape: dict, log) -> tuple:
         if target.universal is None:  # where this checkpoint's universal copies go
             conversions = ck.universal_dir or f"{target.directory}_universal"
         target, copy = plan_load(target, shape, world_size, ck.universal_dir, cfg.training.precision, log, cfg.model,
-                                 verify=ck.verify_checksums)
+                                 verify=ck.verify_checksums, run=cfg.to_dict())
     if init_from is not None:
         check_weights_fit(init_from, cfg.model, "checkpoint.init_from" if init_from == ck.init_from
                           else "checkpoint.load")

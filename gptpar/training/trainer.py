@@ -585,8 +585,21 @@ class Trainer:
             self.schedule, note = resumed_schedule(saved_schedule(state), self.schedule, c.lr_iterations,
                                                    c.lr_samples, c.iteration + 1,
                                                    self.cfg.training.lr_schedule_on_resume == "checkpoint")
-            if note:
+            if note and self.nothing_to_train() is None:  # a finished run trains no iteration under it
                 self._say(note)
+
+    def nothing_to_train(self) -> Optional[str]:
+        """The line a resumed run that already reached train_iters ends with (None while there is training to do):
+        pretrain_gpt.py then exits 0 without training, evaluating or saving."""
+        c, t = self.counters, self.cfg.training
+        if c.iteration == 0 or c.iteration < self.train_iters:
+            return None
+        limit = ("training.train_iters" if t.train_iters is not None
+                 else f"the {self.train_iters} iterations of training.train_samples={t.train_samples}")
+        return (f"nothing to train: the checkpoint is at iteration {c.iteration} "
+                f"{'=' if c.iteration == self.train_iters else '>'} {limit}"
+                f"{f' ({self.train_iters})' if t.train_iters is not None else ''}; raise "
+                f"{'training.train_iters' if t.train_iters is not None else 'training.train_samples'} to train on")
 
     def _after_log_failure(self, reason: str) -> str:
         """The line a log write that failed ends the run with: why, and the checkpoint saved before stopping."""
