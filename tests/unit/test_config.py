@@ -252,8 +252,14 @@ def test_a_section_set_as_a_json_object_equals_its_dotted_keys():
 
 
 def test_a_config_that_is_a_folder_is_one_line(tmp_path):
+    """--config naming a folder: one config-error line, exit 2, no IsADirectoryError traceback."""
+    from gptpar.testing.runs import main_output
+
     with pytest.raises(ConfigError, match=f"^config file {re.escape(str(tmp_path))} is a folder: pass a JSON file"):
         load_config(str(tmp_path))
+    rc, out = main_output(["--config", str(tmp_path)])
+    assert (rc, out) == (2, f"pretrain_gpt.py: config error: config file {tmp_path} is a folder: pass a JSON file, "
+                            "--config configs/<name>.json\n")
 
 
 def test_load_file_with_overrides(tmp_path):
