@@ -1,8 +1,8 @@
 """Logs that cannot be written, through pretrain_gpt.py on 2 gloo ranks (one spawn runs every case): a
 logging.metrics_file, logging.tensorboard_dir or logging.diagnostics_dir under a regular file, naming a folder or a
 file, or in a folder that takes no new file (/proc, a read-only folder), is refused by the preflight (exit 2 on
-every rank, one line naming the key, before the model is built); a metrics file that stops taking writes mid-run ends the run with a checkpoint saved first (exit 1, one
-line on every rank).
+every rank, one line naming the key, before the model is built); a metrics file that stops taking writes mid-run
+ends the run with a checkpoint saved first (exit 1, one line on every rank).
 
 Faults are injected from here (the folder swapped for a file inside the ranks), never through hooks in the library.
 """
