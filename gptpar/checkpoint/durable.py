@@ -168,18 +168,71 @@ def is_write_failure(exc: BaseException) -> bool:
 
 
 def describe_write_failure(folder: str, exc: BaseException) -> str:
-    """What a failed write says, wherever gptpar writes (a checkpoint, a universal copy, a converted model):
-    the cause (torch's "unexpected pos" explained) and the free space left in `folder`."""
+    """What a failed write says, wherever gptpar writes (a checkpoint, a universal copy, a converted model): the
+    cause, what its errno means (no space, a quota, a file-size limit: each has its own fix) and the free space
+    left in `folder`. torch's writer gives no errno ("unexpected pos": it wrote fewer bytes than asked), so for it
+    the process's file-size limit and the free space are looked at instead."""
     cause = f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, RuntimeError) and "unexpected pos" in str(exc):
-        cause += " (torch's writer wrote fewer bytes than asked: usually a full disk)"
     while folder and not os.path.isdir(folder):
         folder = os.path.dirname(folder)
     try:
-        free = f"{shutil.disk_usage(folder or '.').free / 2 ** 20:.1f} MiB free there now"
+        free_bytes = shutil.disk_usage(folder or ".").free
+        free = f"{free_bytes / 2 ** 20:.1f} MiB free there now"
     except OSError as e:
-        free = f"free space unknown ({e.strerror})"
+        free_bytes, free = None, f"free space unknown ({e.strerror})"
+    code = _errno_of(exc)
+    if code in _ERRNO_MEANINGS:
+        cause += f" ({_ERRNO_MEANINGS[code]}{_file_size_limit() if code == errno.EFBIG else ''})"
+    elif isinstance(exc, RuntimeError) and "unexpected pos" in str(exc):
+        cause += f" (torch's writer wrote fewer bytes than asked, without an errno: {_likely_cause(free_bytes)})"
     return f"{cause}; {free}"
+
+
+_ERRNO_MEANINGS = {
+    errno.ENOSPC: "ENOSPC: no space left on the device: free space or write elsewhere",
+    errno.EDQUOT: "EDQUOT: this user's disk quota is used up, though the disk may have room: free some of the "
+                  "quota or write elsewhere",
+    errno.EFBIG: "EFBIG: file too large for a limit, not a full disk: ",
+}
+_LOW_SPACE = 1 << 30  # below this much free space, a short write is most likely the disk filling up
+
+
+def _errno_of(exc: BaseException) -> Optional[int]:
+    """The errno of an OSError (or of one it was raised from), or the `os error N` safetensors' message names."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            return seen.errno
+        seen = seen.__cause__ or seen.__context__
+    text = str(exc)
+    marker = "(os error "
+    if marker in text:
+        digits = text.split(marker, 1)[1].split(")", 1)[0]
+        return int(digits) if digits.isdigit() else None
+    return None
+
+
+def _file_size_limit() -> str:
+    """The process's RLIMIT_FSIZE (`ulimit -f`) when it has one, else the file system's largest file."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    except (ImportError, OSError, ValueError):
+        soft = None
+    if soft is not None and soft != resource.RLIM_INFINITY:
+        return f"this process's file-size limit RLIMIT_FSIZE (`ulimit -f`) is {soft} bytes: raise it"
+    return "the file system's largest file (e.g. 4 GiB on FAT32): write to another file system"
+
+
+def _likely_cause(free_bytes: Optional[int]) -> str:
+    limit = _file_size_limit()
+    if limit.startswith("this process's"):
+        return f"likely EFBIG: {limit}"
+    if free_bytes is not None and free_bytes < _LOW_SPACE:
+        return "likely ENOSPC: the disk is (nearly) full"
+    return ("not a full disk by the free space: a disk quota (EDQUOT), the file system's largest file (EFBIG) or an "
+            "I/O error")
 
 
 def _empty_folder(path: str) -> bool:

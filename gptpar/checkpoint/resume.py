@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from gptpar.checkpoint import universal
+from gptpar.checkpoint.continuity import check_tag_iteration, run_changes
 from gptpar.checkpoint.durable import describe_write_failure, is_write_failure
 from gptpar.checkpoint.exceptions import CheckpointError, UniversalCheckpointError
 from gptpar.checkpoint.layout import CONFIG, LoadTarget, earlier_checkpoint_fix, fingerprint, state_file
@@ -173,7 +174,7 @@ class UniversalCopy:
 
 def plan_load(target: LoadTarget, shape: dict, world_size: int, universal_dir: Optional[str], precision: str,
               log: Callable[[str], None], model_config: Optional[GPTConfig] = None,
-              verify: bool = True) -> Tuple[LoadTarget, Optional[UniversalCopy]]:
+              verify: bool = True, run: Optional[dict] = None) -> Tuple[LoadTarget, Optional[UniversalCopy]]:
     """What this run loads for `target` (rank 0, before the model is built; reads, never writes): (the target to
     load, the universal copy still to write or None). The checkpoint itself when its files fit this run: the
     same model, parallel layout (tp, pp, dp, partitioning, ZeRO stage) and kind of optimizer files
@@ -182,7 +183,9 @@ def plan_load(target: LoadTarget, shape: dict, world_size: int, universal_dir: O
     from exactly these files (layout.fingerprint), else one to write (the conversion verifies every file it reads
     in its pass). Raises CheckpointError for another model shape, a checkpoint that cannot be converted, or a
     universal copy that cannot be used; never writes inside `target.directory`. `model_config`: the run's model,
-    the shape of a universal folder DeepSpeed wrote (its names and shapes are checked here)."""
+    the shape of a universal folder DeepSpeed wrote (its names and shapes are checked here). An `iter_N` folder
+    holding another iteration is refused; `run` (this run's config as a dict): the run-defining keys that differ
+    from the checkpoint's run are said (gptpar.checkpoint.continuity)."""
     model = {"model": {k: v for k, v in shape["model"].items() if k != "padded_vocab_size"},
              "training": shape["training"]}  # a universal copy holds AdamW's moments (the default)
     to = parallel_sizes(shape)
@@ -199,7 +202,11 @@ def plan_load(target: LoadTarget, shape: dict, world_size: int, universal_dir: O
     saved = read_rank_state(target.path, 0, verifier)
     verifier.raise_problems()
     check_shape(saved["shape"], model, target.path)
-    was = saved_config(target.path, verifier).get("training", {}).get("precision", "fp32")
+    check_tag_iteration(target, saved["iteration"])
+    saved_run = saved_config(target.path, verifier)
+    for line in run_changes(saved_run, run) if run is not None else ():
+        log(line)
+    was = saved_run.get("training", {}).get("precision", "fp32")
     layout = same_layout(saved["shape"]["parallel"], shape["parallel"]) and saved["shape"]["model"] == shape["model"]
     files = universal.optimizer_files(was) == universal.optimizer_files(precision)
     if layout and files:

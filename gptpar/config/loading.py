@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import typing
 from dataclasses import fields
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from gptpar.config.errors import ConfigError
 from gptpar.config.fields import suggest, type_name, type_ok
@@ -57,13 +57,17 @@ def config_from_dict(d: dict, overrides: Sequence[str] = ()) -> Config:
         if not isinstance(d[section], dict):
             raise ConfigError(f"config section {section!r} must be an object of keys")
     for item in overrides:
-        section, key, value = parse_override(item)
-        if section == DEEPSPEED_SECTION:
-            _set_nested(d.setdefault(section, {}), key, value, item)
-        else:
-            d.setdefault(section, {})[key] = value
+        for section, key, value in expand_override(item):
+            _apply(d, section, key, value, item)
     built = {name: _build_section(name, cls, d.get(name, {})) for name, cls in SECTIONS.items()}
     return Config(**built, deepspeed=d.get(DEEPSPEED_SECTION, {}))
+
+
+def _apply(d: dict, section: str, key: str, value: Any, item: str) -> None:
+    if section == DEEPSPEED_SECTION:
+        _set_nested(d.setdefault(section, {}), key, value, item)
+    else:
+        d.setdefault(section, {})[key] = value
 
 
 def _set_nested(obj: dict, dotted: str, value: Any, item: str) -> None:
@@ -102,9 +106,55 @@ def load_config(path: Optional[str], overrides: Sequence[str] = ()) -> Config:
             raise ConfigError(f"config file {path}: {e}") from None
         except FileNotFoundError:
             raise ConfigError(f"config file {path} not found: pass --config configs/<name>.json") from None
-        except json.JSONDecodeError as e:
+        except IsADirectoryError:
+            raise ConfigError(f"config file {path} is a folder: pass a JSON file, --config configs/<name>.json")\
+                from None
+        except OSError as e:
+            raise ConfigError(f"config file {path} cannot be read ({e.strerror or e}): pass a readable "
+                              "--config FILE") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
     return config_from_dict(d, overrides)
+
+
+def expand_override(item: str) -> List[Tuple[str, str, Any]]:
+    """An override as (section, key, value) settings: `section.key=value` is one (`parse_override`);
+    `section={JSON object}` sets each of its keys as `section.key=value` would, and for `deepspeed` each nested
+    key as `deepspeed.a.b=value` would, so that the object merges key by key, as the config file's does."""
+    name, sep, raw = item.partition("=")
+    section = name.strip()
+    if not sep or "." in section or section not in ALL_SECTIONS:
+        return [parse_override(item)]
+    try:
+        value = json.loads(raw, object_pairs_hook=unique_keys)
+    except ConfigError as e:
+        raise ConfigError(f"override {item!r}: {e}") from None
+    except json.JSONDecodeError as e:
+        value, problem = None, f"not valid JSON ({e})"
+    else:
+        problem = None if isinstance(value, dict) else f"a JSON {type(value).__name__}"
+    if problem is not None:
+        raise ConfigError(f"override {item!r}: `{section}=VALUE` takes a JSON object of the section's keys, got "
+                          f"{problem}; e.g. --set '{section}={{\"key\": value}}' or --set {section}.key=value")
+    if section == DEEPSPEED_SECTION:
+        return [(section, ".".join(path), leaf) for path, leaf in _leaves(value, [])]
+    known = [f.name for f in fields(SECTIONS[section])]
+    for key in value:
+        if key not in known:
+            raise _unknown_key(section, key, known, f" in override {item!r}")
+    return [(section, key, v) for key, v in value.items()]
+
+
+def _leaves(obj: dict, path: List[str]):
+    """(path, value) of every value in a nested object that is not itself a non-empty object."""
+    for key, value in obj.items():
+        if not key or "." in key:
+            raise ConfigError(f"deepspeed key {key!r} in an override: DeepSpeed's keys are non-empty names "
+                              "without dots")
+        if isinstance(value, dict) and value:
+            yield from _leaves(value, path + [key])
+        else:
+            yield path + [key], value
 
 
 def parse_override(item: str) -> Tuple[str, str, Any]:
@@ -115,6 +165,8 @@ def parse_override(item: str) -> Tuple[str, str, Any]:
     """
     name, sep, raw = item.partition("=")
     section, dot, key = name.strip().partition(".")
+    if sep and not dot and section and section not in ALL_SECTIONS:
+        raise ConfigError(f"unknown config section {section!r} in override {item!r}{suggest(section, ALL_SECTIONS)}")
     if not sep or not dot or not key:
         raise ConfigError(f"override {item!r} must look like section.key=value, e.g. training.micro_batch_size=4")
     if section not in ALL_SECTIONS:
@@ -172,4 +224,5 @@ def cli_aliases() -> Dict[str, str]:
     return aliases
 
 
-__all__ = ["SPECIAL_ALIASES", "LIST_ALIASES", "STRING_LISTS", "cli_aliases", "REMOVED_KEYS", "config_from_dict", "load_config", "parse_override", "unique_keys"]
+__all__ = ["SPECIAL_ALIASES", "LIST_ALIASES", "STRING_LISTS", "cli_aliases", "REMOVED_KEYS", "config_from_dict",
+           "expand_override", "load_config", "parse_override", "unique_keys"]

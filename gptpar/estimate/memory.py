@@ -16,7 +16,7 @@ with the client AdamW gptpar passes (`training.optimizer=adamw`). Measured on CP
 fp8 holds bf16's model states exactly (to DeepSpeed it is bf16: gptpar.config.deepspeed_precision) and the
 same activations (torchao's float8 GEMM keeps its bf16 input and weight for backward, as F.linear does, and a padded
 GEMM keeps only its padded input); its float8 casts are transient, one GEMM's at a time:
-`float8_casts` per stage = gptpar.estimate.float8_gemms.float8_cast_bytes of the layer's largest GEMM, plus, for
+`float8_casts` per stage = gptpar.tensor_parallel.float8_shapes.float8_cast_bytes of the layer's largest GEMM, plus, for
 recipe tensorwise (the default), the weight casts cached per optimizer step (float8_weight_cache_bytes per layer on
 the stage, 1 byte per weight element), whose GEMMs then cast no weight of their own; rowwise casts its weights in
 every GEMM and caches none.
@@ -73,7 +73,7 @@ from typing import Dict, Optional
 
 from gptpar.estimate.flops import params_per_stage, stage_layer_ranges
 from gptpar.model.config import pad_vocab_size, recompute_mode
-from gptpar.estimate.float8_gemms import float8_cast_bytes, float8_weight_cache_bytes, layer_float8_gemms
+from gptpar.tensor_parallel.float8_shapes import float8_cast_bytes, float8_weight_cache_bytes, layer_float8_gemms
 from gptpar.config import PRECISIONS, deepspeed_precision
 
 GIB = 1024 ** 3

@@ -17,7 +17,7 @@ from gptpar.estimate.kinds import Assumptions, DEFAULT_KIND, load_kind
 from gptpar.estimate.memory import GIB, MOMENT_BYTES
 from gptpar.estimate.settings import embedding_kind, memory_of, require
 from gptpar.model.config import check_tp_divides, pad_vocab_size, recompute_mode
-from gptpar.estimate.float8_gemms import float8_flags, layer_float8_gemms
+from gptpar.tensor_parallel.float8_shapes import float8_flags, layer_float8_gemms
 from gptpar.schedules import rampup_split_problem
 
 
@@ -100,7 +100,7 @@ def attention_flops(s: dict, gbs: int, mode: str) -> float:
 
 def fp8_factor(s: dict, tp: int, hw: Hardware) -> float:
     """How much faster a layer runs with training.precision fp8: the measured layer speed-up on the share of the
-    layer's GEMM FLOPs that run in float8 at this tp (gptpar.estimate.float8_gemms' plan); 1 for other precisions."""
+    layer's GEMM FLOPs that run in float8 at this tp (gptpar.tensor_parallel.float8_shapes' plan); 1 for other precisions."""
     if s.get("precision") != "fp8" or hw.fp8_layer_speedup == 1.0:
         return 1.0
     gemms = layer_float8_gemms(s["hidden_size"], s["ffn_hidden_size"] or 4 * s["hidden_size"], tp)

@@ -20,7 +20,7 @@ from gptpar.estimate.planner import GpuKind, gpu_kind, predict_layout, training_
 from gptpar.estimate.validation import error_band
 from gptpar.estimate.settings import embedding_kind, memory_of, settings_of
 from gptpar.model.config import pad_vocab_size
-from gptpar.estimate.float8_gemms import describe_float8_gemms, layer_float8_gemms
+from gptpar.tensor_parallel.float8_shapes import describe_float8_gemms, layer_float8_gemms
 from gptpar.config import Config
 
 
@@ -113,7 +113,7 @@ def render_dry_run(config: Config, dp_size: int, sec_per_iter: Optional[float] =
               + " GiB"]
     if s["precision"] == "fp8":
         lines += ["", f"== float8 GEMMs (training.precision fp8, fp8_recipe {s['fp8_recipe']}; "
-                      "gptpar.estimate.float8_gemms.plan_float8_gemm) ==",
+                      "gptpar.tensor_parallel.float8_shapes.plan_float8_gemm) ==",
                   describe_float8_gemms(layer_float8_gemms(h, s["ffn_hidden_size"], tp), tp),
                   "model FLOPs and TFLOPs unchanged (padding adds hardware FLOPs the count leaves out); weights, "
                   "optimizer state and checkpoints as bf16's"]

@@ -1,18 +1,40 @@
-"""Tensor parallelism: communication primitives, layers, the vocab-parallel loss and RNG streams."""
-from gptpar.tensor_parallel.comm import (
-    copy_to_tensor_parallel_region, gather_from_sequence_parallel_region, gather_from_tensor_parallel_region,
-    reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
-    scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region)
-from gptpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from gptpar.tensor_parallel.float8 import Float8Matmul, plan_float8_gemm
-from gptpar.tensor_parallel.layers import (
-    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, init_normal)
-from gptpar.tensor_parallel.random import TENSOR_PARALLEL_STREAM, RNGStatesTracker, model_parallel_seed
+"""Tensor parallelism: communication primitives, layers, the vocab-parallel loss and RNG streams.
 
-__all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
-    "init_normal", "Float8Matmul", "plan_float8_gemm", "RNGStatesTracker", "model_parallel_seed", "TENSOR_PARALLEL_STREAM",
-    "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region", "scatter_to_tensor_parallel_region",
-    "gather_from_tensor_parallel_region", "scatter_to_sequence_parallel_region",
-    "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",
-]
+Names are resolved lazily, as gptpar's own, so that importing a torch-free module of this package (float8_shapes:
+the float8 shape rules the estimate shares with the layers) does not import torch.
+"""
+import importlib
+
+_EXPORTS = {
+    "copy_to_tensor_parallel_region": "gptpar.tensor_parallel.comm",
+    "reduce_from_tensor_parallel_region": "gptpar.tensor_parallel.comm",
+    "scatter_to_tensor_parallel_region": "gptpar.tensor_parallel.comm",
+    "gather_from_tensor_parallel_region": "gptpar.tensor_parallel.comm",
+    "scatter_to_sequence_parallel_region": "gptpar.tensor_parallel.comm",
+    "gather_from_sequence_parallel_region": "gptpar.tensor_parallel.comm",
+    "reduce_scatter_to_sequence_parallel_region": "gptpar.tensor_parallel.comm",
+    "vocab_parallel_cross_entropy": "gptpar.tensor_parallel.cross_entropy",
+    "Float8Matmul": "gptpar.tensor_parallel.float8",
+    "plan_float8_gemm": "gptpar.tensor_parallel.float8_shapes",
+    "ColumnParallelLinear": "gptpar.tensor_parallel.layers",
+    "RowParallelLinear": "gptpar.tensor_parallel.layers",
+    "VocabParallelEmbedding": "gptpar.tensor_parallel.layers",
+    "init_normal": "gptpar.tensor_parallel.layers",
+    "RNGStatesTracker": "gptpar.tensor_parallel.random",
+    "model_parallel_seed": "gptpar.tensor_parallel.random",
+    "TENSOR_PARALLEL_STREAM": "gptpar.tensor_parallel.random",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'gptpar.tensor_parallel' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

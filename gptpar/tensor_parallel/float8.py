@@ -84,7 +84,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-from gptpar.estimate.float8_gemms import (  # noqa: F401 (the shape rules, re-exported: see __all__)
+from gptpar.tensor_parallel.float8_shapes import (  # noqa: F401 (the shape rules, re-exported: see __all__)
     FLOAT8_MULTIPLE, GEMM_NAMES, MAX_PADDING, Float8Gemm, describe_float8_gemms, float8_cast_bytes, float8_flags,
     float8_weight_cache_bytes, layer_float8_gemms, plan_float8_gemm)
 

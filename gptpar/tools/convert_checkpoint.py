@@ -47,8 +47,11 @@ def main(argv=None):
         from gptpar.quiet import hold_back_warnings
 
         hold_back_warnings()  # before transformers imports torchao
-    if args.to != "gptpar" and (args.tp or args.pp):
+    if args.to != "gptpar" and (args.tp is not None or args.pp is not None):
         parser.error("--tp / --pp set the layout of --to gptpar only")
+    for flag, size in (("--tp", args.tp), ("--pp", args.pp)):
+        if size is not None and size < 1:
+            return bad_path(f"{flag} {size}: a parallel size is >= 1 (1 = not split; leave it out for 1)")
     if args.to != "hf" and args.tokenizer:
         parser.error("--tokenizer is exported with --to hf only")
     if os.path.exists(args.output) and (args.to == "universal" or not os.path.isdir(args.output)
@@ -115,7 +118,7 @@ def export_tokenizer_path(source: str, tag, given):
 
 
 def bad_path(message: str) -> int:
-    """A path that cannot be used: one line, exit 2, before anything is read."""
+    """A path or a size that cannot be used: one line, exit 2, before anything is read."""
     print(f"convert_checkpoint.py: error: {message}", file=sys.stderr)
     return 2
 

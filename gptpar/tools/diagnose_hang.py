@@ -8,7 +8,8 @@ its last one that did not return. A suspect is a rank of that group that never e
 earlier sequence number in the group) or a rank that wrote nothing (stopped, hung in compute, or gone). One line
 per suspect, starting `suspect: rank R`, with its host, (pp, dp, tp) coordinates and last collective; the line
 names no other rank. Then one line on what the others wait in. Only the newest run's files are read (each file
-carries its run's id). Exit 0; 2 when the folder holds no rank's file.
+carries its run's id). Exit 0; 2 when the folder holds no rank's file, or one that is not a rank's diagnostics
+(cut short, not JSON, or without the fields the report reads): one line naming the file and what is wrong.
 """
 import argparse
 import json
@@ -23,14 +24,62 @@ RANK_FILE = re.compile(r"^rank_(\d+)\.json$")
 NCCL_DUMP = re.compile(r"^nccl_trace_rank_(\d+)$")
 
 
+class DiagnosticsFileError(ValueError):
+    """A rank_R.json that is not a rank's diagnostics; the message names the file."""
+
+
+# What the report reads of a rank's file (gptpar.training.diagnostics.Diagnostics.record) and of each collective in it
+# (gptpar.training.collectives), with the JSON types each must have.
+RECORD_FIELDS = {"world_size": int, "sizes": dict, "time": (int, float), "collectives": (list, type(None))}
+COLLECTIVE_FIELDS = {"op": str, "group": str, "group_ranks": list, "group_seq": int, "caller": str, "state": str}
+
+
+def read_record(path: str) -> dict:
+    """One rank's file, checked for what the report reads; DiagnosticsFileError otherwise."""
+    try:
+        with open(path, "rb") as f:
+            record = json.loads(f.read().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise DiagnosticsFileError(f"{path} is not a diagnostics file: not text (a binary file?)") from None
+    except json.JSONDecodeError as e:
+        raise DiagnosticsFileError(f"{path} is not a whole diagnostics file: not valid JSON ({e}; cut short?)") \
+            from None
+    except OSError as e:
+        raise DiagnosticsFileError(f"{path} cannot be read ({e.strerror or e})") from None
+    if not isinstance(record, dict):
+        raise DiagnosticsFileError(f"{path} is not a diagnostics file: a JSON {type(record).__name__}, not an "
+                                   "object")
+    problems = _wrong_fields(record, RECORD_FIELDS, "")
+    sizes = record.get("sizes")
+    if isinstance(sizes, dict):
+        problems += _wrong_fields(sizes, {"pp": int, "dp": int, "tp": int}, "sizes.")
+    for i, entry in enumerate(record.get("collectives") or [] if not problems else []):
+        problems += ([f"collectives[{i}] is not an object"] if not isinstance(entry, dict)
+                     else _wrong_fields(entry, COLLECTIVE_FIELDS, f"collectives[{i}]."))
+    if problems:
+        raise DiagnosticsFileError(f"{path} is not a diagnostics file gptpar wrote: {'; '.join(problems[:3])}"
+                                   + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""))
+    return record
+
+
+def _wrong_fields(obj: dict, types: dict, prefix: str) -> List[str]:
+    problems = []
+    for key, kind in types.items():
+        if key not in obj:
+            problems.append(f"no {prefix}{key}")
+        elif not isinstance(obj[key], kind) or isinstance(obj[key], bool):
+            problems.append(f"{prefix}{key} is {obj[key]!r}")
+    return problems
+
+
 def read_records(directory: str) -> Tuple[Dict[int, dict], List[int]]:
-    """({rank: its record}, ranks with only NCCL's own dump) of a diagnostics folder."""
+    """({rank: its record}, ranks with only NCCL's own dump) of a diagnostics folder; DiagnosticsFileError names a
+    rank's file that is not its diagnostics."""
     records, nccl = {}, []
     for name in sorted(os.listdir(directory)):
         m = RANK_FILE.match(name)
         if m:
-            with open(os.path.join(directory, name)) as f:
-                records[int(m.group(1))] = json.load(f)
+            records[int(m.group(1))] = read_record(os.path.join(directory, name))
         elif NCCL_DUMP.match(name):
             nccl.append(int(NCCL_DUMP.match(name).group(1)))
     runs = {}
@@ -108,7 +157,12 @@ def main(argv=None) -> int:
         print(f"diagnose_hang.py: error: {args.directory} is not a folder: pass <checkpoint.save>/diagnostics or "
               "logging.diagnostics_dir", file=sys.stderr)
         return 2
-    records, nccl_only = read_records(args.directory)
+    try:
+        records, nccl_only = read_records(args.directory)
+    except DiagnosticsFileError as e:
+        print(f"diagnose_hang.py: error: {e}; the report reads every rank_R.json in the folder: move this one "
+              "aside to read the others", file=sys.stderr)
+        return 2
     if not records:
         print(f"diagnose_hang.py: error: {args.directory} holds no rank_R.json: no rank wrote diagnostics there "
               "(send SIGUSR2 to the ranks of a hung job to have them written)", file=sys.stderr)

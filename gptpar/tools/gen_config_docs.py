@@ -47,7 +47,8 @@ HEADER = """# Configuration reference
 A config is a JSON object with the sections below. A missing key takes its default; `training` must set
 one of `train_iters` and `train_samples`. Keys use Megatron's names. Change one key from the command line with
 `--set section.key=value` (repeatable; the value is parsed as JSON where it can be, else taken as a string),
-or with the Megatron-style alias `--key-with-dashes value`. Unknown keys are errors with a suggestion.
+or with the Megatron-style alias `--key-with-dashes value`; `--set 'section={"key": value, ...}'` sets several
+keys of a section at once, as the config file's object does. Unknown keys are errors with a suggestion.
 
 ```
 python pretrain_gpt.py --config configs/cpu_tiny.json --set training.micro_batch_size=4 --train-iters 50
@@ -63,7 +64,8 @@ DEEPSPEED_DOC = """
 ## `deepspeed`
 
 DeepSpeed's own config keys, for what gptpar does not decide, merged over the DeepSpeed config gptpar generates
-(a nested object merges key by key). `--set deepspeed.a.b=value` sets a nested key. Before any process group,
+(a nested object merges key by key). `--set deepspeed.a.b=value` sets a nested key, and
+`--set 'deepspeed={"a": {"b": value}}'` merges an object the same way, key by key. Before any process group,
 each key is checked (`gptpar.training.engine.ds_config.check_deepspeed_overrides`): only the top-level keys
 below pass through, each checked by DeepSpeed's own config model or parser, so a typo (top-level, which DeepSpeed
 itself would silently ignore, or nested) or an ill-typed value exits 2 naming the key; a key gptpar generates

@@ -65,6 +65,9 @@ def check_args(args):
                          f"--nproc_per_node {args.tp} tools/generate.py --tp {args.tp} ...")
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.eval_file is not None and not os.path.isfile(args.eval_file):
+        raise UsageError(f"--eval-file {args.eval_file} " + ("is a folder" if os.path.isdir(args.eval_file) else
+                                                             "not found") + ": pass a jsonl file of documents")
     try:
         return Sampling(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                         seed=args.seed)

@@ -28,8 +28,8 @@ from gptpar.estimate.kinds import DEFAULT_KIND, kind_names, parse_assumptions
 from gptpar.estimate.planner import calibrated_kind, gpu_kind, plan_topology, predict_layout, training_time
 from gptpar.estimate.report import assumptions_line, sig3
 from gptpar.estimate.settings import settings_of
-from gptpar.estimate.float8_gemms import describe_float8_gemms, layer_float8_gemms
 from gptpar.estimate.validation import band_phrase, error_band
+from gptpar.tensor_parallel.float8_shapes import describe_float8_gemms, layer_float8_gemms
 from gptpar.config import load_config
 
 TOP = 20

@@ -32,7 +32,8 @@ Trains a GPT on tp x pp x dp ranks from one JSON config; run it under deepspeed,
 options:
   --config, -c FILE         the run's config (configs/*.json)
   --set section.key=VALUE   change one key, e.g. --set training.train_iters=50; repeatable; VALUE is read as
-                            JSON where it can be
+                            JSON where it can be; --set 'section={{"key": VALUE, ...}}' sets several (deepspeed's
+                            nested objects merge key by key)
   --dry-run                 print the plan (GPUs, memory against the GPU's, seconds per iteration, days and
                             GPU-hours to train) and its details; starts nothing
   --sec-per-iter S          with --dry-run: a measured time per iteration, priced and rated (TFLOPs)

@@ -6,8 +6,9 @@ a large dataset may take longer than parallel.distributed_timeout_minutes.
 
 Order, so that a refused run changes nothing in checkpoint.save (not even a modification time):
     0. training.kill_switch_path exists?                 -> stop: exit 0 before anything is built
-       logging.metrics_file and logging.tensorboard_dir writable (read-only: access(2) on the nearest existing
-       folder of each)                                    gptpar.training.reporting.check_log_paths
+       logging.metrics_file, logging.tensorboard_dir and logging.diagnostics_dir writable (access(2) on the
+       nearest existing folder of each, then a probe file there, removed and the folder's modification time put
+       back)                                              gptpar.training.reporting.check_log_paths
     1. another live job holds checkpoint.save?          (read-only)  gptpar.checkpoint.save_folder.peek_lock
     2. checkpoint.load resolved and checked whole        (read-only)  gptpar.checkpoint.layout, .resume: its
        manifest there and readable, every listed file there with its size, every torch file a whole zip; a
@@ -147,7 +148,7 @@ def check_on_rank0(cfg, world_size: int, tp: int, pp: int, shape: dict, log) -> 
 def check_start(cfg, world_size: int, shape: dict, log) -> tuple:
     """The logs' folders, then steps 1-4, read-only: (load target or None, the weights to start from or None, the
     universal copy still to write or None, the folder of this checkpoint's universal copies or None)."""
-    check_log_paths(cfg.logging.metrics_file, cfg.logging.tensorboard_dir)
+    check_log_paths(cfg.logging.metrics_file, cfg.logging.tensorboard_dir, cfg.logging.diagnostics_dir)
     ck = cfg.checkpoint
     peek_lock(ck.save, ck.override_lock)
     target, note = resolve_load(ck.load)
@@ -157,7 +158,7 @@ def check_start(cfg, world_size: int, shape: dict, log) -> tuple:
         if target.universal is None:  # where this checkpoint's universal copies go
             conversions = ck.universal_dir or f"{target.directory}_universal"
         target, copy = plan_load(target, shape, world_size, ck.universal_dir, cfg.training.precision, log, cfg.model,
-                                 verify=ck.verify_checksums)
+                                 verify=ck.verify_checksums, run=cfg.to_dict())
     if init_from is not None:
         check_weights_fit(init_from, cfg.model, "checkpoint.init_from" if init_from == ck.init_from
                           else "checkpoint.load")

@@ -122,8 +122,12 @@ def main(argv=None) -> int:
         log(trainer.engine.precision_plan(), flush=True)
         trainer.resume()
         # train
-        reason = trainer.train()
-        log(f"training finished at iteration {trainer.counters.iteration}: {reason}", flush=True)
+        finished = trainer.nothing_to_train()
+        if finished is not None:
+            log(finished, flush=True)
+        else:
+            reason = trainer.train()
+            log(f"training finished at iteration {trainer.counters.iteration}: {reason}", flush=True)
         dist.barrier()
     except tuple(kind for kind, _, _ in FAILURES) as e:
         code, prefix = next((code, prefix) for kind, code, prefix in FAILURES if isinstance(e, kind))

@@ -18,10 +18,12 @@ with these formats (the iteration field is ' iteration {:8d}/{:8d} |'):
     number of nan iterations {:3d} · samples per second {:.3f} · tokens per second {:.0f} · TFLOPs {:.2f} ·
     time left H:MM:SS (Dd H:MM:SS past a day)
 
-Loss scale is printed only in fp16 (the record's loss_scale is None otherwise), as Megatron prints it; num zeros
-and params norm only when asked for (logging.log_num_zeros, logging.log_params_norm), as in Megatron. Skipped and
-nan iterations are counted honestly (the reference hard-codes them); the trainer's line (`zero_counts=False`)
-prints each only when it is not 0, the record keeps it either way. Tokens per second (samples per second x
+The trainer's line holds every field Megatron-DeepSpeed's does, as the planning notes' logs show it: the loss scale
+always (1.0 in fp32 and bf16, where nothing is scaled, as Megatron-DeepSpeed prints it in bf16) and both iteration
+counts always, 0 included, so that parsers of those logs read gptpar's; num zeros and params norm only when asked
+for (logging.log_num_zeros, logging.log_params_norm), as in Megatron. Skipped and nan iterations are counted
+honestly (the reference hard-codes them). A field given as None is left out (lines of other logs, which
+`parse_log_line` reads back with that field None). Tokens per second (samples per second x
 seq length, as torchtitan and nanoGPT show throughput) and the time left (the samples still to train at the
 interval's time per sample; evaluations and saves not counted) are gptpar's, after Megatron's fields.
 """
@@ -62,7 +64,6 @@ _FIELDS = (
     ("TFLOPs", "tflops", "{:.2f}"),
     ("time left", "time_left_s", None),  # format_duration
 )
-_COUNTS = ("skipped_iterations", "nan_iterations")
 _INT_KEYS = {"iteration", "train_iters", "consumed_samples", "consumed_tokens", "global_batch_size",
              "skipped_iterations", "nan_iterations"}
 
@@ -73,12 +74,11 @@ def format_log_line(*, iteration: int, train_iters: int, consumed_samples: int, 
                     num_zeros: Optional[float] = None, params_norm: Optional[float] = None,
                     skipped_iterations: int = 0, nan_iterations: int = 0, samples_per_second: float,
                     tokens_per_second: Optional[float] = None, tflops: float, time_left_s: Optional[float] = None,
-                    zero_counts: bool = True, max_allocated_bytes: Optional[float] = None,
-                    max_reserved_bytes: Optional[float] = None) -> str:
+                    max_allocated_bytes: Optional[float] = None, max_reserved_bytes: Optional[float] = None) -> str:
     """The per-iteration line; `None` omits lm loss, loss scale, grad norm, num zeros, params norm, tokens per
-    second or the time left (as Megatron omits its optional fields). `zero_counts` False omits the skipped and nan
-    iteration counts while they are 0 (the trainer's shorter line); True prints them always, as Megatron does. The
-    memory fields are not in the line (Megatron prints memory in its own report line)."""
+    second or the time left (as Megatron omits its optional fields); the skipped and nan iteration counts are
+    always printed, as Megatron does. The memory fields are not in the line (Megatron prints memory in its own
+    report line)."""
     values = dict(consumed_samples=consumed_samples, consumed_tokens=consumed_tokens, elapsed_s=elapsed_s,
                   lr=lr, global_batch_size=global_batch_size, lm_loss=lm_loss, loss_scale=loss_scale,
                   grad_norm=grad_norm, num_zeros=num_zeros, params_norm=params_norm,
@@ -88,7 +88,7 @@ def format_log_line(*, iteration: int, train_iters: int, consumed_samples: int, 
     line = " iteration {:8d}/{:8d} |".format(iteration, train_iters)
     for label, key, fmt in _FIELDS:
         value = values[key]
-        if value is None or (not zero_counts and key in _COUNTS and value == 0):
+        if value is None:
             continue
         line += f" {label}: {format_duration(value) if fmt is None else fmt.format(value)} |"
     return line
@@ -270,13 +270,17 @@ class LogWriteError(Exception):
     """A write to the metrics file or TensorBoard failed during the run."""
 
 
-def check_log_paths(metrics_file: Optional[str], tensorboard_dir: Optional[str]) -> None:
+def check_log_paths(metrics_file: Optional[str], tensorboard_dir: Optional[str],
+                    diagnostics_dir: Optional[str] = None) -> None:
     """Raises LogPathError naming the key when a log cannot go where the config says: the metrics file a folder,
-    the TensorBoard folder a regular file, a regular file among their parent folders, or the nearest existing
-    folder (or the metrics file itself) not writable: a read-only mount or permissions, as access(2) answers them
-    (nothing is written; a full disk shows only when a write fails, LogWriteError)."""
+    the TensorBoard or diagnostics folder a regular file, a regular file among their parent folders, or the nearest
+    existing folder (or the metrics file itself) not writable: a read-only mount or permissions, as access(2)
+    answers them, or a file system that takes no new file (/proc; root passes access(2) there), as a probe file
+    created and removed in that folder finds (its modification time put back; a full disk shows only when a write
+    fails, LogWriteError)."""
     for key, path, is_folder in (("logging.metrics_file", metrics_file, False),
-                                 ("logging.tensorboard_dir", tensorboard_dir, True)):
+                                 ("logging.tensorboard_dir", tensorboard_dir, True),
+                                 ("logging.diagnostics_dir", diagnostics_dir, True)):
         if path is not None:
             _check_log_path(key, os.path.abspath(path), is_folder)
 
@@ -292,7 +296,6 @@ def _check_log_path(key: str, path: str, is_folder: bool) -> None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise LogPathError(f"{key} {path} cannot be created: {existing} is a file, not a folder")
-    # Asked, not tried: nothing is created, so a log folder inside checkpoint.save keeps its modification time.
     appended = not is_folder and os.path.exists(path)
     where = path if appended else existing
     if not os.access(where, os.W_OK if appended else os.W_OK | os.X_OK):
@@ -300,6 +303,26 @@ def _check_log_path(key: str, path: str, is_folder: bool) -> None:
         why = "is on a read-only file system" if read_only else "is not writable for this user"
         raise LogPathError(f"{key} {path} cannot be written: {where} {why}: remount it, fix its permissions, or "
                            f"point {key} elsewhere")
+    _probe_log_path(key, path, where, appended)
+
+
+def _probe_log_path(key: str, path: str, where: str, appended: bool) -> None:
+    """Open the existing file for appending (no byte written), or create and remove a probe file in the folder
+    `where` and put its modification time back, so that a log folder inside checkpoint.save looks untouched."""
+    try:
+        if appended:
+            open(where, "ab").close()
+            return
+        before = os.stat(where)
+        probe = os.path.join(where, f".gptpar-log-probe-{os.getpid()}")
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except OSError as e:
+        raise LogPathError(f"{key} {path} cannot be written: {'opening' if appended else 'creating a file in'} "
+                           f"{where} failed ({e.strerror}): point {key} at a folder on a file system that takes "
+                           "new files") from None
+    os.remove(probe)
+    with contextlib.suppress(OSError):
+        os.utime(where, ns=(before.st_atime_ns, before.st_mtime_ns))
 
 
 class MetricsWriter:

@@ -399,7 +399,7 @@ class Trainer:
             self.compute_mean = self.straggler.local_mean()
         if self.is_log_rank:
             record = self.record(interval, num_zeros, params_norm, largest)
-            self.log(format_log_line(**record, zero_counts=False))
+            self.log(format_log_line(**record))
             if phases is not None:
                 self.log(format_timers_line(phases))
             with self.writing_logs():
@@ -439,14 +439,14 @@ class Trainer:
     def record(self, interval: dict, num_zeros: Optional[float], params_norm: Optional[float] = None,
                memory: Optional[dict] = None) -> dict:
         """Every field of the log line and of a metrics-file object (`memory`: the largest `memory_usage` over the
-        ranks, for the memory fields). The loss scale only in fp16 (nothing is scaled otherwise); the time left: the
+        ranks, for the memory fields). The loss scale is the engine's (1.0 unless fp16 scales); the time left: the
         samples still to train at this interval's time per sample."""
         c, gbs, elapsed = self.counters, self.last["global_batch_size"], interval["elapsed_s"]
-        t, seq = self.cfg.training, self.cfg.model.seq_length
+        seq = self.cfg.model.seq_length
         return {"iteration": c.iteration, "train_iters": self.train_iters, "consumed_samples": c.consumed_samples,
                 "consumed_tokens": c.consumed_tokens, "elapsed_s": elapsed, "lr": self.last["lr"],
                 "global_batch_size": gbs, "lm_loss": interval["lm_loss"],
-                "loss_scale": self.engine.loss_scale if t.precision == "fp16" else None,
+                "loss_scale": self.engine.loss_scale,
                 "grad_norm": self.last["grad_norm"], "num_zeros": num_zeros, "params_norm": params_norm,
                 "skipped_iterations": interval["skipped_iterations"],
                 "nan_iterations": interval["nan_iterations"], "samples_per_second": gbs / elapsed,
@@ -585,8 +585,21 @@ class Trainer:
             self.schedule, note = resumed_schedule(saved_schedule(state), self.schedule, c.lr_iterations,
                                                    c.lr_samples, c.iteration + 1,
                                                    self.cfg.training.lr_schedule_on_resume == "checkpoint")
-            if note:
+            if note and self.nothing_to_train() is None:  # a finished run trains no iteration under it
                 self._say(note)
+
+    def nothing_to_train(self) -> Optional[str]:
+        """The line a resumed run that already reached train_iters ends with (None while there is training to do):
+        pretrain_gpt.py then exits 0 without training, evaluating or saving."""
+        c, t = self.counters, self.cfg.training
+        if c.iteration == 0 or c.iteration < self.train_iters:
+            return None
+        limit = ("training.train_iters" if t.train_iters is not None
+                 else f"the {self.train_iters} iterations of training.train_samples={t.train_samples}")
+        return (f"nothing to train: the checkpoint is at iteration {c.iteration} "
+                f"{'=' if c.iteration == self.train_iters else '>'} {limit}"
+                f"{f' ({self.train_iters})' if t.train_iters is not None else ''}; raise "
+                f"{'training.train_iters' if t.train_iters is not None else 'training.train_samples'} to train on")
 
     def _after_log_failure(self, reason: str) -> str:
         """The line a log write that failed ends the run with: why, and the checkpoint saved before stopping."""

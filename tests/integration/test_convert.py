@@ -113,6 +113,20 @@ def test_bad_checkpoint_is_a_clear_error(tmp_path, capsys):
     assert "holds no checkpoint" in err and "is empty" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("flag", ["--tp", "--pp"])
+def test_a_parallel_size_below_1_is_refused(tmp_path, capsys, flag):
+    """--tp 0 wrote a tp-1 layout (0 read as "not given"); a size below 1 is one line, exit 2, nothing written."""
+    from gptpar.tools import convert_checkpoint
+
+    out = tmp_path / "out"
+    for size in ("0", "-2"):
+        assert convert_checkpoint.main(["--load", str(tmp_path), "--to", "gptpar", "--output", str(out), flag,
+                                        size]) == 2
+        assert capsys.readouterr().err == (f"convert_checkpoint.py: error: {flag} {size}: a parallel size is >= 1 "
+                                           "(1 = not split; leave it out for 1)\n")
+    assert not out.exists()
+
+
 def test_bloom_export_from_tp2_pp2_and_import(tmp_path):
     """An ALiBi + embedding-LayerNorm model trained a step at tp = 2, pp = 2 exports as BloomForCausalLM: its
     loss is the distributed model's, its logits the serial gptpar model's; importing it gives the tensors back."""

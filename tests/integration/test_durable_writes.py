@@ -161,3 +161,58 @@ def test_a_file_system_that_cannot_fsync_a_folder_is_said_once(tmp_path, monkeyp
     monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
     with pytest.raises(OSError, match="I/O error"):  # any other failure is a failed write
         durable.fsync_dir(str(tmp_path), lines.append)
+
+
+# Run in a child process: its file-size limit (RLIMIT_FSIZE) makes torch's writes fail with EFBIG, as a real limit
+# does (Python ignores SIGXFSZ); a torch.save into /dev/full fails as a full disk does.
+_WRITE_FAILURES = """
+import resource, sys, torch
+from gptpar.checkpoint.durable import describe_write_failure
+folder, limit = sys.argv[1], int(sys.argv[2])
+if limit:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+for how in ("file", "path", "full"):
+    try:
+        if how == "file":
+            with open(folder + "/x.pt", "wb") as f:
+                torch.save(torch.zeros(100000), f)
+        else:
+            torch.save(torch.zeros(100000), "/dev/full" if how == "full" else folder + "/y.pt")
+        print(how, "written")
+    except RuntimeError as e:
+        print(how, describe_write_failure(folder, e))
+"""
+
+
+def test_a_write_refused_by_a_file_size_limit_is_not_called_a_full_disk(tmp_path):
+    """torch.save under RLIMIT_FSIZE (the EFBIG a user's `ulimit -f` or a file system's largest file gives):
+    through a file object (gptpar's writers) the errno reaches the message; through a path torch keeps none, and
+    the limit is named from getrlimit. Neither says a full disk, while the disk has room. ENOSPC, EDQUOT and
+    safetensors' `os error N` are named by their errno."""
+    import subprocess
+    import sys
+
+    from gptpar.testing import ROOT
+
+    run = subprocess.run([sys.executable, "-c", _WRITE_FAILURES, str(tmp_path), "16384"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    lines = dict(line.split(" ", 1) for line in run.stdout.splitlines())
+    assert set(lines) == {"file", "path", "full"}, run.stdout + run.stderr
+    assert "(EFBIG: file too large for a limit, not a full disk: this process's file-size limit RLIMIT_FSIZE " \
+           "(`ulimit -f`) is 16384 bytes: raise it)" in lines["file"]
+    assert "without an errno: likely EFBIG: this process's file-size limit RLIMIT_FSIZE (`ulimit -f`) is 16384 " \
+           "bytes" in lines["path"]
+    assert not any("full disk" in text and "not a full disk" not in text for text in lines.values())
+    # no limit: /dev/full as torch reports it (no errno): not guessed a full disk where the folder has room
+    run = subprocess.run([sys.executable, "-c", _WRITE_FAILURES, str(tmp_path), "0"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    lines = dict(line.split(" ", 1) for line in run.stdout.splitlines())
+    assert lines["file"] == "written" and "wrote fewer bytes than asked, without an errno" in lines["full"]
+    free = shutil.disk_usage(str(tmp_path)).free
+    expected = "likely ENOSPC" if free < durable._LOW_SPACE else "not a full disk by the free space"
+    assert expected in lines["full"], lines["full"]
+    for code, word in ((errno.ENOSPC, "ENOSPC: no space left on the device"), (errno.EDQUOT, "EDQUOT: this user's "
+                       "disk quota is used up"), (errno.EFBIG, "EFBIG: file too large for a limit")):
+        assert word in durable.describe_write_failure(str(tmp_path), OSError(code, os.strerror(code)))
+    safetensors_like = RuntimeError("I/O error: Disk quota exceeded (os error 122)")
+    assert "EDQUOT" in durable.describe_write_failure(str(tmp_path), safetensors_like)

@@ -261,6 +261,18 @@ def test_bad_arguments_exit_2_before_reading_weights(runs, capsys):
         assert message in capsys.readouterr().err, argv
 
 
+def test_a_missing_eval_file_is_named_before_the_checkpoint_is_read(tmp_path, capsys):
+    """--eval-file that is not there, or a folder, is named first (a checkpoint without a tokenizer made the
+    tokenizer the complaint)."""
+    from gptpar.tools import generate
+
+    for path, what in ((tmp_path / "missing.jsonl", "not found"), (tmp_path, "is a folder")):
+        with environ_kept():
+            assert generate.main(["--load", str(tmp_path / "no_checkpoint"), "--eval-file", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err == f"generate.py: error: --eval-file {path} {what}: pass a jsonl file of documents\n"
+
+
 def test_generation_stops_after_the_stop_id():
     from gptpar.model.gpt import GPTModel
     from gptpar.model.generation import Sampling, generate

@@ -147,3 +147,29 @@ def test_diagnose_names_who_never_entered_and_who_wrote_nothing(tmp_path):
     p = subprocess.run([sys.executable, "tools/diagnose_hang.py", str(empty)], cwd=ROOT, capture_output=True,
                        text=True, timeout=stretched(60))
     assert p.returncode == 2 and p.stderr.startswith("diagnose_hang.py: error: ") and "SIGUSR2" in p.stderr
+
+
+def test_a_damaged_diagnostics_file_is_one_line_naming_it(tmp_path):
+    """A rank's file cut in half, binary, a JSON list, `{}`, or with a collective missing its group: exit 2, one
+    line on stderr naming the file and what is wrong, no traceback (each of these was a different traceback)."""
+    import json
+
+    whole = json.dumps(_record(0, "new", [_call(6, "returned")]), indent=1)
+    no_group = _record(0, "new", [{k: v for k, v in _call(6, "entered").items() if k != "group"}])
+    cases = {"half": (whole[:len(whole) // 2], "is not a whole diagnostics file: not valid JSON"),
+             "binary": (b"\x80\x04\x95PK\x03\x04\xff\xfe" * 8, "is not a diagnostics file: not text"),
+             "list": ("[1, 2]", "is not a diagnostics file: a JSON list, not an object"),
+             "empty": ("{}", "is not a diagnostics file gptpar wrote: no world_size; no sizes; no time"),
+             "no_group": (json.dumps(no_group), "is not a diagnostics file gptpar wrote: no collectives[0].group")}
+    for name, (content, message) in cases.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "rank_1.json").write_text(json.dumps(_record(1, "new", [_call(6, "returned")])))
+        bad = folder / "rank_0.json"
+        bad.write_bytes(content) if isinstance(content, bytes) else bad.write_text(content)
+        p = subprocess.run([sys.executable, "tools/diagnose_hang.py", str(folder)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60)
+        assert p.returncode == 2 and p.stdout == "", (name, p.stdout, p.stderr)
+        assert p.stderr.startswith(f"diagnose_hang.py: error: {bad} {message}"), (name, p.stderr)
+        assert len(p.stderr.splitlines()) == 1 and "Traceback" not in p.stderr, p.stderr
+

@@ -1,8 +1,8 @@
 """Logs that cannot be written, through pretrain_gpt.py on 2 gloo ranks (one spawn runs every case): a
-logging.metrics_file or logging.tensorboard_dir under a regular file, naming a folder or a file, or in a folder that
-takes no new file, is refused by the preflight (exit 2 on every rank, one line naming the key, before the model is
-built); a metrics file that stops taking writes mid-run ends the run with a checkpoint saved first (exit 1, one
-line on every rank).
+logging.metrics_file, logging.tensorboard_dir or logging.diagnostics_dir under a regular file, naming a folder or a
+file, or in a folder that takes no new file (/proc, a read-only folder), is refused by the preflight (exit 2 on
+every rank, one line naming the key, before the model is built); a metrics file that stops taking writes mid-run
+ends the run with a checkpoint saved first (exit 1, one line on every rank).
 
 Faults are injected from here (the folder swapped for a file inside the ranks), never through hooks in the library.
 """
@@ -38,6 +38,8 @@ def run_cases(d, read_only_blocks):
     run("metrics_is_a_folder", cfg, "--set", f"logging.metrics_file={d}")
     run("tensorboard_is_a_file", cfg, "--set", f"logging.tensorboard_dir={d}/a_file")
     run("tensorboard_under_a_file", cfg, "--set", f"logging.tensorboard_dir={d}/a_file/tb")
+    run("diagnostics_under_a_file", cfg, "--set", f"logging.diagnostics_dir={d}/a_file/diag")
+    run("metrics_where_no_file_can_be_made", cfg, "--set", "logging.metrics_file=/proc/gptpar-metrics.jsonl")
     if read_only_blocks:
         run("metrics_read_only", cfg, "--set", f"logging.metrics_file={d}/locked/sub/m.jsonl")
 
@@ -100,6 +102,10 @@ def _expect(cases, name, rc, *messages):
     ("tensorboard_is_a_file", "logging error: logging.tensorboard_dir {d}/a_file is a file, not a folder"),
     ("tensorboard_under_a_file", "logging error: logging.tensorboard_dir {d}/a_file/tb cannot be created: "
                                  "{d}/a_file is a file, not a folder"),
+    ("diagnostics_under_a_file", "logging error: logging.diagnostics_dir {d}/a_file/diag cannot be created: "
+                                 "{d}/a_file is a file, not a folder"),
+    ("metrics_where_no_file_can_be_made", "logging error: logging.metrics_file /proc/gptpar-metrics.jsonl cannot be "
+                                          "written: "),
 ])
 def test_unwritable_log_paths_exit_2_before_the_model_is_built(cases, name, message):
     d, _, _ = cases

@@ -161,14 +161,16 @@ def test_log_line_and_metrics_fields_recomputed(runs):
     consumed = 0
     for i, (rec, line, (gbs, before)) in enumerate(zip(records, lines, rows), start=1):
         assert set(rec) == set(METRIC_KEYS)
-        assert line == format_log_line(**rec, zero_counts=False)
+        assert line == format_log_line(**rec)
         consumed += gbs
         assert (rec["iteration"], rec["train_iters"], rec["global_batch_size"]) == (i, len(rows), gbs)
         assert rec["consumed_samples"] == consumed and rec["consumed_tokens"] == consumed * SEQ
         assert rec["lr"] == pytest.approx(cosine_lr(before, WARMUP_SAMPLES, TRAIN_SAMPLES, 1e-3, 1e-4), rel=1e-12)
-        assert rec["loss_scale"] is None and "loss scale" not in line  # fp32: printed in fp16 only, as Megatron
         assert rec["skipped_iterations"] == 0 and rec["nan_iterations"] == 0
-        assert "number of" not in line  # zero counts left out of the line, kept in the record
+        # fp32: nothing is scaled, and the line says so as Megatron-DeepSpeed's does, with both counts at 0
+        assert rec["loss_scale"] == 1.0
+        assert " | loss scale: 1.0 | " in line
+        assert " | number of skipped iterations:   0 | number of nan iterations:   0 | " in line
         assert math.isfinite(rec["lm_loss"]) and rec["grad_norm"] > 0
         # The padded vocab rows of the tied embedding never get a gradient; the only other gradient that is
         # zero in exact arithmetic is the key bias' (softmax ignores a constant added to a row's scores).

@@ -86,11 +86,21 @@ def test_interval_counts_skips(runs):
         assert r["lm_loss"] == (pytest.approx(sum(kept) / len(kept), rel=1e-12) if kept else None)
 
 
-def test_bf16_has_no_loss_scale(runs):
-    """Nothing is scaled in bf16: the record's loss scale is None and the line leaves it out, as Megatron's."""
+def test_bf16_line_has_loss_scale_one_and_both_counts(runs):
+    """Nothing is scaled in bf16: the record's loss scale is 1.0 and the line prints it, with both iteration counts
+    at 0, as the planning notes' Megatron-DeepSpeed bf16 line does (`loss scale: 1.0 | ... | number of skipped
+    iterations:   0 | number of nan iterations:   0 |`)."""
     d, out = runs
     records = read_jsonl(d / "bf16.jsonl")
     assert len(records) == 3
-    assert all(r["loss_scale"] is None and r["skipped_iterations"] == 0 for r in records)
+    assert all(r["loss_scale"] == 1.0 and r["skipped_iterations"] == r["nan_iterations"] == 0 for r in records)
     lines = log_lines("".join(rank["bf16"][1] for rank in out))
-    assert len(lines) == 3 and not any("loss scale" in line for line in lines)
+    assert len(lines) == 3
+    for line in lines:
+        assert " | loss scale: 1.0 | " in line
+        assert " | number of skipped iterations:   0 | number of nan iterations:   0 | " in line
+        fields = [part.split(":")[0].strip() for part in line.split("|")[1:] if part.strip()]
+        megatron = ["consumed samples", "consumed tokens", "elapsed time per iteration (s)", "learning rate",
+                    "global batch size", "lm loss", "loss scale", "grad norm", "number of skipped iterations",
+                    "number of nan iterations", "samples per second"]
+        assert [f for f in fields if f in megatron] == megatron  # Megatron-DeepSpeed's order

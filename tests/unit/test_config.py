@@ -2,6 +2,7 @@
 import glob
 import json
 import os
+import re
 
 import pytest
 
@@ -223,6 +224,42 @@ def test_overrides_parse_json_else_string():
                                     "model.num_layers=6", "training.lr=2"])
     assert cfg.training.micro_batch_size == 1 and cfg.model.num_layers == 6
     assert cfg.training.lr == 2.0 and isinstance(cfg.training.lr, float)
+
+
+def test_a_section_set_as_a_json_object_equals_its_dotted_keys():
+    """`--set 'deepspeed={...}'` merges key by key as `deepspeed.a.b=...` does (and as the config file's object is
+    merged over gptpar's); `--set 'training={...}'` sets each key as `training.key=...` does."""
+    nested = {"zero_optimization": {"reduce_bucket_size": 1000, "allgather_bucket_size": 2000},
+              "communication_data_type": "fp32"}
+    dotted = config_from_dict(base(deepspeed={"zero_optimization": {"stage3_param_persistence_threshold": 5}}), [
+        "deepspeed.zero_optimization.reduce_bucket_size=1000", "deepspeed.zero_optimization.allgather_bucket_size=2000",
+        "deepspeed.communication_data_type=fp32", "training.micro_batch_size=1", "training.lr=0.5"])
+    as_json = config_from_dict(base(deepspeed={"zero_optimization": {"stage3_param_persistence_threshold": 5}}), [
+        "deepspeed=" + json.dumps(nested), 'training={"micro_batch_size": 1, "lr": 0.5}'])
+    assert as_json == dotted
+    assert as_json.deepspeed == {"zero_optimization": {"stage3_param_persistence_threshold": 5, **nested[
+        "zero_optimization"]}, "communication_data_type": "fp32"}
+    assert config_from_dict(base(), ["deepspeed={}"]) == config_from_dict(base())
+    for item, message in (("training=[1, 2]", "`training=VALUE` takes a JSON object of the section's keys, got a "
+                                               "JSON list"),
+                          ("deepspeed={oops", "takes a JSON object of the section's keys, got not valid JSON"),
+                          ('training={"trian_iters": 3}', "unknown key training.trian_iters in override"),
+                          ('training={"lr": "fast"}', "training.lr must be"),
+                          ('deepspeed={"a": 1, "a": 2}', "appears twice"),
+                          ("nosuch={}", "unknown config section 'nosuch'")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            config_from_dict(base(), [item])
+
+
+def test_a_config_that_is_a_folder_is_one_line(tmp_path):
+    """--config naming a folder: one config-error line, exit 2, no IsADirectoryError traceback."""
+    from gptpar.testing.runs import main_output
+
+    with pytest.raises(ConfigError, match=f"^config file {re.escape(str(tmp_path))} is a folder: pass a JSON file"):
+        load_config(str(tmp_path))
+    rc, out = main_output(["--config", str(tmp_path)])
+    assert (rc, out) == (2, f"pretrain_gpt.py: config error: config file {tmp_path} is a folder: pass a JSON file, "
+                            "--config configs/<name>.json\n")
 
 
 def test_load_file_with_overrides(tmp_path):

@@ -97,9 +97,12 @@ def test_optional_packages_are_imported_only_where_used():
     assert {rel: mods for rel, mods in offenders.items() if mods} == {}
 
 
-# The layers, lowest first: tensor_parallel -> model -> config -> checkpoint -> training. A package never imports
-# one above it (function-local imports included).
-LAYERS = {"gptpar/model/": ("gptpar.training", "gptpar.checkpoint"),
+# The layers, lowest first: tensor_parallel -> model -> config -> checkpoint -> training, and the estimate, which
+# reads the layers' rules (the float8 GEMM shapes) but is read by none of them. A package never imports one above
+# it (function-local imports included).
+LAYERS = {"gptpar/tensor_parallel/": ("gptpar.model", "gptpar.config", "gptpar.checkpoint", "gptpar.training",
+                                      "gptpar.estimate"),
+          "gptpar/model/": ("gptpar.training", "gptpar.checkpoint"),
           "gptpar/config/": ("gptpar.training", "gptpar.checkpoint"),
           "gptpar/checkpoint/": ("gptpar.training",)}
 
@@ -109,6 +112,16 @@ def test_no_package_imports_a_layer_above_it():
                  for rel, path in package_files() for folder, above in LAYERS.items() if rel.startswith(folder)}
     assert {rel: mods for rel, mods in offenders.items() if mods} == {}
     assert any(rel.startswith("gptpar/checkpoint/") for rel, _ in package_files())  # the rule has files to check
+
+
+def test_the_estimate_reads_the_float8_shape_rules_from_the_layers():
+    """The float8 GEMM shape rules live beside the layers that run them; the estimate imports them from there (the
+    arrow estimate -> tensor_parallel), and the module and its package import no torch, so the planners stay light."""
+    rules = os.path.join(PACKAGE, "tensor_parallel", "float8_shapes.py")
+    assert "gptpar.tensor_parallel.float8_shapes" in set(imported_modules(os.path.join(PACKAGE, "estimate",
+                                                                                       "memory.py")))
+    for path in (rules, os.path.join(PACKAGE, "tensor_parallel", "__init__.py")):
+        assert not {m for m in import_time_modules(path) if m.split(".")[0] == "torch"}, path
 
 
 # -- the house: names, and tests that stand alone ----------------------------------------------------------------

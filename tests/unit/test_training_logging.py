@@ -1,5 +1,6 @@
 """The Megatron-DeepSpeed log line vs the lines quoted in the 176B prequel log, the metrics file, TensorBoard tags."""
 import math
+import os
 
 import pytest
 
@@ -54,9 +55,9 @@ def test_lenient_parse_reads_other_megatron_logs():
     assert lenient == reference
 
 
-def test_loss_scale_num_zeros_and_zero_counts_omitted():
-    """Loss scale only when given (fp16), num zeros only when counted; the trainer's line (zero_counts=False) drops
-    the skipped and nan counts while they are 0 and prints them when not."""
+def test_loss_scale_and_num_zeros_omitted_when_none_and_counts_always_printed():
+    """A field given as None (loss scale of another log, num zeros not counted) is left out; the skipped and nan
+    counts are printed always, 0 included, as Megatron-DeepSpeed prints them."""
     record = dict(iteration=10, train_iters=100, consumed_samples=160, consumed_tokens=160 * 64, elapsed_s=0.1234,
                   lr=1e-3, global_batch_size=16, lm_loss=5.5, grad_norm=1.25, skipped_iterations=1,
                   nan_iterations=0, samples_per_second=129.66, tflops=0.001)
@@ -67,11 +68,10 @@ def test_loss_scale_num_zeros_and_zero_counts_omitted():
     parsed = parse_log_line("[rank 1] " + line)
     assert parsed["num_zeros"] is None and parsed["loss_scale"] is None
     assert parsed["elapsed_s"] == 0.12 and parsed["consumed_samples"] == 160
-    short = format_log_line(**record, zero_counts=False)
-    assert " number of skipped iterations:   1 |" in short and "nan iterations" not in short
-    assert short == line.replace(" number of nan iterations:   0 |", "")
-    assert "skipped" not in format_log_line(**dict(record, skipped_iterations=0), zero_counts=False)
-    assert "| loss scale: 1.0 |" in format_log_line(**record, loss_scale=1.0)  # fp16 at scale 1
+    zeros = format_log_line(**dict(record, skipped_iterations=0))
+    assert " number of skipped iterations:   0 | number of nan iterations:   0 |" in zeros
+    assert "| loss scale: 1.0 |" in format_log_line(**record, loss_scale=1.0)
+
 
 
 @pytest.mark.parametrize("seconds, text", [(0, "0:00:00"), (59.6, "0:01:00"), (151, "0:02:31"), (47100, "13:05:00"),
@@ -300,7 +300,8 @@ def test_peak_memory_fields_are_the_peaks_of_each_device_kind():
 
 def test_log_paths_that_cannot_be_written_are_named_with_their_key(tmp_path):
     """check_log_paths, which the preflight runs on rank 0: each case names the key in full; a path that can be
-    written passes, and nothing is created (access(2) is asked, not a file written)."""
+    written passes, and nothing is left behind (the probe file is removed, the folder's modification time put
+    back)."""
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
     for metrics, tensorboard, message in (
@@ -312,9 +313,25 @@ def test_log_paths_that_cannot_be_written_are_named_with_their_key(tmp_path):
         with pytest.raises(LogPathError) as e:
             check_log_paths(metrics, tensorboard)
         assert message in str(e.value)
-    check_log_paths(str(tmp_path / "new" / "m.jsonl"), str(tmp_path / "new" / "tb"))
+    with pytest.raises(LogPathError, match=f"logging.diagnostics_dir {a_file} is a file, not a folder"):
+        check_log_paths(None, None, str(a_file))
+    before = os.stat(tmp_path).st_mtime_ns, os.stat(a_file).st_mtime_ns
+    check_log_paths(str(tmp_path / "new" / "m.jsonl"), str(tmp_path / "new" / "tb"), str(tmp_path / "diag"))
     check_log_paths(str(a_file), None)  # an existing file is appended to
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"] and a_file.read_text() == "x"
+    assert (os.stat(tmp_path).st_mtime_ns, os.stat(a_file).st_mtime_ns) == before
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_a_file_system_that_takes_no_new_file_is_refused_for_every_log_path():
+    """/proc takes no new file, although access(2) says writable to root: each log key is refused in one line
+    naming it (before the probe, root's metrics file there passed and the run failed at its first write)."""
+    for args, key in ((("/proc/gptpar-metrics.jsonl", None), "logging.metrics_file"),
+                      ((None, "/proc/gptpar-tb"), "logging.tensorboard_dir"),
+                      ((None, None, "/proc/gptpar-diagnostics"), "logging.diagnostics_dir")):
+        with pytest.raises(LogPathError, match=f"^{key} /proc/gptpar-.* cannot be written: ") as e:
+            check_log_paths(*args)
+        assert "\n" not in str(e.value)
 
 
 def test_writes_that_fail_raise_one_error_naming_the_key(tmp_path, capfd, monkeypatch):

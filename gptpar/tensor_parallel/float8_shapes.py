@@ -1,7 +1,8 @@
 """Which GEMMs of a transformer layer run in float8 under `training.precision = fp8`: as they are, padded, or kept in
-bf16, and the bytes their casts take - arithmetic on shapes, without torch, so that the planning tools, `--dry-run`
-and the memory estimate stay light. The layers decide by the same function (`plan_float8_gemm`); why these rules:
-gptpar.tensor_parallel.float8, which runs the GEMMs and re-exports these names.
+bf16, and the bytes their casts take - arithmetic on shapes, without torch. The layers decide by `plan_float8_gemm`
+(gptpar.tensor_parallel.float8 runs the GEMMs, says why these rules, and re-exports these names); the estimate
+(planner, memory, `--dry-run`) imports them from here, so the planning tools stay light: this module and
+gptpar/tensor_parallel/__init__.py import no torch.
 """
 from __future__ import annotations
 
