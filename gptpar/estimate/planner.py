@@ -45,8 +45,6 @@ class Hardware:
     hbm_tb_s: float = 2.039             # HBM bandwidth, TB/s (datasheet): the memory-bound terms
     fp8_layer_speedup: float = 1.0      # a layer's fp8 GEMMs vs bf16 (measured on an H100; 1 = no fp8 units)
     attention_tflops: float = 0.0       # the attention core's (QK^T, softmax, AV) counted FLOP/s; 0 = the GEMM rate
-    scores_bytes_fwd: float = 13.0      # HBM bytes per attention-score element, forward (unfused attention: the
-    scores_bytes_bwd: float = 19.0      # b x heads/tp x s^2 scores written and read back; 0 = flash attention)
     name: str = "a100-80gb"
 
     @property
@@ -100,16 +98,24 @@ def attention_flops(s: dict, gbs: int, mode: str) -> float:
     return float(gbs * s["seq_length"]) * s["num_layers"] * 4 * s["seq_length"] * s["hidden_size"] * times
 
 
+# HBM bytes per attention score of an unfused attention core (Megatron-LM's and Megatron-DeepSpeed's before flash
+# attention: the 176B prequel's runs, the published A100 runs), each b x heads/tp x s^2 fp16 tensor counted as its
+# kernels read and write it. Forward: QK^T's baddbmm writes the scores (2), the fused scale-mask-softmax reads and
+# writes them (4), dropout reads them and writes its output and a 1-byte mask (5), AV's bmm reads them (2). Backward:
+# AV's gradient written and the probabilities read for V's (4), dropout's backward (5), softmax's backward reads the
+# gradient and its output and writes (6), the baddbmm's backward reads the gradient for Q and for K (4).
+SCORES_BYTES_FORWARD = 13
+SCORES_BYTES_BACKWARD = 19
+
+
 def attention_scores_s(hw: Hardware, seq: int, heads: int, tp: int, mbs: int, mode: str) -> float:
     """Seconds one layer's unfused attention core spends moving its scores through HBM per micro batch: the
-    mbs x heads/tp x seq^2 score elements times the kind's bytes per element forward (twice with full or selective
-    recompute, which both run the attention forward again) and backward, at the HBM bandwidth. A kind measured with
-    flash attention (the scores stay on chip) has no such bytes."""
-    if not (hw.scores_bytes_fwd or hw.scores_bytes_bwd):
-        return 0.0
+    mbs x heads/tp x seq^2 score elements x SCORES_BYTES_FORWARD (twice with full or selective recompute, which both
+    run the attention forward again) + SCORES_BYTES_BACKWARD, at the kind's HBM bandwidth. Flash attention (gptpar's
+    SDPA) keeps the scores on chip: `predict` adds this only for settings with flash_attention False."""
     passes = 1 if mode == "none" else 2
     elements = mbs * (heads // tp) * seq * seq
-    return elements * (passes * hw.scores_bytes_fwd + hw.scores_bytes_bwd) / (hw.hbm_tb_s * 1e12)
+    return elements * (passes * SCORES_BYTES_FORWARD + SCORES_BYTES_BACKWARD) / (hw.hbm_tb_s * 1e12)
 
 
 def fp8_factor(s: dict, tp: int, hw: Hardware) -> float:
@@ -130,7 +136,8 @@ def predict(s: dict, tp: int, pp: int, dp: int, mbs: int, gbs: int, hw: Hardware
 
     m = gbs/(dp*mbs) micro batches pass a pp-stage pipeline (1F1B; interleaved with v virtual stages under
     --assume interleaved=v): (m + (pp - 1)/v) slots, each slot one micro batch through one stage: its compute
-    (the FLOPs at the kind's rates, plus an unfused attention core's score traffic through HBM where the kind has it),
+    (the FLOPs at the kind's rates; with settings flash_attention False, as the published A100 runs ran, also the
+    unfused attention core's score traffic through HBM),
     its exposed tensor-parallel communication, its stage-to-stage sends (v of each) and, on the last stage, the
     memory-bound loss. Then what the optimizer step costs outside the pipeline: the data-parallel gradient
     reduction and ZeRO-1's parameter all-gather (as gptpar runs them: after the last backward, not overlapped),
@@ -150,8 +157,9 @@ def predict(s: dict, tp: int, pp: int, dp: int, mbs: int, gbs: int, hw: Hardware
                                       glu=str(s.get("activation", "gelu")).endswith("glu"))
     attention = attention_flops(s, gbs, mode)
     attention_rate = hw.attention_tflops * 1e12 if hw.attention_tflops else rate
-    slot_compute = ((flops - attention) / rate + attention / attention_rate) / (m * dp * pp * tp) \
-        + L / pp * attention_scores_s(hw, seq, heads, tp, mbs, mode)
+    slot_compute = ((flops - attention) / rate + attention / attention_rate) / (m * dp * pp * tp)
+    if s.get("flash_attention", True) is False:
+        slot_compute += L / pp * attention_scores_s(hw, seq, heads, tp, mbs, mode)
     world = tp * pp * dp
     # tensor parallelism: 4 all-reduces per layer and micro batch (2 forward, 2 backward), 6 with full recompute
     # (the recomputed forward's); sequence parallelism turns each into a reduce-scatter + all-gather of the same bytes
@@ -284,9 +292,7 @@ def hardware_of(name: str, gpus_per_node: int = 8, gpu_mem_gib: Optional[float] 
                     intra_node_gbps=k["intra_node_gbps"], inter_node_gbps=k["inter_node_gbps_per_gpu"] * gpus_per_node,
                     tile_penalty=k["tile_penalty"], softmax_penalty=k["softmax_penalty"],
                     peak_tflops=k["peak_tflops"], hbm_tb_s=k["hbm_tb_s"], fp8_layer_speedup=k["fp8_layer_speedup"],
-                    attention_tflops=k.get("attention_tflops") or 0.0,
-                    scores_bytes_fwd=k.get("attention_scores_bytes_forward") or 0.0,
-                    scores_bytes_bwd=k.get("attention_scores_bytes_backward") or 0.0, name=name)
+                    attention_tflops=k.get("attention_tflops") or 0.0, name=name)
 
 
 def gpu_kind(name: str, gpus_per_node: int = 8, gpu_mem_gib: Optional[float] = None) -> GpuKind:
@@ -394,8 +400,6 @@ def calibrated_hardware(cal: dict, mode: str, base: Hardware = Hardware()) -> Ha
                    gpu_mem_gib=cal.get("gpu_mem_gib") or base.gpu_mem_gib,
                    intra_node_gbps=network.get("intra_node_gbps", base.intra_node_gbps),
                    inter_node_gbps=network.get("inter_node_gbps", base.inter_node_gbps),
-                   # bench_layer times gptpar's layer, whose attention is SDPA's fused kernel: no score traffic
-                   scores_bytes_fwd=0.0, scores_bytes_bwd=0.0,
                    # a layer measured with float8 GEMMs (bench_layer --dtype fp8) has the speed-up in its rate already
                    fp8_layer_speedup=1.0 if cal.get("float8") else base.fp8_layer_speedup)
 
@@ -481,4 +485,4 @@ __all__ = ["Hardware", "Candidate", "GpuKind", "compute_rate", "fp8_factor", "pr
            "training_time", "hardware_of", "gpu_kind", "Assumptions", "DEFAULT_KIND",
            "shipped_calibrations", "calibrated_kind", "load_calibration", "calibrated_hardware",
            "calibration_notes", "plan_topology", "CALIBRATIONS_DIR", "kind_of_gpu", "attention_flops",
-           "attention_scores_s"]
+           "attention_scores_s", "SCORES_BYTES_FORWARD", "SCORES_BYTES_BACKWARD"]

@@ -2,7 +2,6 @@
 out here and the measured 48-node A100 runs of the reference planning notes."""
 import json
 import os
-from dataclasses import replace
 
 import pytest
 
@@ -76,7 +75,7 @@ def test_soft_constraints_are_flagged_not_filtered(plan_181b):
 
 
 def test_time_model_parts():
-    s = settings_of(config("181b_48nodes"))
+    s = dict(settings_of(config("181b_48nodes")), flash_attention=False)   # the prequel's run: unfused attention
     hw = Hardware()
     t = predict(s, 8, 12, 4, 4, 2048, hw)
     m = 2048 // (4 * 4)
@@ -91,9 +90,10 @@ def test_time_model_parts():
     implied = tflops_per_gpu(num_layers=72, hidden_size=14336, vocab_size=250880, seq_length=2048,
                              global_batch_size=2048, sec_per_iter=t["compute_s"] - scores, num_gpus=384)
     assert implied == pytest.approx(hw.achieved_tflops * 4 / (4 + hw.mbs_half_point))
-    # a kind with flash attention (no score bytes) has no such term
-    flash = predict(s, 8, 12, 4, 4, 2048, replace(hw, scores_bytes_fwd=0.0, scores_bytes_bwd=0.0))
+    # flash attention (gptpar's SDPA, the default) keeps the scores on chip: no such term
+    flash = predict(dict(s, flash_attention=True), 8, 12, 4, 4, 2048, hw)
     assert flash["compute_s"] == pytest.approx(t["compute_s"] - scores)
+    assert predict({k: v for k, v in s.items() if k != "flash_attention"}, 8, 12, 4, 4, 2048, hw) == flash
     # no tp, no pp, no dp: pure compute
     t1 = predict(s, 1, 1, 1, 1, 8, hw)
     assert t1["tp_comm_s"] == t1["pp_comm_s"] == t1["dp_comm_s"] == t1["bubble_s"] == 0
