@@ -32,7 +32,7 @@ class Hardware:
 
     gpus_per_node: int = 8
     gpu_mem_gib: float = 80.0
-    achieved_tflops: float = 197.0      # GEMM-bound model TFLOPs/GPU at a large micro batch, no communication:
+    achieved_tflops: float = 202.5      # GEMM-bound model TFLOPs/GPU at a large micro batch, no communication:
                                         # the rate at which this model reproduces the measured A100 runs' best
                                         # 1-node row (6 layers, tp 8, mbs 2, gbs 512: 119.19 s = 157 TFLOPs)
     mbs_half_point: float = 0.25        # efficiency(b) = b / (b + 0.25): small GEMMs and launches at small b
@@ -98,6 +98,26 @@ def attention_flops(s: dict, gbs: int, mode: str) -> float:
     return float(gbs * s["seq_length"]) * s["num_layers"] * 4 * s["seq_length"] * s["hidden_size"] * times
 
 
+# HBM bytes per attention score of an unfused attention core (Megatron-LM's and Megatron-DeepSpeed's before flash
+# attention: the 176B prequel's runs, the published A100 runs), each b x heads/tp x s^2 fp16 tensor counted as its
+# kernels read and write it. Forward: QK^T's baddbmm writes the scores (2), the fused scale-mask-softmax reads and
+# writes them (4), dropout reads them and writes its output and a 1-byte mask (5), AV's bmm reads them (2). Backward:
+# AV's gradient written and the probabilities read for V's (4), dropout's backward (5), softmax's backward reads the
+# gradient and its output and writes (6), the baddbmm's backward reads the gradient for Q and for K (4).
+SCORES_BYTES_FORWARD = 13
+SCORES_BYTES_BACKWARD = 19
+
+
+def attention_scores_s(hw: Hardware, seq: int, heads: int, tp: int, mbs: int, mode: str) -> float:
+    """Seconds one layer's unfused attention core spends moving its scores through HBM per micro batch: the
+    mbs x heads/tp x seq^2 score elements x SCORES_BYTES_FORWARD (twice with full or selective recompute, which both
+    run the attention forward again) + SCORES_BYTES_BACKWARD, at the kind's HBM bandwidth. Flash attention (gptpar's
+    SDPA) keeps the scores on chip: `predict` adds this only for settings with flash_attention False."""
+    passes = 1 if mode == "none" else 2
+    elements = mbs * (heads // tp) * seq * seq
+    return elements * (passes * SCORES_BYTES_FORWARD + SCORES_BYTES_BACKWARD) / (hw.hbm_tb_s * 1e12)
+
+
 def fp8_factor(s: dict, tp: int, hw: Hardware) -> float:
     """How much faster a layer runs with training.precision fp8: the measured layer speed-up on the share of the
     layer's GEMM FLOPs that run in float8 at this tp (gptpar.tensor_parallel.float8_shapes' plan); 1 for other precisions."""
@@ -115,7 +135,9 @@ def predict(s: dict, tp: int, pp: int, dp: int, mbs: int, gbs: int, hw: Hardware
     """Predicted seconds per iteration, split into its parts (each term's formula: docs/planning.md).
 
     m = gbs/(dp*mbs) micro batches pass a pp-stage pipeline (1F1B; interleaved with v virtual stages under
-    --assume interleaved=v): (m + (pp - 1)/v) slots, each slot one micro batch through one stage: its compute,
+    --assume interleaved=v): (m + (pp - 1)/v) slots, each slot one micro batch through one stage: its compute
+    (the FLOPs at the kind's rates; with settings flash_attention False, as the published A100 runs ran, also the
+    unfused attention core's score traffic through HBM),
     its exposed tensor-parallel communication, its stage-to-stage sends (v of each) and, on the last stage, the
     memory-bound loss. Then what the optimizer step costs outside the pipeline: the data-parallel gradient
     reduction and ZeRO-1's parameter all-gather (as gptpar runs them: after the last backward, not overlapped),
@@ -136,6 +158,8 @@ def predict(s: dict, tp: int, pp: int, dp: int, mbs: int, gbs: int, hw: Hardware
     attention = attention_flops(s, gbs, mode)
     attention_rate = hw.attention_tflops * 1e12 if hw.attention_tflops else rate
     slot_compute = ((flops - attention) / rate + attention / attention_rate) / (m * dp * pp * tp)
+    if s.get("flash_attention", True) is False:
+        slot_compute += L / pp * attention_scores_s(hw, seq, heads, tp, mbs, mode)
     world = tp * pp * dp
     # tensor parallelism: 4 all-reduces per layer and micro batch (2 forward, 2 backward), 6 with full recompute
     # (the recomputed forward's); sequence parallelism turns each into a reduce-scatter + all-gather of the same bytes
@@ -460,4 +484,5 @@ def _candidate(s, tp, pp, dp, mbs, gbs_req, nodes, hw, assume=Assumptions()) -> 
 __all__ = ["Hardware", "Candidate", "GpuKind", "compute_rate", "fp8_factor", "predict", "predict_layout", "tflops_of",
            "training_time", "hardware_of", "gpu_kind", "Assumptions", "DEFAULT_KIND",
            "shipped_calibrations", "calibrated_kind", "load_calibration", "calibrated_hardware",
-           "calibration_notes", "plan_topology", "CALIBRATIONS_DIR", "kind_of_gpu", "attention_flops"]
+           "calibration_notes", "plan_topology", "CALIBRATIONS_DIR", "kind_of_gpu", "attention_flops",
+           "attention_scores_s", "SCORES_BYTES_FORWARD", "SCORES_BYTES_BACKWARD"]

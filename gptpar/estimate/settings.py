@@ -38,7 +38,8 @@ def settings_of(cfg: Config, dp_size: Optional[int] = None) -> dict:
 
 def memory_of(s: dict, virtual_stages: int = 1) -> dict:
     """gptpar.estimate.memory.memory_per_gpu for settings `s`: the figures tools/memory.py and the dry run both print.
-    virtual_stages > 1 prices the interleaved schedule's in-flight micro batches (the what-if --assume interleaved=V)."""
+    virtual_stages > 1 prices the interleaved schedule's in-flight micro batches (the what-if --assume interleaved=V);
+    settings with flash_attention False (a published run's unfused attention) store its s x s tensors."""
     return memory_per_gpu(num_layers=s["num_layers"], hidden_size=s["hidden_size"],
                           num_attention_heads=s["num_attention_heads"], vocab_size=s["vocab_size"],
                           seq_length=s["seq_length"], micro_batch_size=s["micro_batch_size"],
@@ -51,6 +52,7 @@ def memory_of(s: dict, virtual_stages: int = 1) -> dict:
                           ffn_hidden_size=s["ffn_hidden_size"], max_position_embeddings=s["max_position_embeddings"],
                           make_vocab_size_divisible_by=s["make_vocab_size_divisible_by"],
                           sequence_parallel=s.get("sequence_parallel", False), virtual_stages=virtual_stages,
+                          flash_attention=s.get("flash_attention", True),
                           **embedding_kind(s))
 
 

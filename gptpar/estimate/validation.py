@@ -29,7 +29,8 @@ def published_runs(path: str = RUNS_PATH) -> List[dict]:
 
 def run_settings(run: dict) -> dict:
     """The time model's settings for a published run (GPT-2 architecture, f = 4h, learned positions, unless its
-    `model` says otherwise; `transformer` partitioning unless its `layout` names another)."""
+    `model` says otherwise; `transformer` partitioning unless its `layout` names another; flash attention unless the
+    run says `flash_attention: false`, an unfused attention core whose scores go through HBM)."""
     m, lay = run["model"], run["layout"]
     return {"ffn_hidden_size": 4 * m["hidden_size"], "max_position_embeddings": m["seq_length"],
             "make_vocab_size_divisible_by": 128, "activation": "gelu", "position_embedding_type": "learned",
@@ -38,7 +39,8 @@ def run_settings(run: dict) -> dict:
             "micro_batch_size": lay["micro_batch_size"],
             "global_batch_size": lay["global_batch_size"], "precision": run["precision"], "fp8_recipe": "tensorwise",
             "zero_stage": 1, "optimizer": "adamw", "activation_checkpointing": run["recompute"],
-            "sequence_parallel": run.get("sequence_parallel", False), "rampup_batch_size": None, "train_samples": None}
+            "sequence_parallel": run.get("sequence_parallel", False), "rampup_batch_size": None, "train_samples": None,
+            "flash_attention": run.get("flash_attention", True)}
 
 
 def published_sec_per_iter(run: dict) -> float:

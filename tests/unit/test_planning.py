@@ -75,7 +75,7 @@ def test_soft_constraints_are_flagged_not_filtered(plan_181b):
 
 
 def test_time_model_parts():
-    s = settings_of(config("181b_48nodes"))
+    s = dict(settings_of(config("181b_48nodes")), flash_attention=False)   # the prequel's run: unfused attention
     hw = Hardware()
     t = predict(s, 8, 12, 4, 4, 2048, hw)
     m = 2048 // (4 * 4)
@@ -83,10 +83,17 @@ def test_time_model_parts():
     assert t["bubble_s"] == pytest.approx(t["compute_s"] * 11 / m)
     assert t["sec_per_iter"] == pytest.approx(t["compute_s"] + t["bubble_s"] + t["tp_comm_s"] + t["pp_comm_s"]
                                               + t["dp_comm_s"] + t["loss_s"] + t["optimizer_s"])
-    # compute = model FLOPs / (GPUs x rate at mbs 4); the implied TFLOPs of compute alone is that rate
+    # compute = model FLOPs / (GPUs x rate at mbs 4) + the unfused attention's score traffic: per micro batch and
+    # layer, 4 x 64/8 heads x 2048^2 fp16 scores moved (13 bytes forward, twice under full recompute, + 19 backward)
+    # through HBM; the implied TFLOPs of the rest is that rate
+    scores = m * 72 / 12 * 4 * 8 * 2048 ** 2 * (2 * 13 + 19) / (hw.hbm_tb_s * 1e12)
     implied = tflops_per_gpu(num_layers=72, hidden_size=14336, vocab_size=250880, seq_length=2048,
-                             global_batch_size=2048, sec_per_iter=t["compute_s"], num_gpus=384)
+                             global_batch_size=2048, sec_per_iter=t["compute_s"] - scores, num_gpus=384)
     assert implied == pytest.approx(hw.achieved_tflops * 4 / (4 + hw.mbs_half_point))
+    # flash attention (gptpar's SDPA, the default) keeps the scores on chip: no such term
+    flash = predict(dict(s, flash_attention=True), 8, 12, 4, 4, 2048, hw)
+    assert flash["compute_s"] == pytest.approx(t["compute_s"] - scores)
+    assert predict({k: v for k, v in s.items() if k != "flash_attention"}, 8, 12, 4, 4, 2048, hw) == flash
     # no tp, no pp, no dp: pure compute
     t1 = predict(s, 1, 1, 1, 1, 8, hw)
     assert t1["tp_comm_s"] == t1["pp_comm_s"] == t1["dp_comm_s"] == t1["bubble_s"] == 0
