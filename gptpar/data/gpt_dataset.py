@@ -173,39 +173,84 @@ def num_epoch_groups(tokens_per_epoch, seq_length, num_samples):
     return max(1, (max(num_samples, 1) - 1) * seq_length // tokens_per_epoch + 1)
 
 
+_BLOCK = 1 << 20  # documents per step of the sample index: bounds its temporaries whatever the corpus size
+
+
+def _index_dtype(largest):
+    """int32 where every value fits (as Megatron's index): halves the arrays and their cache."""
+    return np.int32 if largest < np.iinfo(np.int32).max else np.int64
+
+
 def build_doc_order(documents, num_epochs, seed):
-    """Document ids in stream order: each epoch a fresh permutation of `documents`. (num_epochs * D,)"""
-    documents = np.asarray(documents, dtype=np.int64)
-    return np.concatenate([documents[_rng(seed, e, 0).permutation(len(documents))] for e in range(num_epochs)])
+    """Document ids in stream order: each epoch a fresh permutation of `documents`. (num_epochs * D,)
+
+    Each epoch is shuffled in place in its slice of the result: Generator.shuffle makes the swaps that
+    Generator.permutation makes, so the order is documents[permutation(D)] with no index array beside it."""
+    documents = np.asarray(documents)
+    n = len(documents)
+    out = np.empty(num_epochs * n, dtype=_index_dtype(int(documents.max()) if n else 0))
+    for e in range(num_epochs):
+        part = out[e * n:(e + 1) * n]
+        part[:] = documents
+        _rng(seed, e, 0).shuffle(part)
+    return out
 
 
-def build_sample_idx(doc_sizes, seq_length, num_samples):
+def build_sample_idx(sizes, doc_order, docs_per_epoch, tokens_per_epoch, seq_length, num_samples):
     """Where each sample starts: (position in doc order, token offset in that document), each (num_samples,).
 
-    doc_sizes: (n,) tokens of each document in stream order; sample j starts at stream token j * seq_length.
+    sizes: tokens of every document id; doc_order: whole epochs of docs_per_epoch documents and tokens_per_epoch
+    tokens each. Sample j starts at stream token j * seq_length, in the first document ending after it. Built per
+    block of documents (how many samples start inside each, then np.repeat): linear in documents + samples, with
+    no search and no array as long as the document order beside the results.
     """
-    ends = np.cumsum(doc_sizes, dtype=np.int64)              # (n,) exclusive end of each document
-    starts = np.arange(num_samples, dtype=np.int64) * seq_length
-    if num_samples and starts[-1] + seq_length >= ends[-1]:
+    num_epochs = len(doc_order) // docs_per_epoch
+    if num_samples and num_samples * seq_length >= num_epochs * tokens_per_epoch:
         raise DataError("internal: the document order is too short for the requested samples")
-    doc_pos = np.searchsorted(ends, starts, side="right")   # first document ending after the start
-    offset = starts - (ends[doc_pos] - np.asarray(doc_sizes, dtype=np.int64)[doc_pos])
+    doc_pos = np.empty(num_samples, dtype=np.int32 if len(doc_order) < np.iinfo(np.int32).max else np.int64)
+    offset = np.empty(num_samples, dtype=_index_dtype(int(np.max(sizes, initial=0)) - 1))
+    sizes = np.asarray(sizes)
+    for epoch in range(num_epochs):
+        base = epoch * tokens_per_epoch                              # stream position of the epoch's first token
+        first = -(-base // seq_length)                               # the first sample starting in it
+        stop = min(num_samples, -(-(base + tokens_per_epoch) // seq_length))
+        done, carry = first, base
+        for k0 in range(0, docs_per_epoch, _BLOCK):
+            if done >= stop:
+                break
+            block = epoch * docs_per_epoch + np.arange(k0, min(k0 + _BLOCK, docs_per_epoch), dtype=np.int64)
+            block_sizes = sizes[doc_order[block]]
+            ends = carry + np.cumsum(block_sizes, dtype=np.int64)  # stream end of each document
+            carry = int(ends[-1])
+            # Samples starting before each document's end, and so how many start inside each (none in an empty one).
+            below = np.clip(-(-ends // seq_length), first, stop)
+            counts = np.diff(below, prepend=done)
+            n = int(below[-1]) - done
+            doc_pos[done:done + n] = np.repeat(block, counts)
+            offset[done:done + n] = (np.arange(done, done + n, dtype=np.int64) * seq_length
+                                     - np.repeat(ends - block_sizes, counts))
+            done += n
+    if doc_pos.dtype == np.int64 and (num_samples == 0 or doc_pos[-1] < np.iinfo(np.int32).max):
+        doc_pos = doc_pos.astype(np.int32)  # the positions only grow: the last is the largest
     return doc_pos, offset
 
 
 def build_shuffle_idx(num_samples_per_group, seed):
-    """A permutation of all samples that only mixes samples of the same epoch group. (sum,)"""
-    parts, first = [], 0
+    """A permutation of all samples that only mixes samples of the same epoch group. (sum,)
+
+    Each group's range is shuffled in place: the same swaps as first + Generator.permutation(n)."""
+    total = int(sum(num_samples_per_group))
+    out = np.arange(total, dtype=_index_dtype(total - 1))
+    first = 0
     for e, n in enumerate(num_samples_per_group):
-        parts.append(first + _rng(seed, e, 1).permutation(n))
+        _rng(seed, e, 1).shuffle(out[first:first + n])
         first += n
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return out
 
 
 def build_indices(sizes, documents, seq_length, seed, num_samples):
     """(doc_order, doc_pos, offset, shuffle) for a split's documents; pure numpy, no I/O."""
-    doc_sizes = np.asarray(sizes, dtype=np.int64)[documents]
-    tokens_per_epoch = int(doc_sizes.sum())
+    tokens_per_epoch = int(np.asarray(sizes)[documents].sum(dtype=np.int64))
     if tokens_per_epoch == 0:
         raise DataError("the split's documents hold no tokens")
     groups = num_epoch_groups(tokens_per_epoch, seq_length, num_samples)
@@ -213,17 +258,11 @@ def build_indices(sizes, documents, seq_length, seed, num_samples):
     last_token = (total - 1) * seq_length + seq_length      # stream position of the last token needed
     num_epochs = last_token // tokens_per_epoch + 1
     doc_order = build_doc_order(documents, num_epochs, seed)
-    doc_pos, offset = build_sample_idx(np.asarray(sizes, dtype=np.int64)[doc_order], seq_length, total)
+    doc_pos, offset = build_sample_idx(sizes, doc_order, len(documents), tokens_per_epoch, seq_length, total)
     # Samples starting in epoch e: j in [ceil(e*T/s), ceil((e+1)*T/s)).
     group_starts = -(-np.arange(groups + 1, dtype=np.int64) * tokens_per_epoch // seq_length)
     shuffle = build_shuffle_idx(np.diff(group_starts).tolist(), seed)
-    # int32 where it fits (as Megatron's index): halves the cache for corpora of many small documents.
-    return tuple(_compact(a) for a in (doc_order, doc_pos, offset, shuffle))
-
-
-def _compact(a):
-    fits = len(a) == 0 or (a.min() >= 0 and a.max() < np.iinfo(np.int32).max)
-    return a.astype(np.int32) if fits else a
+    return doc_order, doc_pos, offset, shuffle
 
 
 # ------------------------------------------------------------------------------------------- datasets
