@@ -3,7 +3,7 @@ index on many weight vectors, and the document order, sample starts and shuffle 
 import numpy as np
 import pytest
 
-from gptpar.data import blending
+from gptpar.data import blending, gpt_dataset
 from gptpar.data.blending import build_blending_indices
 from gptpar.testing import data_index_reference as reference
 
@@ -49,3 +49,44 @@ def test_no_compiler_falls_back_to_python_with_a_line(monkeypatch, tmp_path, cap
     got = build_blending_indices([1, 2, 3], 500)
     assert "no compiled blending helper" in capsys.readouterr().err
     assert all(np.array_equal(g, w) for g, w in zip(got, reference.build_blending_indices([1, 2, 3], 500)))
+
+
+def corpus(seed, num_docs, max_size, empty_fraction):
+    """Document sizes (int32, as read from an .idx) with some empty documents, and a split's document ids."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, max_size, size=num_docs).astype(np.int32)
+    sizes[rng.random(num_docs) < empty_fraction] = 0
+    return sizes, np.arange(num_docs // 10, num_docs - num_docs // 7)
+
+
+# (corpus, seq_length, seed, num_samples): part of an epoch, many epochs, samples longer than the corpus,
+# seq_length 1, and a sample count that ends exactly on an epoch boundary.
+CASES = [((0, 300, 50, 0.1), 7, 1, 500), ((1, 4000, 900, 0.02), 64, 2, 100_000), ((2, 12, 40, 0.3), 1, 3, 3000),
+         ((3, 50, 20, 0.0), 2048, 4, 9), ((4, 1000, 10, 0.5), 5, 5, 0), ((5, 200, 30, 0.2), 3, 6, 1)]
+
+
+@pytest.mark.parametrize("block", [1 << 20, 7])
+@pytest.mark.parametrize("case", CASES)
+def test_indices_equal_the_first_implementation(monkeypatch, case, block):
+    (seed, num_docs, max_size, empty), seq_length, index_seed, num_samples = case
+    sizes, documents = corpus(seed, num_docs, max_size, empty)
+    monkeypatch.setattr(gpt_dataset, "_BLOCK", block)   # 7: many blocks per epoch, samples across block edges
+    got = gpt_dataset.build_indices(sizes, documents, seq_length, index_seed, num_samples)
+    want = reference.build_indices(sizes, documents, seq_length, index_seed, num_samples)
+    for name, g, w in zip(("doc_order", "doc_pos", "offset", "shuffle"), got, want):
+        assert g.dtype == w.dtype and np.array_equal(g, w), name
+
+
+def test_one_sample_more_than_megatron_the_one_that_ends_in_the_next_epoch():
+    # Megatron-Core builds floor((E * T - 1) / s) samples for E epochs of T tokens (its last sample ends inside
+    # epoch E); gptpar keeps every sample starting in those epochs, ceil(E * T / s): one more, whose last tokens come
+    # from the next epoch's order (docs/data.md says why). Its tokens are the stream's, like any other sample's.
+    sizes, documents = corpus(7, 500, 60, 0.1)
+    tokens_per_epoch, seq_length = int(sizes[documents].sum()), 64
+    for epochs in (1, 3):
+        requested = (epochs * tokens_per_epoch - 1) // seq_length   # Megatron's count for `epochs` epochs
+        doc_order, doc_pos, offset, shuffle = gpt_dataset.build_indices(sizes, documents, seq_length, 1, requested)
+        assert len(shuffle) == requested + 1 == -(-epochs * tokens_per_epoch // seq_length)
+        last_start = doc_order.size and int(sizes[doc_order[:doc_pos[-1]]].sum()) + int(offset[-1])
+        assert last_start == requested * seq_length < epochs * tokens_per_epoch < last_start + seq_length + 1
+        assert len(doc_order) == (epochs + 1) * len(documents)   # the next epoch's order is there to finish it
