@@ -218,8 +218,9 @@ def build_sample_idx(sizes, doc_order, docs_per_epoch, tokens_per_epoch, seq_len
         for k0 in range(0, docs_per_epoch, _BLOCK):
             if done >= stop:
                 break
-            block = epoch * docs_per_epoch + np.arange(k0, min(k0 + _BLOCK, docs_per_epoch), dtype=np.int64)
-            block_sizes = sizes[doc_order[block]]
+            k1 = min(k0 + _BLOCK, docs_per_epoch)
+            block = np.arange(epoch * docs_per_epoch + k0, epoch * docs_per_epoch + k1, dtype=np.int64)
+            block_sizes = sizes[doc_order[block[0]:block[-1] + 1]]
             ends = carry + np.cumsum(block_sizes, dtype=np.int64)  # stream end of each document
             carry = int(ends[-1])
             # Samples starting before each document's end, and so how many start inside each (none in an empty one).
