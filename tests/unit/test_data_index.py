@@ -90,3 +90,11 @@ def test_one_sample_more_than_megatron_the_one_that_ends_in_the_next_epoch():
         last_start = doc_order.size and int(sizes[doc_order[:doc_pos[-1]]].sum()) + int(offset[-1])
         assert last_start == requested * seq_length < epochs * tokens_per_epoch < last_start + seq_length + 1
         assert len(doc_order) == (epochs + 1) * len(documents)   # the next epoch's order is there to finish it
+
+
+def test_the_blending_cache_file_is_np_save_of_the_stacked_rows(tmp_path):
+    rows = build_blending_indices([0.2, 0.5, 0.3], 1001)
+    gpt_dataset._save_rows(str(tmp_path / "rows.npy"), *rows)
+    np.save(str(tmp_path / "stacked.npy"), np.stack(rows))
+    assert (tmp_path / "rows.npy").read_bytes() == (tmp_path / "stacked.npy").read_bytes()
+    assert np.array_equal(np.load(str(tmp_path / "rows.npy"), mmap_mode="r"), np.stack(rows))
