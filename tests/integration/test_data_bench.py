@@ -23,5 +23,5 @@ def test_bench_data_index_small(tmp_path):
     for case in ("single", "blend"):
         assert f"{case}: gptpar's indices identical to the first implementation's: True" in out.stdout
     rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["single"], ["blend"], ["greedy"])
-            and len(line.split()) == 7]
+            and len(line.split()) == 8]
     assert len(rows) == 6 and {r[1] for r in rows} == {"gptpar", "gptpar-first"}
