@@ -221,15 +221,20 @@ def build_sample_idx(sizes, doc_order, docs_per_epoch, tokens_per_epoch, seq_len
             k1 = min(k0 + _BLOCK, docs_per_epoch)
             block = np.arange(epoch * docs_per_epoch + k0, epoch * docs_per_epoch + k1, dtype=np.int64)
             block_sizes = sizes[doc_order[block[0]:block[-1] + 1]]
-            ends = carry + np.cumsum(block_sizes, dtype=np.int64)  # stream end of each document
+            ends = np.cumsum(block_sizes, dtype=np.int64)
+            ends += carry                                            # stream end of each document
             carry = int(ends[-1])
             # Samples starting before each document's end, and so how many start inside each (none in an empty one).
-            below = np.clip(-(-ends // seq_length), first, stop)
+            below = ends + (seq_length - 1)
+            below //= seq_length
+            np.clip(below, first, stop, out=below)
             counts = np.diff(below, prepend=done)
             n = int(below[-1]) - done
             doc_pos[done:done + n] = np.repeat(block, counts)
-            offset[done:done + n] = (np.arange(done, done + n, dtype=np.int64) * seq_length
-                                     - np.repeat(ends - block_sizes, counts))
+            ends -= block_sizes                                      # now where each document starts
+            starts = np.arange(done * seq_length, (done + n) * seq_length, seq_length, dtype=np.int64)
+            starts -= np.repeat(ends, counts)
+            offset[done:done + n] = starts
             done += n
     if doc_pos.dtype == np.int64 and (num_samples == 0 or doc_pos[-1] < np.iinfo(np.int32).max):
         doc_pos = doc_pos.astype(np.int32)  # the positions only grow: the last is the largest
