@@ -220,7 +220,7 @@ def build_sample_idx(sizes, doc_order, docs_per_epoch, tokens_per_epoch, seq_len
                 break
             k1 = min(k0 + _BLOCK, docs_per_epoch)
             block = np.arange(epoch * docs_per_epoch + k0, epoch * docs_per_epoch + k1, dtype=np.int64)
-            block_sizes = sizes[doc_order[block[0]:block[-1] + 1]]
+            block_sizes = np.take(sizes, doc_order[block[0]:block[-1] + 1])  # take: twice indexing's speed
             ends = np.cumsum(block_sizes, dtype=np.int64)
             ends += carry                                            # stream end of each document
             carry = int(ends[-1])
