@@ -210,8 +210,8 @@ def main(argv=None):
             for case in cases:
                 for library in libraries:
                     python = args.megatron_python if library == "megatron" else sys.executable
-                    if round_:   # a fresh cache: every round builds
-                        shutil.rmtree(os.path.join(work, f"cache-{library}-{case}"), ignore_errors=True)
+                    # A fresh cache folder: every run builds (nothing left by an earlier run or round is loaded).
+                    shutil.rmtree(os.path.join(work, f"cache-{library}-{case}"), ignore_errors=True)
                     r = run_worker(python, library, case, work)
                     old = results.setdefault((case, library), r)
                     for key in ("seconds", "cpu_seconds", "peak_mib"):

@@ -7,6 +7,7 @@ so it runs as a few lines of C, compiled once with the system C compiler into a 
 import ctypes
 import hashlib
 import os
+import platform
 import subprocess
 import sys
 import sysconfig
@@ -109,8 +110,8 @@ def _compiled_helper():
 
 def _load_or_compile():
     compiler = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()
-    # The file name carries the source, flags and compiler: a change builds a new file, never reuses a stale one.
-    key = hashlib.sha1(repr((_SOURCE, _FLAGS, compiler, sys.platform)).encode()).hexdigest()[:16]
+    # The file name carries the source, flags, compiler and machine: a change builds a new file, never a stale one.
+    key = hashlib.sha1(repr((_SOURCE, _FLAGS, compiler, sys.platform, platform.machine())).encode()).hexdigest()[:16]
     folder = helper_folder()
     path = os.path.join(folder, f"blending_{key}.so")
     if not os.path.exists(path):

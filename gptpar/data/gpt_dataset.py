@@ -189,6 +189,7 @@ def build_doc_order(documents, num_epochs, seed):
     documents = np.asarray(documents)
     n = len(documents)
     out = np.empty(num_epochs * n, dtype=_index_dtype(int(documents.max()) if n else 0))
+    documents = documents.astype(out.dtype, copy=False)
     for e in range(num_epochs):
         part = out[e * n:(e + 1) * n]
         part[:] = documents
