@@ -7,13 +7,11 @@ results as gptpar.data.gpt_dataset.build_indices and gptpar.data.blending.build_
 """
 import numpy as np
 
-from gptpar.data.blending import normalize_weights
-from gptpar.data.gpt_dataset import num_epoch_groups
-
 
 def build_blending_indices(weights, num_samples):
     """Megatron's greedy rule one sample at a time: sample i goes to argmax_d(w_d * max(i, 1) - taken_d)."""
-    weights = normalize_weights(weights).tolist()
+    weights = np.asarray(weights, dtype=np.float64)
+    weights = (weights / weights.sum()).tolist()
     num_datasets = len(weights)
     taken = [0] * num_datasets
     dataset_index = np.empty(num_samples, dtype=np.int64)
@@ -29,6 +27,10 @@ def build_blending_indices(weights, num_samples):
         dataset_sample_index[i] = taken[best]
         taken[best] += 1
     return dataset_index, dataset_sample_index
+
+
+def num_epoch_groups(tokens_per_epoch, seq_length, num_samples):
+    return max(1, (max(num_samples, 1) - 1) * seq_length // tokens_per_epoch + 1)
 
 
 def _rng(seed, epoch, stream):
