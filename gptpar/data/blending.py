@@ -22,10 +22,10 @@ from gptpar.data.indexed import DataError
 # Python and in Megatron's x86-64 build.
 _SOURCE = r"""
 #include <stdint.h>
-void gptpar_build_blending_indices(const double *weights, int64_t num_datasets, int64_t num_samples,
+void gptpar_build_blending_indices(const double *weights, int64_t num_datasets, int64_t first, int64_t num_samples,
                                    int64_t *taken, int64_t *dataset_index, int64_t *dataset_sample_index) {
     for (int64_t i = 0; i < num_samples; ++i) {
-        double step = i > 1 ? (double)i : 1.0;
+        double step = i + first > 1 ? (double)(i + first) : 1.0;
         int64_t best = 0;
         double best_error = weights[0] * step - (double)taken[0];
         for (int64_t d = 1; d < num_datasets; ++d) {
@@ -42,6 +42,7 @@ void gptpar_build_blending_indices(const double *weights, int64_t num_datasets, 
 }
 """
 _FLAGS = ["-O2", "-ffp-contract=off", "-shared", "-fPIC"]
+_CHUNK = 1 << 22  # samples per call: the int64 dataset numbers pass through a buffer of this size
 _helper = None  # the loaded C function, False once it could not be built in this process
 
 
@@ -60,17 +61,22 @@ def build_blending_indices(weights, num_samples):
     n samples every dataset is within one sample of w_d * n, and sample i never depends on num_samples, so the
     blend of a longer run starts with the blend of a shorter one.
 
-    Returns (dataset_index int64 (n,), dataset_sample_index int64 (n,)).
+    Returns (dataset_index (n,), dataset_sample_index int64 (n,)); dataset_index is int16 (int32 past 32,767
+    datasets), as Megatron's: at hundreds of millions of samples it is the blend's largest array.
     """
     weights = normalize_weights(weights)
-    dataset_index = np.empty(num_samples, dtype=np.int64)
+    dataset_index = np.empty(num_samples, dtype=np.int16 if len(weights) <= np.iinfo(np.int16).max else np.int32)
     dataset_sample_index = np.empty(num_samples, dtype=np.int64)
-    taken = np.zeros(len(weights), dtype=np.int64)
     helper = _compiled_helper()
-    if helper:
-        helper(weights, len(weights), num_samples, taken, dataset_index, dataset_sample_index)
-    else:
+    if not helper:
         _build_in_python(weights.tolist(), num_samples, dataset_index, dataset_sample_index)
+        return dataset_index, dataset_sample_index
+    taken = np.zeros(len(weights), dtype=np.int64)
+    buffer = np.empty(min(num_samples, _CHUNK), dtype=np.int64)
+    for first in range(0, num_samples, _CHUNK):
+        n = min(_CHUNK, num_samples - first)
+        helper(weights, len(weights), first, n, taken, buffer, dataset_sample_index[first:first + n])
+        dataset_index[first:first + n] = buffer[:n]
     return dataset_index, dataset_sample_index
 
 
@@ -131,7 +137,7 @@ def _load_or_compile():
     function = ctypes.CDLL(path).gptpar_build_blending_indices
     doubles = np.ctypeslib.ndpointer(np.float64, ndim=1, flags="C_CONTIGUOUS")
     longs = np.ctypeslib.ndpointer(np.int64, ndim=1, flags="C_CONTIGUOUS,WRITEABLE")
-    function.argtypes = [doubles, ctypes.c_int64, ctypes.c_int64, longs, longs, longs]
+    function.argtypes = [doubles, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, longs, longs, longs]
     function.restype = None
     return function
 

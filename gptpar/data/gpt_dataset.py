@@ -360,14 +360,16 @@ def _cache_blend(prefixes, weights, name, num_samples, cache_dir):
     return dataset_index, sample_index
 
 
-def _save_rows(path, *rows):
-    """np.save(path, np.stack(rows)), byte for byte, without the stacked copy (2 x 8 bytes a sample)."""
-    header = {"descr": np.lib.format.dtype_to_descr(rows[0].dtype), "fortran_order": False,
+def _save_rows(path, *rows, dtype=np.int64, chunk=1 << 22):
+    """np.save(path, np.stack(rows).astype(dtype)), byte for byte, without the stacked copy: each row is converted
+    and written a chunk at a time."""
+    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
               "shape": (len(rows), len(rows[0]))}
     with open(path, "wb") as f:
         np.lib.format.write_array_header_1_0(f, header)
         for row in rows:
-            np.ascontiguousarray(row).tofile(f)
+            for start in range(0, len(row), chunk):
+                np.ascontiguousarray(row[start:start + chunk], dtype=dtype).tofile(f)
 
 
 def build_train_valid_test_datasets(data_path, split, seq_length, seed, num_samples, cache_dir=None,
@@ -417,7 +419,7 @@ def _blend(parts, weights, name, num_samples, seq_length, seed, cache_dir):
     """A BlendedDataset of (IndexedDataset, documents) parts; weights None = by their tokens (concatenation)."""
     w = weights if weights is not None else [int(ds.sizes[_sequences(ds, d)].sum()) for ds, d in parts]
     dataset_index, sample_index = _cache_blend([ds.prefix for ds, _ in parts], w, name, num_samples, cache_dir)
-    counts = np.bincount(dataset_index, minlength=len(parts))
+    counts = [int(np.count_nonzero(dataset_index == d)) for d in range(len(parts))]  # no int64 copy, as bincount
     members = [GPTDataset(ds, _sequences(ds, docs), seq_length, seed, max(int(c), 1), name, cache_dir)
                for (ds, docs), c in zip(parts, counts)]
     return BlendedDataset(members, w, num_samples, dataset_index, sample_index)

@@ -25,12 +25,23 @@ def weight_vectors():
             yield (10.0 ** rng.uniform(-8, 0, size=d)).tolist()
 
 
+def same_blend(got, want):
+    """Equal values; the dataset numbers are int16 now (int64 in the first implementation), the rest int64."""
+    return (got[0].dtype == np.int16 and got[1].dtype == want[1].dtype == np.int64
+            and all(np.array_equal(g, w) for g, w in zip(got, want)))
+
+
 @pytest.mark.parametrize("num_samples", [0, 1, 2, 7, 3001])
-def test_blending_index_equals_the_python_loop(num_samples):
+def test_blending_index_equals_the_python_loop(monkeypatch, num_samples):
+    monkeypatch.setattr(blending, "_CHUNK", 5)   # the helper is called per chunk: chunk edges inside every case
     for weights in weight_vectors():
         got = build_blending_indices(weights, num_samples)
-        want = reference.build_blending_indices(weights, num_samples)
-        assert all(g.dtype == w.dtype and np.array_equal(g, w) for g, w in zip(got, want)), weights
+        assert same_blend(got, reference.build_blending_indices(weights, num_samples)), weights
+
+
+def test_blending_index_in_one_chunk():
+    weights = [0.05, 0.2, 0.2, 0.55]
+    assert same_blend(build_blending_indices(weights, 20_000), reference.build_blending_indices(weights, 20_000))
 
 
 def test_the_compiled_helper_is_built_here_and_the_python_fallback_agrees(monkeypatch):
@@ -38,8 +49,7 @@ def test_the_compiled_helper_is_built_here_and_the_python_fallback_agrees(monkey
     assert blending._compiled_helper()
     monkeypatch.setattr(blending, "_helper", False)
     weights = [0.05, 0.2, 0.2, 0.55]
-    assert all(np.array_equal(g, w) for g, w in zip(build_blending_indices(weights, 5000),
-                                                      reference.build_blending_indices(weights, 5000)))
+    assert same_blend(build_blending_indices(weights, 5000), reference.build_blending_indices(weights, 5000))
 
 
 def test_no_compiler_falls_back_to_python_with_a_line(monkeypatch, tmp_path, capsys):
@@ -48,7 +58,7 @@ def test_no_compiler_falls_back_to_python_with_a_line(monkeypatch, tmp_path, cap
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     got = build_blending_indices([1, 2, 3], 500)
     assert "no compiled blending helper" in capsys.readouterr().err
-    assert all(np.array_equal(g, w) for g, w in zip(got, reference.build_blending_indices([1, 2, 3], 500)))
+    assert same_blend(got, reference.build_blending_indices([1, 2, 3], 500))
 
 
 def corpus(seed, num_docs, max_size, empty_fraction):
@@ -92,9 +102,10 @@ def test_one_sample_more_than_megatron_the_one_that_ends_in_the_next_epoch():
         assert len(doc_order) == (epochs + 1) * len(documents)   # the next epoch's order is there to finish it
 
 
-def test_the_blending_cache_file_is_np_save_of_the_stacked_rows(tmp_path):
+def test_the_blending_cache_file_is_the_first_implementations(tmp_path):
+    # The first implementation saved np.stack of its two int64 rows: the same bytes, chunk edges or not.
     rows = build_blending_indices([0.2, 0.5, 0.3], 1001)
-    gpt_dataset._save_rows(str(tmp_path / "rows.npy"), *rows)
-    np.save(str(tmp_path / "stacked.npy"), np.stack(rows))
-    assert (tmp_path / "rows.npy").read_bytes() == (tmp_path / "stacked.npy").read_bytes()
-    assert np.array_equal(np.load(str(tmp_path / "rows.npy"), mmap_mode="r"), np.stack(rows))
+    np.save(str(tmp_path / "stacked.npy"), np.stack(reference.build_blending_indices([0.2, 0.5, 0.3], 1001)))
+    for chunk in (7, 1 << 22):
+        gpt_dataset._save_rows(str(tmp_path / "rows.npy"), *rows, chunk=chunk)
+        assert (tmp_path / "rows.npy").read_bytes() == (tmp_path / "stacked.npy").read_bytes()
