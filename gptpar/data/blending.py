@@ -62,7 +62,7 @@ def build_blending_indices(weights, num_samples):
     blend of a longer run starts with the blend of a shorter one.
 
     Returns (dataset_index (n,), dataset_sample_index int64 (n,)); dataset_index is int16 (int32 past 32,767
-    datasets), as Megatron's: at hundreds of millions of samples it is the blend's largest array.
+    datasets), as Megatron's: 2 bytes a sample instead of 8, which counts at hundreds of millions of samples.
     """
     weights = normalize_weights(weights)
     dataset_index = np.empty(num_samples, dtype=np.int16 if len(weights) <= np.iinfo(np.int16).max else np.int32)
