@@ -173,39 +173,91 @@ def num_epoch_groups(tokens_per_epoch, seq_length, num_samples):
     return max(1, (max(num_samples, 1) - 1) * seq_length // tokens_per_epoch + 1)
 
 
+_BLOCK = 1 << 20  # documents per step of the sample index: bounds its temporaries whatever the corpus size
+
+
+def _index_dtype(largest):
+    """int32 where every value fits (as Megatron's index): halves the arrays and their cache."""
+    return np.int32 if largest < np.iinfo(np.int32).max else np.int64
+
+
 def build_doc_order(documents, num_epochs, seed):
-    """Document ids in stream order: each epoch a fresh permutation of `documents`. (num_epochs * D,)"""
-    documents = np.asarray(documents, dtype=np.int64)
-    return np.concatenate([documents[_rng(seed, e, 0).permutation(len(documents))] for e in range(num_epochs)])
+    """Document ids in stream order: each epoch a fresh permutation of `documents`. (num_epochs * D,)
+
+    Each epoch is shuffled in place in its slice of the result: Generator.shuffle makes the swaps that
+    Generator.permutation makes, so the order is documents[permutation(D)] with no index array beside it."""
+    documents = np.asarray(documents)
+    n = len(documents)
+    out = np.empty(num_epochs * n, dtype=_index_dtype(int(documents.max()) if n else 0))
+    documents = documents.astype(out.dtype, copy=False)
+    for e in range(num_epochs):
+        part = out[e * n:(e + 1) * n]
+        part[:] = documents
+        _rng(seed, e, 0).shuffle(part)
+    return out
 
 
-def build_sample_idx(doc_sizes, seq_length, num_samples):
+def build_sample_idx(sizes, doc_order, docs_per_epoch, tokens_per_epoch, seq_length, num_samples):
     """Where each sample starts: (position in doc order, token offset in that document), each (num_samples,).
 
-    doc_sizes: (n,) tokens of each document in stream order; sample j starts at stream token j * seq_length.
+    sizes: tokens of every document id; doc_order: whole epochs of docs_per_epoch documents and tokens_per_epoch
+    tokens each. Sample j starts at stream token j * seq_length, in the first document ending after it. Built per
+    block of documents (how many samples start inside each, then np.repeat): linear in documents + samples, with
+    no search and no array as long as the document order beside the results.
     """
-    ends = np.cumsum(doc_sizes, dtype=np.int64)              # (n,) exclusive end of each document
-    starts = np.arange(num_samples, dtype=np.int64) * seq_length
-    if num_samples and starts[-1] + seq_length >= ends[-1]:
+    num_epochs = len(doc_order) // docs_per_epoch
+    if num_samples and num_samples * seq_length >= num_epochs * tokens_per_epoch:
         raise DataError("internal: the document order is too short for the requested samples")
-    doc_pos = np.searchsorted(ends, starts, side="right")   # first document ending after the start
-    offset = starts - (ends[doc_pos] - np.asarray(doc_sizes, dtype=np.int64)[doc_pos])
+    doc_pos = np.empty(num_samples, dtype=np.int32 if len(doc_order) < np.iinfo(np.int32).max else np.int64)
+    offset = np.empty(num_samples, dtype=_index_dtype(int(np.max(sizes, initial=0)) - 1))
+    sizes = np.asarray(sizes)
+    for epoch in range(num_epochs):
+        base = epoch * tokens_per_epoch                              # stream position of the epoch's first token
+        first = -(-base // seq_length)                               # the first sample starting in it
+        stop = min(num_samples, -(-(base + tokens_per_epoch) // seq_length))
+        done, carry = first, base
+        for k0 in range(0, docs_per_epoch, _BLOCK):
+            if done >= stop:
+                break
+            k1 = min(k0 + _BLOCK, docs_per_epoch)
+            block = np.arange(epoch * docs_per_epoch + k0, epoch * docs_per_epoch + k1, dtype=np.int64)
+            block_sizes = np.take(sizes, doc_order[block[0]:block[-1] + 1])  # take: twice indexing's speed
+            ends = np.cumsum(block_sizes, dtype=np.int64)
+            ends += carry                                            # stream end of each document
+            carry = int(ends[-1])
+            # Samples starting before each document's end, and so how many start inside each (none in an empty one).
+            below = ends + (seq_length - 1)
+            below //= seq_length
+            np.clip(below, first, stop, out=below)
+            counts = np.diff(below, prepend=done)
+            n = int(below[-1]) - done
+            doc_pos[done:done + n] = np.repeat(block, counts)
+            ends -= block_sizes                                      # now where each document starts
+            starts = np.arange(done * seq_length, (done + n) * seq_length, seq_length, dtype=np.int64)
+            starts -= np.repeat(ends, counts)
+            offset[done:done + n] = starts
+            done += n
+    if doc_pos.dtype == np.int64 and (num_samples == 0 or doc_pos[-1] < np.iinfo(np.int32).max):
+        doc_pos = doc_pos.astype(np.int32)  # the positions only grow: the last is the largest
     return doc_pos, offset
 
 
 def build_shuffle_idx(num_samples_per_group, seed):
-    """A permutation of all samples that only mixes samples of the same epoch group. (sum,)"""
-    parts, first = [], 0
+    """A permutation of all samples that only mixes samples of the same epoch group. (sum,)
+
+    Each group's range is shuffled in place: the same swaps as first + Generator.permutation(n)."""
+    total = int(sum(num_samples_per_group))
+    out = np.arange(total, dtype=_index_dtype(total - 1))
+    first = 0
     for e, n in enumerate(num_samples_per_group):
-        parts.append(first + _rng(seed, e, 1).permutation(n))
+        _rng(seed, e, 1).shuffle(out[first:first + n])
         first += n
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return out
 
 
 def build_indices(sizes, documents, seq_length, seed, num_samples):
     """(doc_order, doc_pos, offset, shuffle) for a split's documents; pure numpy, no I/O."""
-    doc_sizes = np.asarray(sizes, dtype=np.int64)[documents]
-    tokens_per_epoch = int(doc_sizes.sum())
+    tokens_per_epoch = int(np.asarray(sizes)[documents].sum(dtype=np.int64))
     if tokens_per_epoch == 0:
         raise DataError("the split's documents hold no tokens")
     groups = num_epoch_groups(tokens_per_epoch, seq_length, num_samples)
@@ -213,17 +265,11 @@ def build_indices(sizes, documents, seq_length, seed, num_samples):
     last_token = (total - 1) * seq_length + seq_length      # stream position of the last token needed
     num_epochs = last_token // tokens_per_epoch + 1
     doc_order = build_doc_order(documents, num_epochs, seed)
-    doc_pos, offset = build_sample_idx(np.asarray(sizes, dtype=np.int64)[doc_order], seq_length, total)
+    doc_pos, offset = build_sample_idx(sizes, doc_order, len(documents), tokens_per_epoch, seq_length, total)
     # Samples starting in epoch e: j in [ceil(e*T/s), ceil((e+1)*T/s)).
     group_starts = -(-np.arange(groups + 1, dtype=np.int64) * tokens_per_epoch // seq_length)
     shuffle = build_shuffle_idx(np.diff(group_starts).tolist(), seed)
-    # int32 where it fits (as Megatron's index): halves the cache for corpora of many small documents.
-    return tuple(_compact(a) for a in (doc_order, doc_pos, offset, shuffle))
-
-
-def _compact(a):
-    fits = len(a) == 0 or (a.min() >= 0 and a.max() < np.iinfo(np.int32).max)
-    return a.astype(np.int32) if fits else a
+    return doc_order, doc_pos, offset, shuffle
 
 
 # ------------------------------------------------------------------------------------------- datasets
@@ -307,11 +353,23 @@ def _cache_blend(prefixes, weights, name, num_samples, cache_dir):
         f"in {time.perf_counter() - start:.2f} s")
     try:
         tmp = f"{path}.tmp-{os.getpid()}.npy"
-        np.save(tmp, np.stack([dataset_index, sample_index]))
+        _save_rows(tmp, dataset_index, sample_index)
         os.replace(tmp, path)
     except OSError as e:
         log(f"  could not cache the blending index in {directory} ({e})")
     return dataset_index, sample_index
+
+
+def _save_rows(path, *rows, dtype=np.int64, chunk=1 << 22):
+    """np.save(path, np.stack(rows).astype(dtype)), byte for byte, without the stacked copy: each row is converted
+    and written a chunk at a time."""
+    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
+              "shape": (len(rows), len(rows[0]))}
+    with open(path, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, header)
+        for row in rows:
+            for start in range(0, len(row), chunk):
+                np.ascontiguousarray(row[start:start + chunk], dtype=dtype).tofile(f)
 
 
 def build_train_valid_test_datasets(data_path, split, seq_length, seed, num_samples, cache_dir=None,
@@ -361,7 +419,7 @@ def _blend(parts, weights, name, num_samples, seq_length, seed, cache_dir):
     """A BlendedDataset of (IndexedDataset, documents) parts; weights None = by their tokens (concatenation)."""
     w = weights if weights is not None else [int(ds.sizes[_sequences(ds, d)].sum()) for ds, d in parts]
     dataset_index, sample_index = _cache_blend([ds.prefix for ds, _ in parts], w, name, num_samples, cache_dir)
-    counts = np.bincount(dataset_index, minlength=len(parts))
+    counts = [int(np.count_nonzero(dataset_index == d)) for d in range(len(parts))]  # no int64 copy, as bincount
     members = [GPTDataset(ds, _sequences(ds, docs), seq_length, seed, max(int(c), 1), name, cache_dir)
                for (ds, docs), c in zip(parts, counts)]
     return BlendedDataset(members, w, num_samples, dataset_index, sample_index)

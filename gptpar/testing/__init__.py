@@ -10,6 +10,7 @@
     tiny_tokenizer.py  a small Hugging Face fast tokenizer trained on gptpar's own sources
     corpus.py          a generated multilingual jsonl corpus (prose in eight languages, code, emoji)
     indexed_reference.py  an independent reader and writer of the indexed dataset format (.bin/.idx)
+    data_index_reference.py  the data index as first written (numpy and a Python loop): what the fast one must equal
 
 ROOT is the source checkout this package was imported from: runs.py and faults.py start its pretrain_gpt.py, and the
 tests read its configs/ and docs/ (pip install -e .).
