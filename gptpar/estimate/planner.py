@@ -165,7 +165,10 @@ def predict(s: dict, tp: int, pp: int, dp: int, mbs: int, gbs: int, hw: Hardware
     # (the recomputed forward's); sequence parallelism turns each into a reduce-scatter + all-gather of the same bytes
     n_ar = 6 if mode == "full" else 4
     act_bytes = mbs * seq * h * 2
-    slot_tp = 0.0 if tp == 1 else (L / pp) * n_ar * act_bytes * 2 * (tp - 1) / tp / (hw.intra_node_gbps * 1e9)
+    # tp is the fastest rank axis: a tp that does not divide a node's GPUs has groups that straddle two nodes, and
+    # every tp collective waits for the slowest group's link
+    tp_bw = hw.intra_node_gbps * 1e9 if hw.gpus_per_node % tp == 0 else hw.inter_node_gbps_per_gpu * 1e9
+    slot_tp = 0.0 if tp == 1 else (L / pp) * n_ar * act_bytes * 2 * (tp - 1) / tp / tp_bw
     if assume.tp_comm_overlap:   # hidden behind the GEMMs it is split with, what is left shows
         slot_tp = max(0.0, slot_tp - slot_compute)
     inter = hw.inter_node_gbps_per_gpu * 1e9

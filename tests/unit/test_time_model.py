@@ -140,6 +140,23 @@ def test_tp_overlap_hides_what_the_gemms_cover():
     assert exposed["tp_comm_s"] / n["tp_comm_s"] == pytest.approx(6 / 4)
 
 
+def test_a_tp_group_that_straddles_nodes_runs_at_the_network_rate():
+    """tp is the fastest rank axis: tp 6 on 8-GPU nodes puts some tp groups on two nodes, so its collectives run at
+    the per-GPU network bandwidth, not NVLink's; tp 4 and 8 tile a node and stay on NVLink."""
+    s = dict(s181(), num_attention_heads=96, hidden_size=14400, ffn_hidden_size=57600)   # divisible by 4, 6 and 8
+    n_ar = 6 if s["activation_checkpointing"] == "full" else 4
+    hw = hardware_of("h100-80gb")
+
+    def tp_bytes(tp):   # n_ar all-reduces per layer and micro batch, each moving 2 (tp - 1)/tp of the activation
+        layers, mbs, m = s["num_layers"] / 6, 1, 2304 // (8 * 1)
+        return m * layers * n_ar * mbs * s["seq_length"] * s["hidden_size"] * 2 * 2 * (tp - 1) / tp
+
+    for tp, bw in ((4, hw.intra_node_gbps), (8, hw.intra_node_gbps), (6, hw.inter_node_gbps_per_gpu)):
+        t = predict(s, tp, 6, 8, 1, 2304, hw)
+        slots = 2304 // 8 + 5
+        assert t["tp_comm_s"] == pytest.approx(tp_bytes(tp) * slots / (2304 // 8) / (bw * 1e9), rel=1e-9), tp
+
+
 def test_fp8_runs_faster_only_where_there_are_fp8_units():
     s = config_settings("200b")
     f8 = dict(s, precision="fp8")
