@@ -16,7 +16,7 @@ from typing import Iterable, List, Tuple
 KINDS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibrations", "kinds")
 DEFAULT_KIND = "a100-80gb"
 
-# What each --assume means (docs/planning.md, "What gptpar runs and what-ifs").
+# What each --assume means (docs/planning.md, "What-ifs (`--assume`)").
 ASSUMPTIONS = {
     "interleaved=V": "interleaved 1F1B pipeline schedule with V virtual stages per GPU (Megatron-LM)",
     "tp-comm-overlap": "tensor-parallel communication overlapped with the GEMMs (Megatron-LM --tp-comm-overlap)",
