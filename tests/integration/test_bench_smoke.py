@@ -468,5 +468,5 @@ def test_bench_straggler_smoke():
     assert out.returncode == 0, out.stderr
     for rank in (0, 1):
         line = next(line for line in out.stdout.splitlines() if line.startswith(f"rank {rank}: iteration "))
-        assert "collective log" in line and "report" in line and "step clock" in line, line
-    assert "straggler report (step clock + report): " in out.stdout and "% of an iteration's CPU time" in out.stdout
+        assert "collective log" in line and "report" in line and "rank clock" in line, line
+    assert "straggler report (rank clock + report): " in out.stdout and "% of an iteration's CPU time" in out.stdout
