@@ -22,14 +22,17 @@ Order, so that a refused run changes nothing in checkpoint.save (not even a modi
     -- broadcast --
     6. checkpoint.save: lock, probe, leftovers, free space (rank 0)   gptpar.checkpoint.save_folder
     7. with the lock held: killed conversions' temporary folders removed from the universal folder, and the
-       universal copy written (gptpar.checkpoint.resume.write_universal_copy), so that two jobs on one save
-       folder never convert at once
+       universal copy written, so that two jobs on one save folder never convert at once: by one process
+       (gptpar.checkpoint.resume.write_universal_copy), or, with several ranks, by all of them
+       (`convert_over_ranks`: rank 0 plans, each rank writes a share of the parameters, rank 0 writes the
+       metadata and the manifest last)
     -- broadcast --
 The sha256 of every file resumed is checked later, in the pass that loads it (gptpar.checkpoint.checkpointer.load):
 a damaged file ends every rank with exit 2 before any weight is used.
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -42,7 +45,11 @@ from gptpar.data.indexed import DataError
 from gptpar.checkpoint.exceptions import CheckpointError
 from gptpar.checkpoint.init_weights import check_weights_fit, choose_start
 from gptpar.checkpoint.layout import LoadTarget, complete_checkpoints, read_latest, resolve_load
-from gptpar.checkpoint.resume import plan_load, write_universal_copy
+from gptpar.checkpoint import universal
+from gptpar.checkpoint.durable import StagedFolder
+from gptpar.checkpoint.layout import earlier_checkpoint_fix, fingerprint
+from gptpar.checkpoint.manifest import open_folder
+from gptpar.checkpoint.resume import plan_load, universal_copy_error, write_universal_copy
 from gptpar.checkpoint.save_folder import (JobLock, check_free_space, checkpoint_bytes, clean_conversion_leftovers,
                                            clean_leftovers, peek_lock, probe_writable, this_job)
 from gptpar.training.reporting import LogPathError, check_log_paths
@@ -83,12 +90,21 @@ def run_preflight(cfg, pstate, shape: dict, log: Callable[[str], None]) -> Prefl
         return Preflight(None, stop=value)
     target, init_from = value
 
+    spread = pstate.world_size > 1  # the ranks share the conversion (after the lock is taken)
+
     def take():
         kept["lock"] = take_save_folder(cfg, pstate.world_size, pstate.tp_size, pstate.pp_size, log,
-                                        kept["copy"], kept["conversions"])
+                                        None if spread else kept["copy"], kept["conversions"])
         return ("ok", None)
 
     _outcome(wait_for_rank0(_guarded(take), pstate))  # take_save_folder releases the lock when it raises
+    if spread:
+        try:
+            convert_over_ranks(kept.get("copy"), pstate, log, owner=this_job() if pstate.rank == 0 else None)
+        except BaseException:
+            if kept.get("lock") is not None:
+                kept["lock"].release()
+            raise
     return Preflight(target, kept.get("lock"), init_from=init_from)
 
 
@@ -135,6 +151,105 @@ def wait_for_rank0(work: Callable[[], object], pstate, poll_seconds: float = 1.0
     box = [result[0] if result else None]
     dist.broadcast_object_list(box, src=0, device=device)
     return box[0]
+
+
+def convert_over_ranks(copy, pstate, log: Callable[[str], None], owner: Optional[dict] = None,
+                       poll_seconds: float = 1.0) -> None:
+    """Write rank 0's universal `copy` (gptpar.checkpoint.resume.UniversalCopy; None: nothing to write, and on the
+    other ranks, which learn it from rank 0) with every rank converting a share of the parameters. Collective.
+
+    Rank 0 creates the staged folder (`owner` recorded in it) and plans the shares (reading each stage's parameter
+    list), while the others wait in a polled barrier; each rank then writes its share into the staged folder
+    (every file hashed as written and fsynced, each source file verified by the rank that reads it), in a thread,
+    while its main thread joins a small all-reduce every `poll_seconds` (no collective outlasts
+    parallel.distributed_timeout_minutes however long a share takes). A share that fails stops the others between
+    two parameters; rank 0 removes the staged folder once no rank writes any more, and every rank raises the failed
+    rank's one-line error. Else rank 0 writes the metadata and the manifest last and renames the folder into place
+    (universal.finish_conversion): the copy is the one `write_universal_copy` writes, byte for byte."""
+    local = {}  # rank 0's: the staged folder, the source and its verifier
+
+    def plan():
+        if copy is None:
+            return ("ok", None)
+        if copy.stale:
+            log(copy.stale)
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(copy.out)), exist_ok=True)
+            local["verifier"] = verifier = open_folder(copy.source.path, earlier_checkpoint_fix(copy.source), log,
+                                                       copy.verify, "checkpoint.verify_checksums=false", quiet=True)
+            local["source"] = source = universal.read_source(copy.source.path, verifier)
+            if os.path.exists(copy.out) and copy.stale is None:
+                raise universal.UniversalCheckpointError(f"{copy.out} exists: choose a new output folder (nothing "
+                                                         "is overwritten)")
+            local["staged"] = staged = universal.start_conversion(copy.out, owner)
+            try:
+                order = universal.conversion_plan(source, verifier)
+            except BaseException:
+                staged.abandon()
+                raise
+        except Exception as e:  # noqa: BLE001 - raised on every rank, as _guarded words it
+            raise universal_copy_error(copy, e) from None
+        sizes = {name: math.prod(tag["shape"]) for name, tag in universal.parameter_tags(source.model).items()}
+        local["plan"] = order
+        return ("ok", (copy, staged.token, universal.split_shares(order, sizes, pstate.world_size)))
+
+    shared = _outcome(wait_for_rank0(_guarded(plan), pstate))[1]
+    if shared is None:
+        return
+    copy, token, shares = shared
+    done, stop = {}, threading.Event()
+
+    def convert():
+        try:
+            verifier = local.get("verifier") or open_folder(copy.source.path, earlier_checkpoint_fix(copy.source),
+                                                            log, copy.verify, "checkpoint.verify_checksums=false",
+                                                            quiet=True)
+            source = local.get("source") or universal.read_source(copy.source.path, verifier)
+            tmp = StagedFolder(copy.out, token).tmp
+            done["result"] = universal.convert_share(source, verifier, tmp, shares[pstate.rank], stop.is_set)
+        except BaseException as e:  # noqa: BLE001 - every rank learns it through the polls below
+            e = universal_copy_error(copy, e) if isinstance(e, Exception) else e
+            done["error"] = (isinstance(e, CheckpointError), isinstance(e, universal.ConversionCancelled),
+                             f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e))
+
+    worker = threading.Thread(target=convert, name="gptpar-conversion", daemon=True)
+    worker.start()
+    flags = torch.zeros(2, device=pstate.device)  # (a share failed, a rank still writes), MAX over the ranks
+    while True:
+        worker.join(timeout=poll_seconds)
+        flags[0], flags[1] = float("error" in done and not done["error"][1]), float(worker.is_alive())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        failed, writing = flags.tolist()
+        if failed:
+            stop.set()
+        if not writing:
+            break
+    results = [None] * pstate.world_size
+    dist.all_gather_object(results, done.get("error") or done["result"])
+    failures = [(rank, r) for rank, r in enumerate(results) if len(r) == 3 and not r[1]]
+    if failures:
+        if "staged" in local:  # no rank writes any more
+            local["staged"].abandon()
+        rank, (checkpoint_error, _, message) = failures[0]
+        raise (CheckpointError if checkpoint_error else RuntimeError)(
+            f"the universal conversion failed on rank {rank}: {message}")
+
+    def finish():
+        records, steps = {}, {}
+        for rank_records, rank_steps in results:
+            records.update(rank_records)
+            steps.update(rank_steps)
+        try:
+            universal.finish_conversion(local["staged"], local["source"], local["plan"], records, steps,
+                                        copy.counters, fingerprint(copy.source.path), owner, log,
+                                        replace=copy.stale is not None)
+        except Exception as e:  # noqa: BLE001 - raised on every rank, as _guarded words it
+            local["staged"].abandon()
+            raise universal_copy_error(copy, e) from None
+        log(f"{copy.reason}: converted to its universal copy {copy.out} ({pstate.world_size} ranks)")
+        return ("ok", None)
+
+    _outcome(wait_for_rank0(_guarded(finish), pstate))
 
 
 def check_on_rank0(cfg, world_size: int, tp: int, pp: int, shape: dict, log) -> tuple:
@@ -252,6 +367,6 @@ def count_parameters(model_cfg, tp: int, pp: int) -> int:
     return params
 
 
-__all__ = ["Preflight", "run_preflight", "wait_for_rank0", "check_on_rank0", "check_start",
+__all__ = ["Preflight", "run_preflight", "wait_for_rank0", "convert_over_ranks", "check_on_rank0", "check_start",
            "take_save_folder", "check_data", "count_parameters",
            "check_save_holds_no_other_run"]
