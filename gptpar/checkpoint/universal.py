@@ -542,15 +542,35 @@ def conversion_plan(source: Source, verifier: Verifier) -> List[Tuple[int, int, 
 
 
 def split_shares(plan: Sequence[tuple], sizes: Dict[str, int], ranks: int) -> List[List[tuple]]:
-    """`plan` cut into `ranks` contiguous shares of about equal elements (`sizes`: GPTModel name -> elements), so
-    that each rank reads the files of as few pipeline stages as it can; a share may be empty."""
-    total = sum(sizes[item[3]] for item in plan)
-    shares, done = [[] for _ in range(ranks)], 0
+    """`plan` cut into `ranks` contiguous shares (`sizes`: GPTModel name -> elements), so that each rank reads and
+    verifies the shards of as few pipeline stages as it can: with no more ranks than stages, whole stages, grouped
+    to about equal elements; with more, each stage split over a number of ranks in proportion to its elements (at
+    least one), by elements. A share may be empty."""
+    stages: Dict[int, list] = {}
     for item in plan:
-        middle = done + sizes[item[3]] / 2  # the parameter goes to the share its middle element falls in
-        shares[min(ranks - 1, int(middle * ranks / total) if total else 0)].append(item)
-        done += sizes[item[3]]
+        stages.setdefault(item[0], []).append(item)
+    weight = {stage: sum(sizes[item[3]] for item in items) for stage, items in stages.items()}
+    if ranks <= len(stages):
+        groups = _balanced([(weight[stage], items) for stage, items in stages.items()], ranks)
+        return [[item for items in group for item in items] for group in groups]
+    counts = {stage: 1 for stage in stages}  # then the ranks left, one at a time, to the most elements per rank
+    for _ in range(ranks - len(stages)):
+        counts[max(stages, key=lambda stage: weight[stage] / counts[stage])] += 1
+    shares = []
+    for stage, items in stages.items():
+        shares += _balanced([(sizes[item[3]], item) for item in items], counts[stage])
     return shares
+
+
+def _balanced(weighted: Sequence[Tuple[int, object]], parts: int) -> List[list]:
+    """`weighted` ((weight, payload) in order) cut into `parts` contiguous runs of about equal weight: each goes to
+    the run its middle falls in."""
+    total = sum(w for w, _ in weighted)
+    runs, done = [[] for _ in range(parts)], 0
+    for w, payload in weighted:
+        runs[min(parts - 1, int((done + w / 2) * parts / total) if total else 0)].append(payload)
+        done += w
+    return runs
 
 
 def convert_share(source: Source, verifier: Verifier, tmp: str, items: Sequence[tuple],

@@ -491,13 +491,19 @@ def test_the_conversion_over_two_ranks_is_byte_identical_to_one_rank(runs, tmp_p
 
 
 def test_the_shares_are_contiguous_and_balanced_by_elements():
-    """Each rank's share is a contiguous run of the plan (few stages' files per rank) of about 1/ranks of the
-    elements; every parameter lands in exactly one share, in order."""
-    plan = [(0, 0, f"p{i}", f"n{i}") for i in range(6)]
-    sizes = {"n0": 100, "n1": 10, "n2": 10, "n3": 60, "n4": 10, "n5": 10}
-    for ranks in (1, 2, 3, 4, 8):
+    """Each rank's share is a contiguous run of the plan; every parameter lands in exactly one share, in order. With
+    no more ranks than pipeline stages a share holds whole stages (a rank verifies few stages' shards); with more,
+    each stage goes to a number of ranks in proportion to its elements, split by elements."""
+    sizes = {"n0": 100, "n1": 10, "n2": 10, "n3": 60, "n4": 10, "n5": 10, "n6": 40, "n7": 40}
+    plan = [(0 if i < 6 else 1, 0, f"p{i}", f"n{i}") for i in range(8)]
+    for ranks in (1, 2, 3, 4, 8, 12):
         shares = universal.split_shares(plan, sizes, ranks)
         assert len(shares) == ranks and [item for share in shares for item in share] == plan
-    assert [[item[3] for item in share] for share in universal.split_shares(plan, sizes, 2)] == \
-        [["n0"], ["n1", "n2", "n3", "n4", "n5"]]
-    assert [len(share) for share in universal.split_shares(plan, dict.fromkeys(sizes, 5), 3)] == [2, 2, 2]
+        assert all(len({item[0] for item in share}) <= 1 for share in shares) or ranks == 1
+    names = lambda shares: [[item[3] for item in share] for share in shares]  # noqa: E731
+    assert names(universal.split_shares(plan, sizes, 2)) == [["n0", "n1", "n2", "n3", "n4", "n5"], ["n6", "n7"]]
+    assert names(universal.split_shares(plan, sizes, 3)) == [["n0"], ["n1", "n2", "n3", "n4", "n5"], ["n6", "n7"]]
+    assert names(universal.split_shares(plan, sizes, 4)) == [["n0"], ["n1", "n2"], ["n3", "n4", "n5"], ["n6", "n7"]]
+    assert names(universal.split_shares(plan, sizes, 5)) == [["n0"], ["n1", "n2"], ["n3", "n4", "n5"], ["n6"], ["n7"]]
+    one_stage = [(0, 0, f"p{i}", f"n{i}") for i in range(6)]
+    assert [len(share) for share in universal.split_shares(one_stage, dict.fromkeys(sizes, 5), 3)] == [2, 2, 2]
