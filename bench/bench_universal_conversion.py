@@ -9,7 +9,7 @@ checked byte for byte against the 1-rank one through its manifest (every file's 
 The checkpoint is written first by a 2-rank run of one iteration (fp32, synthetic data) into a temporary folder;
 the rounds alternate the rank counts (1, 2, 4, 1, 2, 4, ...). A conversion's time is the slowest rank's, from a
 barrier before it to its return (its share, its source files' sha256, the metadata and the manifest); the ranks'
-process start is not in it. Prints one line per conversion and a summary per rank count.
+process start and their first import of the model code are not in it. Prints one line per conversion and a summary per rank count.
 """
 import argparse
 import json
@@ -34,6 +34,8 @@ def convert(ckpt: str, out: str) -> float:
     from gptpar.checkpoint.manifest import open_folder
     from gptpar.checkpoint.resume import UniversalCopy, carried_counters, read_rank_state, write_universal_copy
     from gptpar.training.preflight import convert_over_ranks
+
+    import gptpar.model.gpt  # noqa: F401 - a run has imported its model code before its preflight converts
 
     rank, world = dist.get_rank(), dist.get_world_size()
     copy = None

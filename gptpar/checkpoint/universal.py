@@ -479,8 +479,8 @@ def convert_deepspeed_checkpoint(ckpt: str, out_dir: str, log: Callable[[str], N
                                  fix: str = "resume from or convert an earlier checkpoint") -> dict:
     """Write the universal form of gptpar checkpoint folder `ckpt` (any tp x pp x dp, ZeRO-1 in fp32 or bf16)
     to `out_dir` (one that exists is swapped out only with `replace`: a stale copy), in this process. Returns its
-    metadata. The steps are those a conversion over several ranks takes (`conversion_plan`, `split_shares`,
-    `convert_share` on each rank, `finish_conversion`), with one share.
+    metadata. The steps are those a conversion over several ranks takes (`stage_parameters`, `conversion_plan`,
+    `split_shares`, `convert_share` on each rank, `finish_conversion`), with one share.
 
     Every file read from `ckpt` is checked against its manifest in the same pass (`verify`; `fix` ends the message
     of a damaged one). The copy is one durable write (gptpar.checkpoint.durable): `{out_dir}.tmp-PID`, every file
@@ -495,7 +495,8 @@ def convert_deepspeed_checkpoint(ckpt: str, out_dir: str, log: Callable[[str], N
         raise UniversalCheckpointError(f"{out_dir} exists: choose a new output folder (nothing is overwritten)")
     staged = start_conversion(out_dir, owner)
     try:
-        plan = conversion_plan(source, source_verifier)
+        plan = conversion_plan(source, {stage: stage_parameters(source, source_verifier, stage)
+                                        for stage in range(source.pp)})
         records, steps = convert_share(source, source_verifier, staged.tmp, plan)
         meta = finish_conversion(staged, source, plan, records, steps, counters, source_files, owner, log, replace)
     except BaseException:
@@ -514,63 +515,60 @@ def start_conversion(out_dir: str, owner: Optional[dict] = None, token: Optional
     return staged
 
 
-def conversion_plan(source: Source, verifier: Verifier) -> List[Tuple[int, int, str, str]]:
+def stage_parameters(source: Source, verifier: Verifier, stage: int) -> List[Tuple[int, str]]:
+    """(parameter group, DeepSpeed name) of every parameter of pipeline stage `stage`, in its flat buffers' order,
+    from tp rank 0's model-states file of the stage (read through `verifier`, which checks it whole)."""
+    path = os.path.join(source.path, model_states_file(stage * source.tp))
+    return [(group, ds_name) for group, shapes in enumerate(_deepspeed_file(verifier, path)["param_shapes"])
+            for ds_name in shapes]
+
+
+def conversion_plan(source: Source, stages: Dict[int, List[Tuple[int, str]]]) -> List[Tuple[int, int, str, str]]:
     """Every parameter of `source` once, in the order the copy is written: (pipeline stage, parameter group,
-    DeepSpeed name, GPTModel name), the stages in order and each stage's parameters in its flat buffers' order (tp
-    rank 0's model-states file of each stage is read, through `verifier`); the last stage's tied copy of the word
-    embedding is left out. Raises UniversalCheckpointError for a parameter the model lacks or one it has that no
-    stage holds."""
-    config, tp, pp = source.model, source.tp, source.pp
+    DeepSpeed name, GPTModel name), from each stage's `stage_parameters`, the stages in order; the last stage's tied
+    copy of the word embedding is left out. Raises UniversalCheckpointError for a parameter the model lacks or one it
+    has that no stage holds."""
+    config, pp = source.model, source.pp
     tags = parameter_tags(config)
     plan, seen = [], set()
     for stage in range(pp):
-        path = os.path.join(source.path, model_states_file(stage * tp))
-        for group, shapes in enumerate(_deepspeed_file(verifier, path)["param_shapes"]):
-            for ds_name in shapes:
-                name = gpt_parameter_name(ds_name, pp > 1, config.num_layers, source.embedding_weight)
-                if name in seen:  # the last stage's tied copy of the word embedding
-                    continue
-                if name not in tags:
-                    raise UniversalCheckpointError(f"{source.path}: parameter {ds_name} ({name}) is not in the model "
-                                                   "its config.json describes")
-                seen.add(name)
-                plan.append((stage, group, ds_name, name))
+        for group, ds_name in stages[stage]:
+            name = gpt_parameter_name(ds_name, pp > 1, config.num_layers, source.embedding_weight)
+            if name in seen:  # the last stage's tied copy of the word embedding
+                continue
+            if name not in tags:
+                raise UniversalCheckpointError(f"{source.path}: parameter {ds_name} ({name}) is not in the model "
+                                               "its config.json describes")
+            seen.add(name)
+            plan.append((stage, group, ds_name, name))
     missing = sorted(set(tags) - seen)
     if missing:
         raise UniversalCheckpointError(f"{source.path}: no optimizer state for {missing[:5]}: incomplete checkpoint")
     return plan
 
 
-def split_shares(plan: Sequence[tuple], sizes: Dict[str, int], ranks: int) -> List[List[tuple]]:
-    """`plan` cut into `ranks` contiguous shares (`sizes`: GPTModel name -> elements), so that each rank reads and
-    verifies the shards of as few pipeline stages as it can: with no more ranks than stages, whole stages, grouped
-    to about equal elements; with more, each stage split over a number of ranks in proportion to its elements (at
-    least one), by elements. A share may be empty."""
-    stages: Dict[int, list] = {}
-    for item in plan:
-        stages.setdefault(item[0], []).append(item)
-    weight = {stage: sum(sizes[item[3]] for item in items) for stage, items in stages.items()}
-    if ranks <= len(stages):
-        groups = _balanced([(weight[stage], items) for stage, items in stages.items()], ranks)
-        return [[item for items in group for item in items] for group in groups]
-    counts = {stage: 1 for stage in stages}  # then the ranks left, one at a time, to the most elements per rank
-    for _ in range(ranks - len(stages)):
-        counts[max(stages, key=lambda stage: weight[stage] / counts[stage])] += 1
-    shares = []
-    for stage, items in stages.items():
-        shares += _balanced([(sizes[item[3]], item) for item in items], counts[stage])
+def stage_ranks(pp: int, ranks: int) -> List[List[int]]:
+    """The ranks that convert each pipeline stage, contiguous: with no more ranks than stages one rank per stage
+    (about pp/ranks stages each), else about ranks/pp ranks per stage. The first of a stage's ranks reads its
+    parameter list (`stage_parameters`); a rank verifies the shards of its stages only."""
+    if ranks <= pp:
+        return [[stage * ranks // pp] for stage in range(pp)]
+    return [list(range(stage * ranks // pp, (stage + 1) * ranks // pp)) for stage in range(pp)]
+
+
+def split_shares(plan: Sequence[tuple], sizes: Dict[str, int], ranks: int, pp: int) -> List[List[tuple]]:
+    """`plan` cut into `ranks` contiguous shares following `stage_ranks`: a stage's parameters go to its ranks, split
+    among them by elements (`sizes`: GPTModel name -> elements; each to the rank its middle element falls in)."""
+    shares = [[] for _ in range(ranks)]
+    owners = stage_ranks(pp, ranks)
+    for stage in range(pp):
+        items = [item for item in plan if item[0] == stage]
+        total, done, mine = sum(sizes[item[3]] for item in items), 0, owners[stage]
+        for item in items:
+            part = int((done + sizes[item[3]] / 2) * len(mine) / total) if total else 0
+            shares[mine[min(len(mine) - 1, part)]].append(item)
+            done += sizes[item[3]]
     return shares
-
-
-def _balanced(weighted: Sequence[Tuple[int, object]], parts: int) -> List[list]:
-    """`weighted` ((weight, payload) in order) cut into `parts` contiguous runs of about equal weight: each goes to
-    the run its middle falls in."""
-    total = sum(w for w, _ in weighted)
-    runs, done = [[] for _ in range(parts)], 0
-    for w, payload in weighted:
-        runs[min(parts - 1, int((done + w / 2) * parts / total) if total else 0)].append(payload)
-        done += w
-    return runs
 
 
 def convert_share(source: Source, verifier: Verifier, tmp: str, items: Sequence[tuple],
@@ -670,5 +668,6 @@ __all__ = ["META", "OWNER", "STATES", "UniversalCheckpointError", "gpt_parameter
            "optimizer_files", "optimizer_states_file", "Source", "read_source", "open_universal", "rebuild_fix",
            "parameter_tags", "deepspeed_universal_info", "is_universal", "is_deepspeed_universal", "state_path",
            "read_meta", "read_state", "read_weights", "deepspeed_parameter_names", "convert_deepspeed_checkpoint",
-           "start_conversion", "conversion_plan", "split_shares", "convert_share", "ConversionCancelled",
+           "start_conversion", "stage_parameters", "conversion_plan", "stage_ranks", "split_shares", "convert_share",
+           "ConversionCancelled",
            "finish_conversion"]

@@ -158,81 +158,60 @@ def convert_over_ranks(copy, pstate, log: Callable[[str], None], owner: Optional
     """Write rank 0's universal `copy` (gptpar.checkpoint.resume.UniversalCopy; None: nothing to write, and on the
     other ranks, which learn it from rank 0) with every rank converting a share of the parameters. Collective.
 
-    Rank 0 creates the staged folder (`owner` recorded in it) and plans the shares (reading each stage's parameter
-    list), while the others wait in a polled barrier; each rank then writes its share into the staged folder
-    (every file hashed as written and fsynced, each source file verified by the rank that reads it), in a thread,
-    while its main thread joins a small all-reduce every `poll_seconds` (no collective outlasts
-    parallel.distributed_timeout_minutes however long a share takes). A share that fails stops the others between
-    two parameters; rank 0 removes the staged folder once no rank writes any more, and every rank raises the failed
-    rank's one-line error. Else rank 0 writes the metadata and the manifest last and renames the folder into place
-    (universal.finish_conversion): the copy is the one `write_universal_copy` writes, byte for byte."""
-    local = {}  # rank 0's: the staged folder, the source and its verifier
+    Rank 0 creates the staged folder (`owner` recorded in it). Then every rank, in two rounds: reads the parameter
+    list of the pipeline stages it leads (universal.stage_ranks), the lists going to every rank, which cut the same
+    shares (universal.split_shares); and writes its share into the staged folder (every file hashed as written and
+    fsynced; each source file verified by the rank that reads it, a rank reading the shards of its own stages only).
+    Each round's work runs in a thread while the main thread joins a small all-reduce every `poll_seconds`, so no
+    collective outlasts parallel.distributed_timeout_minutes however long a share takes. A rank that fails stops
+    the others between two parameters; rank 0 removes the staged folder once no rank writes any more, and every
+    rank raises the failed rank's one-line error. Else rank 0 writes the metadata and the manifest last and renames
+    the folder into place (universal.finish_conversion): the copy is the one `write_universal_copy` writes, byte for
+    byte."""
+    local = {}  # rank 0's staged folder
 
-    def plan():
+    def start():
         if copy is None:
             return ("ok", None)
         if copy.stale:
             log(copy.stale)
         try:
             os.makedirs(os.path.dirname(os.path.abspath(copy.out)), exist_ok=True)
-            local["verifier"] = verifier = open_folder(copy.source.path, earlier_checkpoint_fix(copy.source), log,
-                                                       copy.verify, "checkpoint.verify_checksums=false", quiet=True)
-            local["source"] = source = universal.read_source(copy.source.path, verifier)
             if os.path.exists(copy.out) and copy.stale is None:
                 raise universal.UniversalCheckpointError(f"{copy.out} exists: choose a new output folder (nothing "
                                                          "is overwritten)")
-            local["staged"] = staged = universal.start_conversion(copy.out, owner)
-            try:
-                order = universal.conversion_plan(source, verifier)
-            except BaseException:
-                staged.abandon()
-                raise
+            local["staged"] = universal.start_conversion(copy.out, owner)
         except Exception as e:  # noqa: BLE001 - raised on every rank, as _guarded words it
             raise universal_copy_error(copy, e) from None
-        sizes = {name: math.prod(tag["shape"]) for name, tag in universal.parameter_tags(source.model).items()}
-        local["plan"] = order
-        return ("ok", (copy, staged.token, universal.split_shares(order, sizes, pstate.world_size)))
+        return ("ok", (copy, local["staged"].token))
 
-    shared = _outcome(wait_for_rank0(_guarded(plan), pstate))[1]
-    if shared is None:
+    started = _outcome(wait_for_rank0(_guarded(start), pstate))[1]
+    if started is None:
         return
-    copy, token, shares = shared
-    done, stop = {}, threading.Event()
+    copy, token = started
+    rank, ranks, opened = pstate.rank, pstate.world_size, {}
+    try:
+        def read_stages(stop):
+            opened["verifier"] = verifier = open_folder(copy.source.path, earlier_checkpoint_fix(copy.source), log,
+                                                        copy.verify, "checkpoint.verify_checksums=false", quiet=True)
+            opened["source"] = source = universal.read_source(copy.source.path, verifier)
+            return {stage: universal.stage_parameters(source, verifier, stage)
+                    for stage, owners in enumerate(universal.stage_ranks(source.pp, ranks)) if owners[0] == rank}
 
-    def convert():
-        try:
-            verifier = local.get("verifier") or open_folder(copy.source.path, earlier_checkpoint_fix(copy.source),
-                                                            log, copy.verify, "checkpoint.verify_checksums=false",
-                                                            quiet=True)
-            source = local.get("source") or universal.read_source(copy.source.path, verifier)
-            tmp = StagedFolder(copy.out, token).tmp
-            done["result"] = universal.convert_share(source, verifier, tmp, shares[pstate.rank], stop.is_set)
-        except BaseException as e:  # noqa: BLE001 - every rank learns it through the polls below
-            e = universal_copy_error(copy, e) if isinstance(e, Exception) else e
-            done["error"] = (isinstance(e, CheckpointError), isinstance(e, universal.ConversionCancelled),
-                             f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e))
-
-    worker = threading.Thread(target=convert, name="gptpar-conversion", daemon=True)
-    worker.start()
-    flags = torch.zeros(2, device=pstate.device)  # (a share failed, a rank still writes), MAX over the ranks
-    while True:
-        worker.join(timeout=poll_seconds)
-        flags[0], flags[1] = float("error" in done and not done["error"][1]), float(worker.is_alive())
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        failed, writing = flags.tolist()
-        if failed:
-            stop.set()
-        if not writing:
-            break
-    results = [None] * pstate.world_size
-    dist.all_gather_object(results, done.get("error") or done["result"])
-    failures = [(rank, r) for rank, r in enumerate(results) if len(r) == 3 and not r[1]]
-    if failures:
-        if "staged" in local:  # no rank writes any more
+        stages = {}
+        for found in _on_every_rank(read_stages, copy, pstate, poll_seconds):
+            stages.update(found)
+        source = opened["source"]
+        plan = universal.conversion_plan(source, stages)  # the same on every rank
+        sizes = {name: math.prod(tag["shape"]) for name, tag in universal.parameter_tags(source.model).items()}
+        share = universal.split_shares(plan, sizes, ranks, source.pp)[rank]
+        tmp = StagedFolder(copy.out, token).tmp
+        results = _on_every_rank(lambda stop: universal.convert_share(source, opened["verifier"], tmp, share, stop),
+                                 copy, pstate, poll_seconds)
+    except BaseException:
+        if "staged" in local:  # no rank writes any more (or this one lost its peers)
             local["staged"].abandon()
-        rank, (checkpoint_error, _, message) = failures[0]
-        raise (CheckpointError if checkpoint_error else RuntimeError)(
-            f"the universal conversion failed on rank {rank}: {message}")
+        raise
 
     def finish():
         records, steps = {}, {}
@@ -240,16 +219,51 @@ def convert_over_ranks(copy, pstate, log: Callable[[str], None], owner: Optional
             records.update(rank_records)
             steps.update(rank_steps)
         try:
-            universal.finish_conversion(local["staged"], local["source"], local["plan"], records, steps,
-                                        copy.counters, fingerprint(copy.source.path), owner, log,
-                                        replace=copy.stale is not None)
+            universal.finish_conversion(local["staged"], source, plan, records, steps, copy.counters,
+                                        fingerprint(copy.source.path), owner, log, replace=copy.stale is not None)
         except Exception as e:  # noqa: BLE001 - raised on every rank, as _guarded words it
             local["staged"].abandon()
             raise universal_copy_error(copy, e) from None
-        log(f"{copy.reason}: converted to its universal copy {copy.out} ({pstate.world_size} ranks)")
+        log(f"{copy.reason}: converted to its universal copy {copy.out} ({ranks} ranks)")
         return ("ok", None)
 
     _outcome(wait_for_rank0(_guarded(finish), pstate))
+
+
+def _on_every_rank(work: Callable, copy, pstate, poll_seconds: float) -> list:
+    """Every rank's `work(stop)` result (`stop()` true once another rank's failed), run in a thread on each rank while
+    the main thread joins a small all-reduce every `poll_seconds`; the first rank's failure raised on every rank, in
+    one line, once no rank works any more."""
+    done, stop = {}, threading.Event()
+
+    def run():
+        try:
+            done["result"] = work(stop.is_set)
+        except BaseException as e:  # noqa: BLE001 - every rank learns it through the polls below
+            e = universal_copy_error(copy, e) if isinstance(e, Exception) else e
+            done["error"] = (isinstance(e, CheckpointError), isinstance(e, universal.ConversionCancelled),
+                             str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}")
+
+    worker = threading.Thread(target=run, name="gptpar-conversion", daemon=True)
+    worker.start()
+    flags = torch.zeros(2, device=pstate.device)  # (a rank failed, a rank still works), MAX over the ranks
+    while True:
+        worker.join(timeout=poll_seconds)
+        flags[0], flags[1] = float("error" in done and not done["error"][1]), float(worker.is_alive())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        failed, working = flags.tolist()
+        if failed:
+            stop.set()
+        if not working:
+            break
+    results = [None] * pstate.world_size
+    dist.all_gather_object(results, ("error", done["error"]) if "error" in done else ("ok", done["result"]))
+    failures = [(rank, error) for rank, (kind, error) in enumerate(results) if kind == "error" and not error[1]]
+    if failures:
+        rank, (checkpoint_error, _, message) = failures[0]
+        raise (CheckpointError if checkpoint_error else RuntimeError)(
+            f"the universal conversion failed on rank {rank}: {message}")
+    return [result for _, result in results]
 
 
 def check_on_rank0(cfg, world_size: int, tp: int, pp: int, shape: dict, log) -> tuple:

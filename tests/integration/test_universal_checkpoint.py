@@ -490,20 +490,21 @@ def test_the_conversion_over_two_ranks_is_byte_identical_to_one_rank(runs, tmp_p
     assert not os.path.exists(failing) and not [p for p in os.listdir(tmp_path) if p.startswith("failing")]
 
 
-def test_the_shares_are_contiguous_and_balanced_by_elements():
+def test_the_shares_follow_the_stages_and_split_a_stage_by_elements():
     """Each rank's share is a contiguous run of the plan; every parameter lands in exactly one share, in order. With
-    no more ranks than pipeline stages a share holds whole stages (a rank verifies few stages' shards); with more,
-    each stage goes to a number of ranks in proportion to its elements, split by elements."""
+    no more ranks than pipeline stages a rank converts whole stages (it verifies their shards only); with more, each
+    stage goes to its own ranks, split among them by elements."""
+    assert universal.stage_ranks(4, 2) == [[0], [0], [1], [1]] and universal.stage_ranks(3, 1) == [[0]] * 3
+    assert universal.stage_ranks(2, 4) == [[0, 1], [2, 3]] and universal.stage_ranks(2, 5) == [[0, 1], [2, 3, 4]]
     sizes = {"n0": 100, "n1": 10, "n2": 10, "n3": 60, "n4": 10, "n5": 10, "n6": 40, "n7": 40}
     plan = [(0 if i < 6 else 1, 0, f"p{i}", f"n{i}") for i in range(8)]
-    for ranks in (1, 2, 3, 4, 8, 12):
-        shares = universal.split_shares(plan, sizes, ranks)
+    for ranks in (1, 2, 3, 4, 8):
+        shares = universal.split_shares(plan, sizes, ranks, 2)
         assert len(shares) == ranks and [item for share in shares for item in share] == plan
-        assert all(len({item[0] for item in share}) <= 1 for share in shares) or ranks == 1
     names = lambda shares: [[item[3] for item in share] for share in shares]  # noqa: E731
-    assert names(universal.split_shares(plan, sizes, 2)) == [["n0", "n1", "n2", "n3", "n4", "n5"], ["n6", "n7"]]
-    assert names(universal.split_shares(plan, sizes, 3)) == [["n0"], ["n1", "n2", "n3", "n4", "n5"], ["n6", "n7"]]
-    assert names(universal.split_shares(plan, sizes, 4)) == [["n0"], ["n1", "n2"], ["n3", "n4", "n5"], ["n6", "n7"]]
-    assert names(universal.split_shares(plan, sizes, 5)) == [["n0"], ["n1", "n2"], ["n3", "n4", "n5"], ["n6"], ["n7"]]
+    assert names(universal.split_shares(plan, sizes, 1, 2)) == [[f"n{i}" for i in range(8)]]
+    assert names(universal.split_shares(plan, sizes, 2, 2)) == [["n0", "n1", "n2", "n3", "n4", "n5"], ["n6", "n7"]]
+    assert names(universal.split_shares(plan, sizes, 4, 2)) == [["n0"], ["n1", "n2", "n3", "n4", "n5"], ["n6"],
+                                                                ["n7"]]
     one_stage = [(0, 0, f"p{i}", f"n{i}") for i in range(6)]
-    assert [len(share) for share in universal.split_shares(one_stage, dict.fromkeys(sizes, 5), 3)] == [2, 2, 2]
+    assert [len(share) for share in universal.split_shares(one_stage, dict.fromkeys(sizes, 5), 3, 1)] == [2, 2, 2]
