@@ -1,7 +1,9 @@
 """How long the universal conversion at a resume takes on 1, 2 and 4 ranks: a checkpoint saved at (tp, pp, dp) =
 (1, 2, 1) converted by one process (gptpar.checkpoint.resume.write_universal_copy, what a 1-rank resume runs) and
 over 2 and 4 ranks (gptpar.training.preflight.convert_over_ranks, what a resume of several ranks runs), each copy
-checked byte for byte against the 1-rank one through its manifest (every file's sha256):
+checked byte for byte against the 1-rank one through its manifest (every file's sha256). Besides the wall time, each
+rank's CPU seconds (time.process_time) in its conversion: on a machine with fewer free cores than ranks the wall
+time cannot fall, and the busiest rank's CPU time shows how the work was divided:
 
     python bench/bench_universal_conversion.py                    # 8 layers x 512, 2 rounds
     python bench/bench_universal_conversion.py --layers 2 --hidden 64 --rounds 1
@@ -24,8 +26,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def convert(ckpt: str, out: str) -> float:
-    """On each harness rank: the conversion of `ckpt` into `out` over every rank; its seconds on this rank."""
+def convert(ckpt: str, out: str) -> tuple:
+    """On each harness rank: the conversion of `ckpt` into `out` over every rank; (its seconds, this process's CPU
+    seconds in it, every thread's)."""
     import torch
     import torch.distributed as dist
     from types import SimpleNamespace
@@ -43,13 +46,13 @@ def convert(ckpt: str, out: str) -> float:
         counters = carried_counters(read_rank_state(ckpt, 0, open_folder(ckpt, "", print, quiet=True)))
         copy = UniversalCopy(LoadTarget(os.path.dirname(ckpt), os.path.basename(ckpt)), out, counters, "bench")
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     if world == 1:
         write_universal_copy(copy, lambda *a: None)
     else:
         convert_over_ranks(copy, SimpleNamespace(rank=rank, world_size=world, device=torch.device("cpu")),
                            lambda *a: None)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def main(argv=None) -> int:
@@ -81,24 +84,27 @@ def main(argv=None) -> int:
         ckpt = os.path.join(ck, "iter_0000001")
         size = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt))
         print(f"checkpoint {args.layers} layers x {args.hidden} at (tp, pp, dp) = (1, 2, 1): {size / 2 ** 20:.0f} MiB")
-        seconds, reference = {n: [] for n in args.ranks}, None
+        seconds, cpus, reference = {n: [] for n in args.ranks}, {n: [] for n in args.ranks}, None
         for round_ in range(args.rounds):
             for n in args.ranks:
                 out_dir = os.path.join(work, f"u{n}_{round_}")
-                took = max(run_distributed(convert, n, (ckpt, out_dir), timeout=1800))
+                times = run_distributed(convert, n, (ckpt, out_dir), timeout=1800)
+                took, cpu = max(t for t, _ in times), [c for _, c in times]
                 with open(os.path.join(out_dir, MANIFEST)) as f:
                     files = json.load(f)["files"]
                 reference = reference or files
                 same = files == reference
                 seconds[n].append(took)
-                print(f"round {round_ + 1}, {n} rank(s): {took:.2f} s, the same files as the first 1-rank copy: {same}")
+                cpus[n].append(max(cpu))
+                print(f"round {round_ + 1}, {n} rank(s): {took:.2f} s, CPU s per rank "
+                      f"{' / '.join(f'{c:.2f}' for c in cpu)}, the same files as the first 1-rank copy: {same}")
                 shutil.rmtree(out_dir)
                 if not same:
                     return 1
         for n in args.ranks:
             s = seconds[n]
             print(f"{n} rank(s): median {statistics.median(s):.2f} s (min {min(s):.2f}, max {max(s):.2f}; "
-                  f"{len(s)} conversions)")
+                  f"{len(s)} conversions); the busiest rank's CPU: median {statistics.median(cpus[n]):.2f} s")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -33,6 +33,7 @@ writes optimizer objects into them) and are read with `weights_only=False`: conv
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -77,7 +78,18 @@ def gpt_parameter_name(name: str, pipelined: bool, num_layers: int, embedding_we
 
 def parameter_tags(config: GPTConfig) -> Dict[str, dict]:
     """{name: {"shape", "tensor_model_parallel", "partition_dim", "vocab_tensor"}} of the full model at tp = 1
-    with the real vocabulary, read off a meta-device GPTModel's own tags (never off the names)."""
+    with the real vocabulary, read off a meta-device GPTModel's own tags (never off the names). Built once per
+    model config in a process (a conversion asks several times); each call returns its own copy."""
+    key = json.dumps(dataclasses.asdict(config), sort_keys=True, default=str)
+    if key not in _TAGS:
+        _TAGS[key] = _parameter_tags(config)
+    return copy.deepcopy(_TAGS[key])
+
+
+_TAGS: Dict[str, Dict[str, dict]] = {}  # parameter_tags' models, by their config
+
+
+def _parameter_tags(config: GPTConfig) -> Dict[str, dict]:
     from gptpar.model.gpt import GPTModel
     from gptpar.tensor_parallel.layers import VocabParallelEmbedding
 
