@@ -10,9 +10,12 @@ of two runs' iteration times would be noise on a shared machine, far above 1%):
     collective log      each collective's bookkeeping in gptpar.training.collectives (CollectiveLog._enter, the
                         ring entry, the caller's frame), summed over the run's calls: the hang diagnosis's ring,
                         kept with or without the report, so reported beside it
-    step clock          opening and closing the clock around each step and reading it (StepClock)
-    report              reading the clocks at each log line, the rank's slot added to the stop all-reduce and the
-                        wording (StragglerReport.local_mean, .slots, .lines, Trainer.report_stragglers)
+    rank clock          the clock of each rank's own time: its lap at each iteration's end, its pauses around
+                        evaluation and saves, and reading a lap (RankClock.start, .lap, .paused; Lap.ready,
+                        .own_seconds)
+    report              the interval's median at each log line (one interval late), the rank's slot added to the
+                        stop all-reduce, the rule and the wording (StragglerReport.add, .interval_seconds, .slots,
+                        .lines, Trainer.report_stragglers)
 
 Each part is timed in the main thread's CPU time (time.thread_time), and so is the iteration (the run's training
 over its iterations): on a shared machine a wall-clock timer around a few microseconds of code also counts the
@@ -49,7 +52,7 @@ def rank_main(iters: int) -> dict:
     from gptpar.parallel import init_parallel
     from gptpar.training.assembly import build_trainer, setup_environment
     from gptpar.training.cli import parse
-    from gptpar.training.collectives import CollectiveLog, StepClock
+    from gptpar.training.collectives import CollectiveLog, Lap, RankClock
     from gptpar.training.straggler import StragglerReport
 
     cfg, _, (tp, pp, dp) = parse(["--config", "configs/cpu_dp2.json", "--set", f"training.train_iters={iters}",
@@ -59,9 +62,10 @@ def rank_main(iters: int) -> dict:
     collectives = CollectiveLog().install()
     spent = collections.defaultdict(float)
     timed(CollectiveLog, "_enter", spent, "collective log")
-    for name in ("__enter__", "__exit__", "compute_seconds"):
-        timed(StepClock, name, spent, "step clock")
-    for name in ("local_mean", "slots", "lines"):
+    for cls, names in ((RankClock, ("start", "lap", "paused")), (Lap, ("ready", "own_seconds"))):
+        for name in names:
+            timed(cls, name, spent, "rank clock")
+    for name in ("add", "interval_seconds", "slots", "lines"):
         timed(StragglerReport, name, spent, "report")
     from gptpar.training.trainer import Trainer
 
@@ -85,13 +89,13 @@ def main(argv=None) -> int:
     shares = {"straggler": [], "all": []}
     for rank, r in enumerate(results):
         us, cpu_us = r["us_per_iteration"], 1e6 * r["iteration_cpu_s"]
-        own = us["step clock"] + us["report"]
+        own = us["rank clock"] + us["report"]
         shares["straggler"].append(own / cpu_us)
         shares["all"].append(sum(us.values()) / cpu_us)
         parts = ", ".join(f"{k} {v:.0f}" for k, v in sorted(us.items()))
         print(f"rank {rank}: iteration {r['iteration_cpu_s'] * 1e3:.1f} ms CPU ({r['iteration_s'] * 1e3:.1f} ms wall), "
               f"{r['calls_per_iteration']:.1f} collectives per iteration; us CPU per iteration: {parts}")
-    print(f"straggler report (step clock + report): {100 * max(shares['straggler']):.2f}% of an iteration's CPU time; "
+    print(f"straggler report (rank clock + report): {100 * max(shares['straggler']):.2f}% of an iteration's CPU time; "
           f"with the collective log (the ring the hang diagnosis reads, on with or without the report): "
           f"{100 * max(shares['all']):.2f}% (the larger rank's, log_interval = 1)")
     return 0

@@ -3,8 +3,9 @@ checkpoint itself when its files fit this run, else its universal copy, reused o
 
 A checkpoint of another parallel shape (tp, pp, dp, partitioning at pp > 1), or saved with a precision whose
 optimizer files this run's does not load (gptpar.checkpoint.universal.optimizer_files), is resumed through its
-universal form (docs/checkpoints.md): rank 0 converts it once into `checkpoint.universal_dir` (default:
-`{load folder}_universal/`, never inside the load folder), with the save folder's lock held, or reuses the copy
+universal form (docs/checkpoints.md): it is converted once into `checkpoint.universal_dir` (default:
+`{load folder}_universal/`, never inside the load folder; by every rank, each a share of the parameters,
+gptpar.training.preflight.convert_over_ranks), with the save folder's lock held, or rank 0 reuses the copy
 already there when it was converted from exactly these files (`layout.fingerprint`; else it is rebuilt, in one
 line). The model shape stored with a checkpoint must equal the current config's (a clear error naming the key
 otherwise); every other key (LR, intervals, exit conditions, ...) comes from the current config.
@@ -254,29 +255,34 @@ def plan_load(target: LoadTarget, shape: dict, world_size: int, universal_dir: O
 
 
 def write_universal_copy(copy: UniversalCopy, log: Callable[[str], None], owner: Optional[dict] = None) -> None:
-    """Convert `copy.source` into `copy.out` (rank 0, after plan_load, with the save folder's lock held), swapping
-    out a stale copy. Every file the conversion reads is checked against the checkpoint's manifest in the same
-    pass (a damaged one refuses the copy, naming it). A write that fails (a full disk) raises CheckpointError
-    saying so, as a failed save does; nothing is left behind. `owner`: the job, recorded in the temporary folder
-    while it is written (gptpar.checkpoint.save_folder cleans up after a killed conversion)."""
-    parent = os.path.dirname(os.path.abspath(copy.out))
+    """Convert `copy.source` into `copy.out` in this process (after plan_load, with the save folder's lock held),
+    swapping out a stale copy; several ranks share the work through gptpar.training.preflight instead. Every file
+    the conversion reads is checked against the checkpoint's manifest in the same pass (a damaged one refuses the
+    copy, naming it). A write that fails (a full disk) raises CheckpointError saying so, as a failed save does;
+    nothing is left behind. `owner`: the job, recorded in the temporary folder while it is written
+    (gptpar.checkpoint.save_folder cleans up after a killed conversion)."""
     if copy.stale:
         log(copy.stale)
     try:
-        os.makedirs(parent, exist_ok=True)
+        os.makedirs(os.path.dirname(os.path.abspath(copy.out)), exist_ok=True)
         universal.convert_deepspeed_checkpoint(copy.source.path, copy.out, log, counters=copy.counters,
                                                source_files=fingerprint(copy.source.path), owner=owner,
                                                verify=copy.verify, replace=copy.stale is not None,
                                                fix=earlier_checkpoint_fix(copy.source))
-    except CheckpointError:
-        raise
     except Exception as e:  # noqa: BLE001 - a full disk, no permission: torch's writer raises RuntimeError
-        if not is_write_failure(e):
-            raise
-        raise CheckpointError(f"could not write the universal copy {copy.out}: {describe_write_failure(parent, e)}. "
-                              "Free space there (the copy takes 12 bytes per parameter) or set "
-                              "checkpoint.universal_dir to another folder, then start again") from None
+        raise universal_copy_error(copy, e) from None
     log(f"{copy.reason}: converted to its universal copy {copy.out}")
+
+
+def universal_copy_error(copy: UniversalCopy, e: Exception) -> Exception:
+    """What a conversion into `copy.out` that raised `e` raises: a CheckpointError as it is; a write the file
+    system refused as CheckpointError saying so, with the free space left; anything else as it is."""
+    if isinstance(e, CheckpointError) or not is_write_failure(e):
+        return e
+    parent = os.path.dirname(os.path.abspath(copy.out))
+    return CheckpointError(f"could not write the universal copy {copy.out}: {describe_write_failure(parent, e)}. "
+                           "Free space there (the copy takes 12 bytes per parameter) or set "
+                           "checkpoint.universal_dir to another folder, then start again")
 
 
 def weights_only_target(target: LoadTarget) -> bool:
@@ -289,4 +295,5 @@ def weights_only_target(target: LoadTarget) -> bool:
 
 __all__ = ["FORMAT_VERSION", "MODEL_SHAPE_KEYS", "PARALLEL_SHAPE_KEYS", "shape_of", "check_shape", "read_rank_state",
            "carried_counters", "parallel_sizes", "partitioning_counts", "same_layout", "saved_config",
-           "open_checkpoint", "UniversalCopy", "plan_load", "write_universal_copy", "weights_only_target"]
+           "open_checkpoint", "UniversalCopy", "plan_load", "write_universal_copy", "universal_copy_error",
+           "weights_only_target"]

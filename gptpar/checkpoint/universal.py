@@ -33,12 +33,13 @@ writes optimizer objects into them) and are read with `weights_only=False`: conv
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
 import pickle
 import re
-from typing import Callable, Dict, Iterable, Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -77,7 +78,18 @@ def gpt_parameter_name(name: str, pipelined: bool, num_layers: int, embedding_we
 
 def parameter_tags(config: GPTConfig) -> Dict[str, dict]:
     """{name: {"shape", "tensor_model_parallel", "partition_dim", "vocab_tensor"}} of the full model at tp = 1
-    with the real vocabulary, read off a meta-device GPTModel's own tags (never off the names)."""
+    with the real vocabulary, read off a meta-device GPTModel's own tags (never off the names). Built once per
+    model config in a process (a conversion asks several times); each call returns its own copy."""
+    key = json.dumps(dataclasses.asdict(config), sort_keys=True, default=str)
+    if key not in _TAGS:
+        _TAGS[key] = _parameter_tags(config)
+    return copy.deepcopy(_TAGS[key])
+
+
+_TAGS: Dict[str, Dict[str, dict]] = {}  # parameter_tags' models, by their config
+
+
+def _parameter_tags(config: GPTConfig) -> Dict[str, dict]:
     from gptpar.model.gpt import GPTModel
     from gptpar.tensor_parallel.layers import VocabParallelEmbedding
 
@@ -435,7 +447,7 @@ class _StageShards:
 
     def __init__(self, source: Source, stage: int, verifier: Verifier):
         ckpt, tp, dp = source.path, source.tp, source.dp
-        self.verifier = verifier
+        self.verifier, self.stage = verifier, stage
         self.shapes, self.files = [], []
         for t in range(tp):
             mp_rank = stage * tp + t  # DeepSpeed's model-parallel rank: tp fastest within a stage
@@ -450,12 +462,6 @@ class _StageShards:
             raise UniversalCheckpointError(f"{ckpt}: the optimizer shards of stage {stage} disagree on (or lack) "
                                            f"Adam's step count: {sorted(steps)}")
         self.step = steps.pop()
-
-    def names(self) -> Iterator[Tuple[int, str]]:
-        """(parameter group, DeepSpeed name) of every parameter of the stage, in the flat buffers' order."""
-        for group, shapes in enumerate(self.shapes[0]):
-            for name in shapes:
-                yield group, name
 
     def tp_slice(self, t: int, group: int, name: str, key: str) -> torch.Tensor:
         """Tp rank t's slice of parameter `name`'s state `key` (STATES): its pieces of the dp ranks' flat
@@ -484,7 +490,9 @@ def convert_deepspeed_checkpoint(ckpt: str, out_dir: str, log: Callable[[str], N
                                  owner: Optional[dict] = None, verify: bool = True, replace: bool = False,
                                  fix: str = "resume from or convert an earlier checkpoint") -> dict:
     """Write the universal form of gptpar checkpoint folder `ckpt` (any tp x pp x dp, ZeRO-1 in fp32 or bf16)
-    to `out_dir` (one that exists is swapped out only with `replace`: a stale copy). Returns its metadata.
+    to `out_dir` (one that exists is swapped out only with `replace`: a stale copy), in this process. Returns its
+    metadata. The steps are those a conversion over several ranks takes (`stage_parameters`, `conversion_plan`,
+    `split_shares`, `convert_share` on each rank, `finish_conversion`), with one share.
 
     Every file read from `ckpt` is checked against its manifest in the same pass (`verify`; `fix` ends the message
     of a damaged one). The copy is one durable write (gptpar.checkpoint.durable): `{out_dir}.tmp-PID`, every file
@@ -495,49 +503,130 @@ def convert_deepspeed_checkpoint(ckpt: str, out_dir: str, log: Callable[[str], N
     so that the next start can tell a killed conversion's leftover from a live one's."""
     source_verifier = open_folder(ckpt, fix, log, verify, "asked not to verify", quiet=True)
     source = read_source(ckpt, source_verifier)
-    config, tp, pp, weight = source.model, source.tp, source.pp, source.embedding_weight
-    tags = parameter_tags(config)
     if os.path.exists(out_dir) and not replace:
         raise UniversalCheckpointError(f"{out_dir} exists: choose a new output folder (nothing is overwritten)")
-    staged = StagedFolder(out_dir)
-    step, written, records = None, set(), {}
+    staged = start_conversion(out_dir, owner)
     try:
-        tmp = staged.create()
-        if owner is not None:
-            with open(os.path.join(tmp, OWNER), "w") as f:
-                json.dump(owner, f)
-        for stage in range(pp):
-            shards = _StageShards(source, stage, source_verifier)
-            for group, ds_name in shards.names():
-                name = gpt_parameter_name(ds_name, pp > 1, config.num_layers, weight)
-                if name in written:  # the last stage's tied copy of the word embedding
-                    continue
-                if name not in tags:
-                    raise UniversalCheckpointError(f"{ckpt}: parameter {ds_name} ({name}) is not in the model "
-                                                   "its config.json describes")
-                step = shards.step
-                records.update(_write_parameter(tmp, name, tags[name], tp, step,
-                                                read=lambda t, key: shards.tp_slice(t, group, ds_name, key)))
-                written.add(name)
-        missing = sorted(set(tags) - written)
-        if missing:
-            raise UniversalCheckpointError(f"{ckpt}: no optimizer state for {missing[:5]}: incomplete checkpoint")
-        parallel = source.run_config.get("parallel", {})
-        meta = {"format": FORMAT, "version": VERSION, "model": source.run_config["model"], "parameters": tags,
-                "source": {"path": os.path.abspath(ckpt), "tensor_model_parallel_size": tp,
-                           "pipeline_model_parallel_size": pp, "data_parallel_size": source.dp,
-                           "partition_method": parallel.get("partition_method"), "embedding_weight": weight,
-                           "precision": source.precision, "zero_stage": 1, "files": source_files},
-                "step": step, "counters": counters or {}, "config": source.run_config}
-        with open(os.path.join(tmp, META), "w") as f:
-            json.dump(meta, f, indent=1)
-        if owner is not None:
-            os.remove(os.path.join(tmp, OWNER))
-        staged.commit(UNIVERSAL, records, log=log, replace=replace)
+        plan = conversion_plan(source, {stage: stage_parameters(source, source_verifier, stage)
+                                        for stage in range(source.pp)})
+        records, steps = convert_share(source, source_verifier, staged.tmp, plan)
+        meta = finish_conversion(staged, source, plan, records, steps, counters, source_files, owner, log, replace)
     except BaseException:
         staged.abandon()
         raise
-    log(f"wrote universal checkpoint {out_dir}: {len(written)} parameters, Adam step {step:g}")
+    return meta
+
+
+def start_conversion(out_dir: str, owner: Optional[dict] = None, token: Optional[str] = None) -> StagedFolder:
+    """The staged folder of a conversion into `out_dir`, created, with `owner` (the job) recorded in it first."""
+    staged = StagedFolder(out_dir, token)
+    tmp = staged.create()
+    if owner is not None:
+        with open(os.path.join(tmp, OWNER), "w") as f:
+            json.dump(owner, f)
+    return staged
+
+
+def stage_parameters(source: Source, verifier: Verifier, stage: int) -> List[Tuple[int, str]]:
+    """(parameter group, DeepSpeed name) of every parameter of pipeline stage `stage`, in its flat buffers' order,
+    from tp rank 0's model-states file of the stage (read through `verifier`, which checks it whole)."""
+    path = os.path.join(source.path, model_states_file(stage * source.tp))
+    return [(group, ds_name) for group, shapes in enumerate(_deepspeed_file(verifier, path)["param_shapes"])
+            for ds_name in shapes]
+
+
+def conversion_plan(source: Source, stages: Dict[int, List[Tuple[int, str]]]) -> List[Tuple[int, int, str, str]]:
+    """Every parameter of `source` once, in the order the copy is written: (pipeline stage, parameter group,
+    DeepSpeed name, GPTModel name), from each stage's `stage_parameters`, the stages in order; the last stage's tied
+    copy of the word embedding is left out. Raises UniversalCheckpointError for a parameter the model lacks or one it
+    has that no stage holds."""
+    config, pp = source.model, source.pp
+    tags = parameter_tags(config)
+    plan, seen = [], set()
+    for stage in range(pp):
+        for group, ds_name in stages[stage]:
+            name = gpt_parameter_name(ds_name, pp > 1, config.num_layers, source.embedding_weight)
+            if name in seen:  # the last stage's tied copy of the word embedding
+                continue
+            if name not in tags:
+                raise UniversalCheckpointError(f"{source.path}: parameter {ds_name} ({name}) is not in the model "
+                                               "its config.json describes")
+            seen.add(name)
+            plan.append((stage, group, ds_name, name))
+    missing = sorted(set(tags) - seen)
+    if missing:
+        raise UniversalCheckpointError(f"{source.path}: no optimizer state for {missing[:5]}: incomplete checkpoint")
+    return plan
+
+
+def stage_ranks(pp: int, ranks: int) -> List[List[int]]:
+    """The ranks that convert each pipeline stage, contiguous: with no more ranks than stages one rank per stage
+    (about pp/ranks stages each), else about ranks/pp ranks per stage. The first of a stage's ranks reads its
+    parameter list (`stage_parameters`); a rank verifies the shards of its stages only."""
+    if ranks <= pp:
+        return [[stage * ranks // pp] for stage in range(pp)]
+    return [list(range(stage * ranks // pp, (stage + 1) * ranks // pp)) for stage in range(pp)]
+
+
+def split_shares(plan: Sequence[tuple], sizes: Dict[str, int], ranks: int, pp: int) -> List[List[tuple]]:
+    """`plan` cut into `ranks` contiguous shares following `stage_ranks`: a stage's parameters go to its ranks, split
+    among them by elements (`sizes`: GPTModel name -> elements; each to the rank its middle element falls in)."""
+    shares = [[] for _ in range(ranks)]
+    owners = stage_ranks(pp, ranks)
+    for stage in range(pp):
+        items = [item for item in plan if item[0] == stage]
+        total, done, mine = sum(sizes[item[3]] for item in items), 0, owners[stage]
+        for item in items:
+            part = int((done + sizes[item[3]] / 2) * len(mine) / total) if total else 0
+            shares[mine[min(len(mine) - 1, part)]].append(item)
+            done += sizes[item[3]]
+    return shares
+
+
+def convert_share(source: Source, verifier: Verifier, tmp: str, items: Sequence[tuple],
+                  cancel: Optional[Callable[[], bool]] = None) -> Tuple[Dict[str, dict], Dict[int, float]]:
+    """Write `items` (of `conversion_plan`) into the staged folder `tmp`: each parameter's states put together
+    from its tp slices, one stage's shards open at a time. Returns (the files' records, {stage: Adam's step}).
+    `cancel()` true (another rank's share failed) stops it between two parameters with ConversionCancelled."""
+    tags = parameter_tags(source.model)
+    records, steps, shards = {}, {}, None
+    for stage, group, ds_name, name in items:
+        if cancel is not None and cancel():
+            raise ConversionCancelled("cancelled: another rank's share of the conversion failed")
+        if shards is None or shards.stage != stage:
+            shards = None  # the last stage's mapped files go before the next stage's are opened
+            shards = _StageShards(source, stage, verifier)
+        steps[stage] = shards.step
+        records.update(_write_parameter(tmp, name, tags[name], source.tp, shards.step,
+                                        read=lambda t, key: shards.tp_slice(t, group, ds_name, key)))
+    return records, steps
+
+
+class ConversionCancelled(UniversalCheckpointError):
+    """A rank's share stopped because another rank's failed."""
+
+
+def finish_conversion(staged: StagedFolder, source: Source, plan: Sequence[tuple], records: Dict[str, dict],
+                      steps: Dict[int, float], counters: Optional[dict], source_files: Optional[dict],
+                      owner: Optional[dict], log: Callable[[str], None], replace: bool) -> dict:
+    """Once every share is written into `staged` (their `records` and `steps` put together): the metadata, then
+    the manifest last and the rename (StagedFolder.commit). Returns the metadata."""
+    ckpt, tp, pp = source.path, source.tp, source.pp
+    step = steps[max(steps)]  # the last stage's (every stage's agree: _StageShards checks its own)
+    parallel = source.run_config.get("parallel", {})
+    meta = {"format": FORMAT, "version": VERSION, "model": source.run_config["model"],
+            "parameters": parameter_tags(source.model),
+            "source": {"path": os.path.abspath(ckpt), "tensor_model_parallel_size": tp,
+                       "pipeline_model_parallel_size": pp, "data_parallel_size": source.dp,
+                       "partition_method": parallel.get("partition_method"), "embedding_weight": source.embedding_weight,
+                       "precision": source.precision, "zero_stage": 1, "files": source_files},
+            "step": step, "counters": counters or {}, "config": source.run_config}
+    with open(os.path.join(staged.tmp, META), "w") as f:
+        json.dump(meta, f, indent=1)
+    if owner is not None:
+        os.remove(os.path.join(staged.tmp, OWNER))
+    staged.commit(UNIVERSAL, records, log=log, replace=replace)
+    log(f"wrote universal checkpoint {staged.target}: {len(plan)} parameters, Adam step {step:g}")
     return meta
 
 
@@ -590,4 +679,7 @@ def _full_tensor(name: str, tag: dict, tp: int, read) -> torch.Tensor:
 __all__ = ["META", "OWNER", "STATES", "UniversalCheckpointError", "gpt_parameter_name", "OPTIMIZER_FILES",
            "optimizer_files", "optimizer_states_file", "Source", "read_source", "open_universal", "rebuild_fix",
            "parameter_tags", "deepspeed_universal_info", "is_universal", "is_deepspeed_universal", "state_path",
-           "read_meta", "read_state", "read_weights", "deepspeed_parameter_names", "convert_deepspeed_checkpoint"]
+           "read_meta", "read_state", "read_weights", "deepspeed_parameter_names", "convert_deepspeed_checkpoint",
+           "start_conversion", "stage_parameters", "conversion_plan", "stage_ranks", "split_shares", "convert_share",
+           "ConversionCancelled",
+           "finish_conversion"]

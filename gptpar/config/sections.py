@@ -372,8 +372,13 @@ class LoggingConfig:
                                           "(`trace_rank<R>.json.gz`, chrome://tracing or Perfetto) into this "
                                           "directory; null = the printed table only.")
     straggler_threshold: Optional[float] = _f(
-        1.2, "Every log line, name a rank whose compute time per iteration is over this many times the others' "
-             "median (one small all-gather). Must be > 1; null = off.")
+        1.2, "Name a rank whose own time per iteration (its work less its waits in collectives) is over this many "
+             "times the others' median; sent in the loop's stop all-reduce, read one log interval late, no device "
+             "wait. Must be > 1; null = off.")
+    straggler_min_gap_seconds: float = _f(
+        0.25, "A straggler must also be this many seconds per iteration slower than the others' median.")
+    straggler_intervals: int = _f(
+        3, "A straggler is named once it has been over the threshold this many log intervals in a row.")
     diagnostics_dir: Optional[str] = _f(
         None, "Where each rank writes what it was doing when a collective times out or loses its peer, or on SIGUSR2 "
               "(`tools/diagnose_hang.py DIR` reads it). null = `<checkpoint.save>/diagnostics`.")
@@ -383,6 +388,9 @@ class LoggingConfig:
         if self.straggler_threshold is not None and not self.straggler_threshold > 1:
             raise ConfigError(f"logging.straggler_threshold must be > 1 (a ratio to the others' median) or null, "
                               f"got {self.straggler_threshold!r}")
+        if not self.straggler_min_gap_seconds >= 0:
+            raise ConfigError(f"logging.straggler_min_gap_seconds must be >= 0 (seconds), got "
+                              f"{self.straggler_min_gap_seconds!r}")
         try:
             parse_range(self.profile)
         except ValueError as e:
@@ -391,6 +399,7 @@ class LoggingConfig:
             raise ConfigError("logging.profile_dir is set but logging.profile is null: set logging.profile "
                               "(e.g. \"5-6\") or remove profile_dir")
         _positive("logging", self, "log_interval")
+        _positive("logging", self, "straggler_intervals")
         for name in ("tensorboard_dir", "metrics_file", "diagnostics_dir"):
             if getattr(self, name) == "":
                 raise ConfigError(f"logging.{name} is an empty string: give a value or null")

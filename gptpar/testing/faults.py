@@ -3,8 +3,9 @@
     GPTPAR_TEST_KILL_IN_SAVE=N         rank 0 SIGKILLs itself while saving iteration N, after DeepSpeed's
                                        save_checkpoint returned (with checkpoint.async_save=false: its files written)
                                        and before the gptpar files and `latest`
-    GPTPAR_TEST_SLOW_CONVERSION=S      a universal conversion (rank 0, in the preflight) first sleeps S seconds, as
-                                       a large checkpoint's takes longer than parallel.distributed_timeout_minutes
+    GPTPAR_TEST_SLOW_CONVERSION=S      each rank's share of a universal conversion (in the preflight) first sleeps S
+                                       seconds, as a large checkpoint's takes longer than
+                                       parallel.distributed_timeout_minutes
     GPTPAR_TEST_SLOW_SAVE=N:SECONDS    every rank's checkpoint writer writes the start of each file of iteration N,
                                        then sleeps SECONDS before writing it whole (with checkpoint.async_save the
                                        save stays in flight that long while training goes on)
@@ -65,13 +66,13 @@ def perturb(iteration: int, rank: int, name: str) -> None:
 
 
 def slow_conversion(seconds: float) -> None:
-    real = universal.convert_deepspeed_checkpoint
+    real = universal.convert_share
 
     def convert(*args, **kwargs):
         time.sleep(seconds)
         return real(*args, **kwargs)
 
-    universal.convert_deepspeed_checkpoint = convert
+    universal.convert_share = convert
 
 
 def slow_save(iteration: int, seconds: float) -> None:

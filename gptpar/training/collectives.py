@@ -11,13 +11,13 @@ It keeps two things the flight recorder (which gptpar also turns on, gptpar.para
                                         written when a collective fails (gptpar.training.diagnostics) carry it, and
                                         tools/diagnose_hang.py reads it: the group's ranks and the caller are what
                                         the recorder's gloo entries lack.
-    the time blocked in collectives     while a clock is open (`step_clock()`, around the engine's step): on the
-                                        host, the seconds spent inside the calls on CPU tensors (gloo runs them
-                                        in the calling thread's wait); on a CUDA device, a pair of events on the
-                                        current stream around each call, whose gap is the time that stream
-                                        waited for the collective (NCCL's kernel waits for the slowest peer). A
-                                        step's compute time is its own time less these waits
-                                        (gptpar.training.straggler).
+    the time blocked in collectives     while a clock runs (`rank_clock()`, lapped at the end of each iteration):
+                                        on the host, the seconds spent inside the calls on CPU tensors (gloo
+                                        runs them in the calling thread's wait); on a CUDA device, a pair of
+                                        events on the current stream around each call, whose gap is the time
+                                        that stream waited for the collective (NCCL's kernel waits for the
+                                        slowest peer). A rank's own time per iteration is the lap less these
+                                        waits (gptpar.training.straggler).
 
 Calls traced by torch.compile go straight to torch (the compiled graph holds its own collectives). Install it before
 DeepSpeed builds its communication backend, which keeps references to some of these functions.
@@ -25,6 +25,8 @@ DeepSpeed builds its communication backend, which keeps references to some of th
 from __future__ import annotations
 
 import collections
+import contextlib
+import dataclasses
 import functools
 import os
 import sys
@@ -52,7 +54,7 @@ class CollectiveLog:
         self._groups: Dict[int, tuple] = {}
         self._lock = threading.Lock()
         self._originals: Dict[str, object] = {}
-        self._clock: Optional[StepClock] = None
+        self._clock: Optional[RankClock] = None
 
     def install(self) -> "CollectiveLog":
         for name in WRAPPED:
@@ -67,9 +69,9 @@ class CollectiveLog:
             setattr(dist, name, fn)
         self._originals.clear()
 
-    def step_clock(self, device: torch.device) -> "StepClock":
-        """A clock for one step: `with log.step_clock(device) as clock:`, then `clock.compute_seconds()`."""
-        return StepClock(self, device)
+    def rank_clock(self, device: torch.device) -> "RankClock":
+        """A clock of this rank's own time per iteration (RankClock), not yet started."""
+        return RankClock(self, device)
 
     def entries(self) -> List[dict]:
         """The ring, oldest first (copies, safe to serialise from another thread)."""
@@ -83,6 +85,8 @@ class CollectiveLog:
                 return fn(*args, **kwargs)
             entry, cuda = self._enter(name, args, kwargs)
             clock = self._clock
+            if clock is not None and clock.thread != threading.get_ident():  # another thread's (a writer's) waits
+                clock = None
             if clock is not None and cuda is not None:
                 before = clock.cuda_event(cuda)
             start = time.perf_counter()
@@ -131,28 +135,59 @@ class CollectiveLog:
         return known[1], known[2]
 
 
-class StepClock:
-    """The blocked time of the collectives called while it is open (see CollectiveLog)."""
+class RankClock:
+    """A rank's own time per iteration, in laps from one iteration's end to the next's (`start`, then `lap()` at
+    each end): everything the rank does in between (drawing its data, the step, the loop's host work) less the
+    time it waited inside collectives, and less the blocks it was paused for (`with clock.paused():`, evaluation
+    and saves). On the host the lap is wall time; on a CUDA device, the stream's time between events recorded at
+    the lap's ends, less each collective's event pair, each pause's, and the host's waits in host collectives
+    (the stream idles while its host waits for the others). No event is waited for: `Lap.ready()` queries."""
 
     def __init__(self, log: CollectiveLog, device: torch.device):
         self.log, self.device = log, device
+        self.cuda = device.type == "cuda"
+        self.running = False
+        self.thread = threading.get_ident()  # the loop's thread: only its collectives are its waits
+
+    def start(self) -> None:
+        self.thread = threading.get_ident()
+        self._begin(self.cuda_event(self.device) if self.cuda else None)
+        self.running = True
+
+    def stop(self) -> None:
+        """No more laps: later collectives are no one's waits."""
+        if self.log._clock is self:
+            self.log._clock = None
+        self.running = False
+
+    def _begin(self, event) -> None:
+        self._t0, self._event, self.paused_s = time.perf_counter(), event, 0.0
         self.blocked = 0.0
         self.cuda_waits: list = []
-        self.start = self.end = None
-        self.wall = 0.0
-
-    def __enter__(self) -> "StepClock":
         self.log._clock = self
-        self._t0 = time.perf_counter()
-        if self.device.type == "cuda":
-            self.start = self.cuda_event(self.device)
-        return self
 
-    def __exit__(self, *exc) -> None:
+    def lap(self) -> "Lap":
+        """Close this lap (its end is the next one's start) and return it."""
+        end = self.cuda_event(self.device) if self.cuda else None
+        lap = Lap(time.perf_counter() - self._t0 - self.paused_s, self.blocked, self._event, end, self.cuda_waits)
+        self._begin(end)
+        return lap
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Leave the block out of the lap, its collectives' waits included."""
+        if not self.running or self.log._clock is not self:  # not started, or paused already
+            yield
+            return
         self.log._clock = None
-        self.wall = time.perf_counter() - self._t0
-        if self.device.type == "cuda":
-            self.end = self.cuda_event(self.device)
+        t0, before = time.perf_counter(), self.cuda_event(self.device) if self.cuda else None
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - t0
+            if before is not None:
+                self.cuda_waits.append((before, self.cuda_event(self.device)))
+            self.log._clock = self
 
     @staticmethod
     def cuda_event(device):
@@ -160,14 +195,29 @@ class StepClock:
         event.record(torch.cuda.current_stream(device))
         return event
 
-    def compute_seconds(self) -> float:
-        """The step's time less the waits in its collectives: host seconds on CPU; on CUDA the device's, read
-        after the step's last event completed (it waits for it)."""
+
+@dataclasses.dataclass
+class Lap:
+    """One iteration of a RankClock: its host seconds (pauses left out), the host's seconds in collectives, and on
+    CUDA its end events and the (before, after) event pairs to subtract."""
+
+    wall: float
+    blocked: float
+    start: object = None
+    end: object = None
+    waits: list = dataclasses.field(default_factory=list)
+
+    def ready(self) -> bool:
+        """Whether `own_seconds` can be read without waiting: the device has passed the lap's end event (a
+        query, never a synchronize)."""
+        return self.end is None or self.end.query()
+
+    def own_seconds(self) -> float:
+        """The lap less its waits (see RankClock); on CUDA only once `ready()`."""
         if self.start is None:
             return max(0.0, self.wall - self.blocked)
-        self.end.synchronize()
-        waited = sum(a.elapsed_time(b) for a, b in self.cuda_waits) / 1e3
-        return max(0.0, self.start.elapsed_time(self.end) / 1e3 - waited)
+        waited = sum(a.elapsed_time(b) for a, b in self.waits) / 1e3
+        return max(0.0, self.start.elapsed_time(self.end) / 1e3 - waited - self.blocked)
 
 
 def _tensors(args, kwargs):
@@ -195,4 +245,4 @@ def _caller() -> str:
     return "?"
 
 
-__all__ = ["CollectiveLog", "StepClock", "WRAPPED"]
+__all__ = ["CollectiveLog", "Lap", "RankClock", "WRAPPED"]

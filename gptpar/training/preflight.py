@@ -23,14 +23,17 @@ Order, so that a refused run changes nothing in checkpoint.save (not even a modi
     -- broadcast --
     6. checkpoint.save: lock, probe, leftovers, free space (rank 0)   gptpar.checkpoint.save_folder
     7. with the lock held: killed conversions' temporary folders removed from the universal folder, and the
-       universal copy written (gptpar.checkpoint.resume.write_universal_copy), so that two jobs on one save
-       folder never convert at once
+       universal copy written, so that two jobs on one save folder never convert at once: by one process
+       (gptpar.checkpoint.resume.write_universal_copy), or, with several ranks, by all of them
+       (`convert_over_ranks`: rank 0 plans, each rank writes a share of the parameters, rank 0 writes the
+       metadata and the manifest last)
     -- broadcast --
 The sha256 of every file resumed is checked later, in the pass that loads it (gptpar.checkpoint.checkpointer.load):
 a damaged file ends every rank with exit 2 before any weight is used.
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -43,7 +46,11 @@ from gptpar.data.indexed import DataError
 from gptpar.checkpoint.exceptions import CheckpointError
 from gptpar.checkpoint.init_weights import check_weights_fit, choose_start
 from gptpar.checkpoint.layout import LoadTarget, complete_checkpoints, read_latest, resolve_load
-from gptpar.checkpoint.resume import plan_load, write_universal_copy
+from gptpar.checkpoint import universal
+from gptpar.checkpoint.durable import StagedFolder
+from gptpar.checkpoint.layout import earlier_checkpoint_fix, fingerprint
+from gptpar.checkpoint.manifest import open_folder
+from gptpar.checkpoint.resume import plan_load, universal_copy_error, write_universal_copy
 from gptpar.checkpoint.save_folder import (JobLock, check_free_space, checkpoint_bytes, clean_conversion_leftovers,
                                            clean_leftovers, peek_lock, probe_writable, this_job)
 from gptpar.training.reporting import LogPathError, check_log_paths
@@ -84,12 +91,21 @@ def run_preflight(cfg, pstate, shape: dict, log: Callable[[str], None]) -> Prefl
         return Preflight(None, stop=value)
     target, init_from = value
 
+    spread = pstate.world_size > 1  # the ranks share the conversion (after the lock is taken)
+
     def take():
         kept["lock"] = take_save_folder(cfg, pstate.world_size, pstate.tp_size, pstate.pp_size, log,
-                                        kept["copy"], kept["conversions"])
+                                        None if spread else kept["copy"], kept["conversions"])
         return ("ok", None)
 
     _outcome(wait_for_rank0(_guarded(take), pstate))  # take_save_folder releases the lock when it raises
+    if spread:
+        try:
+            convert_over_ranks(kept.get("copy"), pstate, log, owner=this_job() if pstate.rank == 0 else None)
+        except BaseException:
+            if kept.get("lock") is not None:
+                kept["lock"].release()
+            raise
     return Preflight(target, kept.get("lock"), init_from=init_from)
 
 
@@ -136,6 +152,119 @@ def wait_for_rank0(work: Callable[[], object], pstate, poll_seconds: float = 1.0
     box = [result[0] if result else None]
     dist.broadcast_object_list(box, src=0, device=device)
     return box[0]
+
+
+def convert_over_ranks(copy, pstate, log: Callable[[str], None], owner: Optional[dict] = None,
+                       poll_seconds: float = 1.0) -> None:
+    """Write rank 0's universal `copy` (gptpar.checkpoint.resume.UniversalCopy; None: nothing to write, and on the
+    other ranks, which learn it from rank 0) with every rank converting a share of the parameters. Collective.
+
+    Rank 0 creates the staged folder (`owner` recorded in it). Then every rank, in two rounds: reads the parameter
+    list of the pipeline stages it leads (universal.stage_ranks), the lists going to every rank, which cut the same
+    shares (universal.split_shares); and writes its share into the staged folder (every file hashed as written and
+    fsynced; each source file verified by the rank that reads it, a rank reading the shards of its own stages only).
+    Each round's work runs in a thread while the main thread joins a small all-reduce every `poll_seconds`, so no
+    collective outlasts parallel.distributed_timeout_minutes however long a share takes. A rank that fails stops
+    the others between two parameters; rank 0 removes the staged folder once no rank writes any more, and every
+    rank raises the failed rank's one-line error. Else rank 0 writes the metadata and the manifest last and renames
+    the folder into place (universal.finish_conversion): the copy is the one `write_universal_copy` writes, byte for
+    byte."""
+    local = {}  # rank 0's staged folder
+
+    def start():
+        if copy is None:
+            return ("ok", None)
+        if copy.stale:
+            log(copy.stale)
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(copy.out)), exist_ok=True)
+            if os.path.exists(copy.out) and copy.stale is None:
+                raise universal.UniversalCheckpointError(f"{copy.out} exists: choose a new output folder (nothing "
+                                                         "is overwritten)")
+            local["staged"] = universal.start_conversion(copy.out, owner)
+        except Exception as e:  # noqa: BLE001 - raised on every rank, as _guarded words it
+            raise universal_copy_error(copy, e) from None
+        return ("ok", (copy, local["staged"].token))
+
+    started = _outcome(wait_for_rank0(_guarded(start), pstate))[1]
+    if started is None:
+        return
+    copy, token = started
+    rank, ranks, opened = pstate.rank, pstate.world_size, {}
+    try:
+        def read_stages(stop):
+            opened["verifier"] = verifier = open_folder(copy.source.path, earlier_checkpoint_fix(copy.source), log,
+                                                        copy.verify, "checkpoint.verify_checksums=false", quiet=True)
+            opened["source"] = source = universal.read_source(copy.source.path, verifier)
+            return {stage: universal.stage_parameters(source, verifier, stage)
+                    for stage, owners in enumerate(universal.stage_ranks(source.pp, ranks)) if owners[0] == rank}
+
+        stages = {}
+        for found in _on_every_rank(read_stages, copy, pstate, poll_seconds):
+            stages.update(found)
+        source = opened["source"]
+        plan = universal.conversion_plan(source, stages)  # the same on every rank
+        sizes = {name: math.prod(tag["shape"]) for name, tag in universal.parameter_tags(source.model).items()}
+        share = universal.split_shares(plan, sizes, ranks, source.pp)[rank]
+        tmp = StagedFolder(copy.out, token).tmp
+        results = _on_every_rank(lambda stop: universal.convert_share(source, opened["verifier"], tmp, share, stop),
+                                 copy, pstate, poll_seconds)
+    except BaseException:
+        if "staged" in local:  # no rank writes any more (or this one lost its peers)
+            local["staged"].abandon()
+        raise
+
+    def finish():
+        records, steps = {}, {}
+        for rank_records, rank_steps in results:
+            records.update(rank_records)
+            steps.update(rank_steps)
+        try:
+            universal.finish_conversion(local["staged"], source, plan, records, steps, copy.counters,
+                                        fingerprint(copy.source.path), owner, log, replace=copy.stale is not None)
+        except Exception as e:  # noqa: BLE001 - raised on every rank, as _guarded words it
+            local["staged"].abandon()
+            raise universal_copy_error(copy, e) from None
+        log(f"{copy.reason}: converted to its universal copy {copy.out} ({ranks} ranks)")
+        return ("ok", None)
+
+    _outcome(wait_for_rank0(_guarded(finish), pstate))
+
+
+def _on_every_rank(work: Callable, copy, pstate, poll_seconds: float) -> list:
+    """Every rank's `work(stop)` result (`stop()` true once another rank's failed), run in a thread on each rank while
+    the main thread joins a small all-reduce every `poll_seconds`; the first rank's failure raised on every rank, in
+    one line, once no rank works any more."""
+    done, stop = {}, threading.Event()
+
+    def run():
+        try:
+            done["result"] = work(stop.is_set)
+        except BaseException as e:  # noqa: BLE001 - every rank learns it through the polls below
+            e = universal_copy_error(copy, e) if isinstance(e, Exception) else e
+            done["error"] = (isinstance(e, CheckpointError), isinstance(e, universal.ConversionCancelled),
+                             str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}")
+
+    worker = threading.Thread(target=run, name="gptpar-conversion", daemon=True)
+    worker.start()
+    flags = torch.zeros(2, device=pstate.device)  # (a rank failed, a rank still works), MAX over the ranks
+    while True:
+        worker.join(timeout=poll_seconds)
+        flags[0], flags[1] = float("error" in done and not done["error"][1]), float(worker.is_alive())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        failed, working = flags.tolist()
+        if failed:
+            stop.set()
+        if not working:
+            break
+    results = [None] * pstate.world_size
+    dist.all_gather_object(results, ("error", done["error"]) if "error" in done else ("ok", done["result"]))
+    failures = [(rank, error) for rank, (kind, error) in enumerate(results) if kind == "error" and not error[1]]
+    if failures:
+        rank, (checkpoint_error, _, message) = failures[0]
+        raise (CheckpointError if checkpoint_error else RuntimeError)(
+            f"the universal conversion failed on rank {rank}: {message}")
+    return [result for _, result in results]
 
 
 def check_on_rank0(cfg, world_size: int, tp: int, pp: int, shape: dict, log) -> tuple:
@@ -253,6 +382,6 @@ def count_parameters(model_cfg, tp: int, pp: int) -> int:
     return params
 
 
-__all__ = ["Preflight", "run_preflight", "wait_for_rank0", "check_on_rank0", "check_start",
+__all__ = ["Preflight", "run_preflight", "wait_for_rank0", "convert_over_ranks", "check_on_rank0", "check_start",
            "take_save_folder", "check_data", "count_parameters",
            "check_save_holds_no_other_run"]

@@ -181,7 +181,7 @@ class Trainer:
     def __init__(self, cfg, pstate, engine, train_source, valid_sources, checkpointer=None, tracker=None,
                  log=print, collectives=None):
         """`valid_sources`: {validation set name, or None for the only unnamed set: BatchSource}. `collectives`: the
-        process's gptpar.training.collectives.CollectiveLog (the straggler report times the steps with it)."""
+        process's gptpar.training.collectives.CollectiveLog (the straggler report's clock subtracts its waits)."""
         self.cfg, self.pstate, self.engine, self.log = cfg, pstate, engine, log
         self.train_source, self.valid_sources = train_source, valid_sources
         self.checkpointer, self.tracker = checkpointer, tracker
@@ -219,10 +219,12 @@ class Trainer:
         self.profiler = (IterationProfiler(lg.profile, lg.profile_dir, pstate.rank, engine.device, self._say)
                          if lg.profile else None)
         self.collectives = collectives
-        self.compute_mean = None  # this rank's, from the last log line, until the stop all-reduce sends it
-        self.straggler = (StragglerReport(pstate, self.host_group, lg.straggler_threshold)
-                          if lg.straggler_threshold and self.host_group is not None and collectives is not None
-                          else None)
+        self.own_seconds = None  # this rank's, from the last log line, until the stop all-reduce sends it
+        self.straggler = self.rank_clock = None
+        if lg.straggler_threshold and self.host_group is not None and collectives is not None:
+            self.straggler = StragglerReport(pstate, self.host_group, lg.straggler_threshold,
+                                             lg.straggler_min_gap_seconds, lg.straggler_intervals)
+            self.rank_clock = collectives.rank_clock(engine.device)
 
     # -- the loop ------------------------------------------------------------------------------
     def train(self) -> str:
@@ -238,6 +240,8 @@ class Trainer:
                 self.checkpointer.wait("exiting")  # an async save is whole (or its failure raised) before the end
             return reason
         finally:
+            if self.rank_clock is not None:
+                self.rank_clock.stop()
             self.signals.restore()
             self._close_writers()
             if self.zeros is not None:
@@ -303,9 +307,13 @@ class Trainer:
         start = time.perf_counter() if self.clock_mark is None else self.clock_mark
         micro_batches = self._take_batches(c.consumed_samples, gbs)
         prefetch = self._prefetch_after(c.consumed_samples + gbs, c.iteration + 1)
-        with self.compile_clock, self._step_clock():
+        if self.rank_clock is not None and not self.rank_clock.running:  # the first lap starts with this step
+            self.rank_clock.start()
+        with self.compile_clock:
             loss = self.engine.train_step(micro_batches, prepare_next=prefetch)
         self.clock_mark = time.perf_counter()
+        if self.rank_clock is not None:  # the lap: from the last iteration's end (the loop's work since) to here
+            self.straggler.add(c.iteration + 1, self.rank_clock.lap())
         elapsed = self.clock_mark - start - getattr(self.compile_clock, "spent", 0.0)
         applied = self.engine.step_applied
         c.advance(gbs, self.cfg.model.seq_length, applied)
@@ -313,16 +321,6 @@ class Trainer:
         self.nan_streak = 0 if math.isfinite(loss) else self.nan_streak + 1
         self.last = {"lr": lr, "global_batch_size": gbs, "grad_norm": self.engine.grad_norm if applied else None,
                      "step_applied": applied}
-
-    @contextlib.contextmanager
-    def _step_clock(self):
-        """The straggler report's clock around the engine's step (its compute: the step less its collective waits)."""
-        if self.straggler is None:
-            yield
-            return
-        with self.collectives.step_clock(self.engine.device) as clock:
-            yield
-        self.straggler.add(clock)
 
     def _take_batches(self, consumed: int, gbs: int) -> List[dict]:
         """The micro-batches of the global batch after `consumed` samples: the ones prefetched during the previous
@@ -358,7 +356,8 @@ class Trainer:
         the profiler's own work)."""
         start = time.perf_counter()
         try:
-            yield
+            with self.rank_clock.paused() if self.rank_clock is not None else contextlib.nullcontext():
+                yield
         finally:
             if self.clock_mark is not None:
                 self.clock_mark += time.perf_counter() - start
@@ -396,7 +395,7 @@ class Trainer:
         usage = memory_usage(self.pstate.device) if report_memory or kept else {}
         largest = self._largest_over_ranks(usage) if usage and kept else None
         if self.straggler is not None:  # every rank's goes out with this iteration's stop all-reduce
-            self.compute_mean = self.straggler.local_mean()
+            self.own_seconds = self.straggler.interval_seconds()
         if self.is_log_rank:
             record = self.record(interval, num_zeros, params_norm, largest)
             self.log(format_log_line(**record))
@@ -501,15 +500,15 @@ class Trainer:
                          stop_requested=self.signals.requested is not None, save_failed=save_failed,
                          log_failed=self.log_failure is not None)
         values = mine.values()
-        compute, self.compute_mean = self.compute_mean, None
-        if compute is not None:  # a log line's iteration: each rank's compute time in its own slot
-            values += self.straggler.slots(compute)
+        own, self.own_seconds = self.own_seconds, None
+        if own is not None:  # a log line's iteration: each rank's own time in its own slot
+            values += self.straggler.slots(own)
         if self.host_group is not None:  # on the host: no wait for the step queued on the device
             values = torch.tensor(values, dtype=torch.float64)
             dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.host_group)
             values = values.tolist()
         flags = StopFlags.from_values(values)
-        if compute is not None:
+        if own is not None:
             self.report_stragglers(values[StopFlags.count():])
         if flags.save_failed:  # every rank raises the save's CheckpointSaveError here, at this iteration
             self.checkpointer.wait()
@@ -533,13 +532,14 @@ class Trainer:
         return None
 
     def report_stragglers(self, slots: List[float]) -> None:
-        """The straggler lines and each rank's compute time in TensorBoard, from the stop all-reduce's slots."""
+        """The straggler lines and each rank's own time in TensorBoard, from the stop all-reduce's slots (of the
+        interval before the last log line's)."""
         seconds = self.straggler.seconds_of(slots)
         if seconds is None or not self.is_log_rank:
             return
         for line in self.straggler.lines(seconds):
             self.log(line)
-        self.tensorboard.add_rank_compute(self.counters.iteration, seconds)
+        self.tensorboard.add_rank_compute(self.straggler.reported[1], seconds)
 
     def _nan_limit_reached(self) -> bool:
         limit = self.cfg.training.exit_on_nan_iterations

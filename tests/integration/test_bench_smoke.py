@@ -471,5 +471,17 @@ def test_bench_straggler_smoke():
     assert out.returncode == 0, out.stderr
     for rank in (0, 1):
         line = next(line for line in out.stdout.splitlines() if line.startswith(f"rank {rank}: iteration "))
-        assert "collective log" in line and "report" in line and "step clock" in line, line
-    assert "straggler report (step clock + report): " in out.stdout and "% of an iteration's CPU time" in out.stdout
+        assert "collective log" in line and "report" in line and "rank clock" in line, line
+    assert "straggler report (rank clock + report): " in out.stdout and "% of an iteration's CPU time" in out.stdout
+
+
+@pytest.mark.slow
+def test_bench_universal_conversion_smoke():
+    """bench/bench_universal_conversion.py on a tiny model, one round at 1 and 2 ranks: both copies the same files."""
+    out = subprocess.run([sys.executable, "bench/bench_universal_conversion.py", "--layers", "2", "--hidden", "64",
+                          "--rounds", "1", "--ranks", "1", "2"], cwd=REPO, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for ranks in (1, 2):
+        assert f"round 1, {ranks} rank(s): " in out.stdout and f"{ranks} rank(s): median " in out.stdout, out.stdout
+    assert "the same files as the first 1-rank copy: False" not in out.stdout

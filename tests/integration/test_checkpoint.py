@@ -160,8 +160,8 @@ def test_the_preflight_wait_outlasts_the_collective_timeout(tmp_path):
 
 @pytest.mark.slow
 def test_a_conversion_longer_than_the_collective_timeout(tmp_path):
-    """Rank 0 converts a checkpoint to its universal form in the preflight while rank 1 waits: slowed to 20 s
-    under a 12 s collective timeout, the wait (a polled barrier) outlasts it and the reshaped run trains (slow:
+    """Both ranks convert a checkpoint to its universal form in the preflight, each its share: slowed to 20 s
+    under a 12 s collective timeout, the polled waits outlast it and the reshaped run trains (slow:
     test_the_preflight_wait_outlasts_the_collective_timeout is the quick check)."""
     ck = str(tmp_path / "ck")
     cfg = write_config(tmp_path / "c.json", parallel=dict(data_parallel_size=None, distributed_timeout_minutes=0.2),

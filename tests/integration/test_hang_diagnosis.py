@@ -3,7 +3,11 @@
 - 4 ranks (dp 4), rank 2 stopped with SIGSTOP, a 15 s collective timeout: the others write their diagnostics into
   <save>/diagnostics and exit 1 in one line; tools/diagnose_hang.py names rank 2 and no other rank.
 - 2 ranks, rank 1 paused by a stop/continue duty cycle from this test: a `straggler:` line names rank 1, never rank 0.
-- the straggler rule itself (the others' median) on numbers.
+- 2 ranks in one process each (gptpar.testing.run_distributed), with the default straggler settings: a balanced run
+  prints no straggler line; a run whose rank 1 is slow outside the engine's step (its kill switch check on a slow
+  file system, a patch made by this test inside that rank's process) names rank 1, never rank 0.
+- the straggler rule itself (the others' median, the absolute gap, the intervals in a row) on numbers, and the
+  clock's reads of CUDA events (stand-ins) without a wait for the device.
 """
 import os
 import re
@@ -15,7 +19,8 @@ import time
 
 import pytest
 
-from gptpar.training.straggler import stragglers
+from gptpar.testing import run_distributed
+from gptpar.training.straggler import SustainedStragglers, stragglers
 from gptpar.testing.runs import ROOT, finish_ranks, launch_ranks, write_config
 from gptpar.testing.deadline import Deadline, stretched
 
@@ -73,11 +78,87 @@ def test_the_straggler_rule_uses_the_others_median():
     assert stragglers([1.0, 1.0, 3.0, 1.1], 1.2) == [(2, 3.0, 1.0)]
     assert stragglers([1.0, 2.0], 1.5) == [(1, 2.0, 1.0)]  # of two ranks, the slow one alone
     assert stragglers([1.0, 1.1, 1.05], 1.2) == []
+    assert stragglers([0.010, 0.030], 1.2, min_gap_s=0.05) == []  # 3 x, but 20 ms: noise of short iterations
+    assert stragglers([0.25, 1.0], 1.2, min_gap_s=0.5) == [(1, 4.0, 0.25)]
+
+
+def test_a_straggler_is_named_only_when_sustained():
+    rule = SustainedStragglers(1.2, 0.0, intervals=3)
+    assert rule.update([1.0, 2.0]) == [] and rule.update([2.0, 1.0]) == []  # the ranks in turn: noise
+    assert rule.update([1.0, 2.0]) == [] and rule.update([1.0, 2.0]) == []
+    assert rule.update([1.0, 2.0]) == [(1, 2.0, 1.0, 3)]
+    assert rule.update([1.0, 2.5]) == [(1, 2.5, 1.0, 4)]
+    assert rule.update([1.0, 1.0]) == [] and rule.update([1.0, 2.0]) == []  # a balanced interval starts over
+
+
+class _Event:
+    """A stand-in of torch.cuda.Event on a fake device clock: `record` stamps the clock, `query` says whether the
+    device has passed the stamp; `synchronize` (a wait for the device) fails the test."""
+    device_now = 0.0
+    clock = 0.0
+
+    def __init__(self, enable_timing=True):
+        self.at = None
+
+    def record(self, stream=None):
+        self.at = _Event.clock
+
+    def query(self):
+        return _Event.device_now >= self.at
+
+    def synchronize(self):
+        raise AssertionError("the straggler report waited for the device")
+
+    def elapsed_time(self, other):
+        assert self.query() and other.query(), "elapsed_time of an event the device has not reached waits for it"
+        return 1e3 * (other.at - self.at)
+
+
+def test_the_rank_clock_reads_device_events_one_interval_late_without_waiting(monkeypatch):
+    """On a CUDA device the clock's laps are event pairs; the report reads the interval before the log line's, once
+    its last event completed (queried), and never synchronizes: an interval the device has not finished is dropped.
+    Each iteration takes 3 s of device time, 1 s of it inside a collective (subtracted)."""
+    import torch
+
+    from gptpar.training import collectives as col
+    from gptpar.training.straggler import StragglerReport
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(col.torch.cuda, "Event", _Event)
+    monkeypatch.setattr(col.torch.cuda, "current_stream", lambda device=None: None)
+    log = col.CollectiveLog()
+    clock = log.rank_clock(torch.device("cuda", 0))
+    report = StragglerReport(SimpleNamespace(world_size=2, rank=0, tp_size=1, pp_size=1, dp_size=2), None,
+                             1.2, 0.0, 1)
+    clock.start()
+
+    def iteration(i):
+        _Event.clock += 1.0
+        before = clock.cuda_event(None)  # what the wrapper records around a collective on a CUDA tensor
+        _Event.clock += 1.0
+        clock.cuda_waits.append((before, clock.cuda_event(None)))
+        _Event.clock += 1.0
+        report.add(i, clock.lap())
+
+    for i in (1, 2):
+        iteration(i)
+    assert report.interval_seconds() == -1.0  # the first log line: no interval before it
+    for i in (3, 4):
+        iteration(i)
+    _Event.device_now = _Event.clock - 4.0  # the device is 4 s behind the host: iteration 4 not finished
+    assert report.interval_seconds() == 2.0 and report.reported == (1, 2)  # read while the device still runs
+    for i in (5, 6):
+        iteration(i)
+    _Event.device_now = _Event.clock - 4.0  # iterations 3-4 are done now, 5-6 not
+    assert report.interval_seconds() == 2.0 and report.reported == (3, 4)
+    _Event.device_now = _Event.clock - 10.0  # 5-6 not finished at the next log line: dropped, no wait
+    assert report.interval_seconds() == -1.0 and report.reported is None
 
 
 def test_a_rank_paused_by_a_duty_cycle_is_named_a_straggler(tmp_path):
     cfg = write_config(tmp_path / "c.json", training=dict(train_iters=100000),
-                       logging=dict(log_interval=5, straggler_threshold=2.0))
+                       logging=dict(log_interval=5, straggler_threshold=2.0, straggler_min_gap_seconds=0.05,
+                                    straggler_intervals=2))
     procs = launch_ranks(2, ["--config", cfg])
     lines = []
     reader = _follow(procs[0], lines)
@@ -85,7 +166,7 @@ def test_a_rank_paused_by_a_duty_cycle_is_named_a_straggler(tmp_path):
         _wait_for(lines, " iteration        5/", timeout=180)
         start = len(lines)
         deadline = Deadline(90)
-        while sum(line.startswith(" iteration ") for line in lines[start:]) < 4 and not deadline.expired():
+        while sum(line.startswith(" iteration ") for line in lines[start:]) < 6 and not deadline.expired():
             procs[1].send_signal(signal.SIGSTOP)  # stopped 3/4 of the time
             time.sleep(0.03)
             procs[1].send_signal(signal.SIGCONT)
@@ -173,3 +254,71 @@ def test_a_damaged_diagnostics_file_is_one_line_naming_it(tmp_path):
         assert p.stderr.startswith(f"diagnose_hang.py: error: {bad} {message}"), (name, p.stderr)
         assert len(p.stderr.splitlines()) == 1 and "Traceback" not in p.stderr, p.stderr
 
+
+def _balanced_then_slow(tmp: str) -> list:
+    """Two runs of 2 ranks (dp 2) on this rank, with the default straggler settings and log_interval 2, each rank's
+    lines kept: 42 balanced iterations, then 12 in which rank 1's kill switch check sits on a slow file system:
+    each os.path.exists of the kill switch takes 0.5 s more (patched by this test inside rank 1's process), host
+    work of the loop outside the engine's step. One process start for both (the start is most of the time)."""
+    import time
+    import torch.distributed as dist
+
+    from gptpar.parallel import init_parallel
+    from gptpar.training.assembly import build_trainer, setup_environment
+    from gptpar.training.cli import parse
+    from gptpar.training.collectives import CollectiveLog
+
+    kill = os.path.join(tmp, "kill")
+    collectives = CollectiveLog().install()
+    setup_environment()
+    logs, pstate = [], None
+    for iters, slow_s in ((42, 0.0), (12, 0.5)):
+        path = write_config(os.path.join(tmp, f"c{iters}_{dist.get_rank() if dist.is_initialized() else 0}.json"),
+                            parallel=dict(data_parallel_size=2),
+                            training=dict(train_iters=iters, eval_interval=None, kill_switch_path=kill),
+                            logging=dict(log_interval=2))
+        cfg, _, (tp, pp, dp) = parse(["--config", path])
+        pstate = pstate or init_parallel(tp, pp, dp)
+        if slow_s and pstate.rank == 1:
+            real = os.path.exists
+
+            def exists(path, real=real):
+                if path == kill:
+                    time.sleep(slow_s)
+                return real(path)
+
+            os.path.exists = exists
+        lines = []
+        trainer = build_trainer(cfg, pstate, lambda line, **_: lines.append(line), None, collectives=collectives)
+        trainer.log = lambda line, **_: lines.append(line)
+        trainer.train()
+        logs.append("\n".join(lines))
+    return logs
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """Rank 0's logs (it prints the log line) of `_balanced_then_slow`: (balanced, rank 1 slow)."""
+    return run_distributed(_balanced_then_slow, 2, (str(tmp_path_factory.mktemp("straggler")),), timeout=900)[0]
+
+
+def test_a_balanced_run_prints_no_straggler_line(two_rank_runs):
+    """Two ranks doing the same work, on a host where other processes take the cores in turn: 20 log intervals
+    reported, no straggler named (the default rule: the median of each interval, over 1.2 x and 0.25 s, three
+    intervals in a row)."""
+    out = two_rank_runs[0]
+    assert len(re.findall(r"^ iteration ", out, re.M)) == 21, out
+    assert "straggler:" not in out, out
+
+
+def test_a_rank_slow_outside_the_step_is_named(two_rank_runs):
+    """Rank 1 spends 0.5 s per iteration in its kill switch check, outside the engine's step; rank 0 waits for it in
+    the loop's stop all-reduce (subtracted). Rank 1 is named from the 3rd interval over on, rank 0 never."""
+    out = two_rank_runs[1]
+    named = re.findall(r"^straggler: rank (\d+) \(", out, re.M)
+    assert named and set(named) == {"1"}, out
+    assert re.search(r"^straggler: rank 1 \(\S+, pp 0/dp 1/tp 0\) computed [\d.]+ ms per iteration, [\d.]+ x the "
+                     r"others' median \([\d.]+ ms\) in iterations \d+-\d+, over for [3-9] log intervals in a row",
+                     out, re.M), out
+    seconds = [float(s) for s in re.findall(r"^straggler: rank 1 .* computed ([\d.]+) ms", out, re.M)]
+    assert all(s >= 500 for s in seconds), out  # the sleep is in its own time

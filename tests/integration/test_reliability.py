@@ -246,12 +246,12 @@ def run_cases(d, live_pid, only=None):
     run("d_base", unset)
     tp2 = ["--set", "parallel.tensor_model_parallel_size=2"]
     no_save = ["--set", "checkpoint.save=null", "--set", "checkpoint.save_interval=null"]
-    conversions = []  # on rank 0: whether the save folder was locked when each conversion started
-    real_convert = universal.convert_deepspeed_checkpoint
+    conversions = []  # on each rank: whether the save folder was locked when its share of the conversion started
+    real_convert = universal.convert_share
 
-    def convert_watching_the_lock(ckpt, out_dir, *args, **kwargs):
+    def convert_watching_the_lock(*args, **kwargs):
         conversions.append(os.path.exists(os.path.join(e, LOCK)))
-        return real_convert(ckpt, out_dir, *args, **kwargs)
+        return real_convert(*args, **kwargs)
 
     def old_style_with_leftovers():
         # iter_0000002 as gptpar wrote it before the resolved dp was recorded: data_parallel_size null
@@ -275,7 +275,7 @@ def run_cases(d, live_pid, only=None):
                 (u / tmp / OWNER).write_text(json.dumps(owner))
     run("dp_null", unset, *tp2, "--set", "training.train_iters=3", "--set", f"checkpoint.save={e}",
         prepare=old_style_with_leftovers,
-        patches=[(universal, "convert_deepspeed_checkpoint", convert_watching_the_lock)])
+        patches=[(universal, "convert_share", convert_watching_the_lock)])
     out["conversion_locked"] = (list(conversions), "", None)
     # the documented rollback: iter_0000001 resumed, iteration 2 skipped, iter_0000002 saved again in place
     run("rollback", unset, "--set", f"checkpoint.load={dd}/iter_0000001",

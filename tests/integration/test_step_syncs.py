@@ -109,6 +109,70 @@ def _counts_per_step(timers_on: bool, skip_on_device: bool):
     return counts
 
 
+def _trainer_counts():
+    """{report on/off: (device synchronisations, host reads of device values)} over a whole 2-rank Trainer run of
+    ITERS iterations with a log line at every one, the straggler report on (its default) or off; the synchronisations
+    are DeepSpeed's (the accelerator's) and, on a GPU, torch.cuda's (device, stream and event waits)."""
+    import os
+
+    import torch.distributed as dist
+
+    from gptpar.parallel import init_parallel
+    from gptpar.testing.runs import write_config
+    from gptpar.training.assembly import build_trainer
+    from gptpar.training.cli import parse
+    from gptpar.training.collectives import CollectiveLog
+    from gptpar.training.engine.deepspeed_api import accelerator
+
+    syncs = [0]
+    patched = [(type(accelerator()), "synchronize")]
+    if torch.cuda.is_available():
+        patched += [(torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize")]
+    originals = [(owner, name, getattr(owner, name)) for owner, name in patched]
+
+    def counting(real):
+        def wrapper(*args, **kwargs):
+            syncs[0] += 1
+            return real(*args, **kwargs)
+        return wrapper
+
+    collectives, pstate, counts = CollectiveLog().install(), None, {}
+    for threshold in (None, 1.2):
+        path = write_config(f"/tmp/gptpar_syncs_{os.getpid()}.json", parallel=dict(data_parallel_size=2),
+                            training=dict(train_iters=ITERS, eval_interval=None, precision="bf16"),
+                            logging=dict(log_interval=1, straggler_threshold=threshold))
+        cfg, _, (tp, pp, dp) = parse(["--config", path])
+        os.remove(path)
+        pstate = pstate or init_parallel(tp, pp, dp)
+        trainer = build_trainer(cfg, pstate, lambda *a, **k: None, None, collectives=collectives)
+        trainer.log = lambda *a, **k: None
+        assert (trainer.straggler is not None) == (threshold is not None)
+        reads = _HostReads()
+        syncs[0] = 0
+        for owner, name, real in originals:
+            setattr(owner, name, counting(real))
+        try:
+            with reads:
+                trainer.train()
+        finally:
+            for owner, name, real in originals:
+                setattr(owner, name, real)
+        counts["on" if threshold else "off"] = (syncs[0], reads.count)
+        dist.barrier()
+    return counts
+
+
+ITERS = 8
+
+
+def test_the_straggler_report_adds_no_device_wait_to_the_trainer():
+    """The Trainer's synchronisations and host reads of device values over a run with a log line at every
+    iteration are the same with the straggler report on as off (its clocks are read one log interval late,
+    queried: gptpar.training.collectives.RankClock), on every rank."""
+    for counts in run_distributed(_trainer_counts, 2, timeout=600):
+        assert counts["on"] == counts["off"], counts
+
+
 def _three_ways():
     return {"gptpar": _counts_per_step(False, True), "timers_on": _counts_per_step(True, True),
             "read_on_host": _counts_per_step(False, False)}

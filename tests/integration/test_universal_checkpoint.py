@@ -405,3 +405,106 @@ def test_deepspeed_universal_names_cover_the_model(bloom):
         "layers.1.query_key_value.weight"
     with pytest.raises(universal.UniversalCheckpointError, match="model.num_layers = 2"):
         universal.deepspeed_parameter_names(megatron_pipe, 2)
+
+
+def _copy_of(ckpt, out):
+    """The UniversalCopy a resume of `ckpt` at another shape plans (its counters carried), into `out`."""
+    from gptpar.checkpoint.layout import LoadTarget
+    from gptpar.checkpoint.manifest import open_folder
+    from gptpar.checkpoint.resume import UniversalCopy, carried_counters, read_rank_state
+
+    counters = carried_counters(read_rank_state(ckpt, 0, open_folder(ckpt, "", print, quiet=True)))
+    return UniversalCopy(LoadTarget(os.path.dirname(ckpt), os.path.basename(ckpt)), out, counters, "converting")
+
+
+def _convert_over_ranks_and_fail(ckpt, out, failing_out):
+    """On each of 2 ranks: `ckpt` converted into `out` over both ranks; then into `failing_out` with rank 1's first
+    write refused (a full disk) while rank 0 takes 3 s per parameter: (the shares' sizes, rank 0's writes begun,
+    seconds until the error, the error)."""
+    import errno
+    import time
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from gptpar.training.preflight import convert_over_ranks
+
+    rank = dist.get_rank()
+    pstate = SimpleNamespace(rank=rank, world_size=2, device=torch.device("cpu"))
+    lines = []
+    convert_over_ranks(_copy_of(ckpt, out) if rank == 0 else None, pstate, lines.append)
+    shares = []
+    real_split, real_write = universal.split_shares, universal._write_parameter
+
+    def split(*args):
+        shares.extend(len(share) for share in real_split(*args))
+        return real_split(*args)
+
+    writes = []
+
+    def write(*args, **kwargs):
+        writes.append(1)
+        if rank == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        time.sleep(3)
+        return real_write(*args, **kwargs)
+
+    universal.split_shares, universal._write_parameter = split, write
+    start = time.monotonic()
+    try:
+        convert_over_ranks(_copy_of(ckpt, failing_out) if rank == 0 else None, pstate, lines.append)
+        error = None
+    except Exception as e:  # noqa: BLE001 - what the test checks
+        error = (type(e).__name__, str(e))
+    finally:
+        universal.split_shares, universal._write_parameter = real_split, real_write
+    return shares, len(writes), time.monotonic() - start, error, lines
+
+
+def test_the_conversion_over_two_ranks_is_byte_identical_to_one_rank(runs, tmp_path):
+    """The (2, 2, 1) checkpoint (pp 2: two stages) converted by one process (write_universal_copy, as a 1-rank
+    resume does) and over two ranks (the preflight's convert_over_ranks): the same files, byte for byte, manifest and
+    metadata included. Then a share that fails on rank 1 (a full disk) ends both ranks within seconds with its one
+    line, rank 0 stopping after the parameter it was writing, and leaves no copy, complete or not."""
+    from gptpar.checkpoint.layout import MANIFEST
+    from gptpar.checkpoint.resume import write_universal_copy
+
+    d, _ = runs
+    ckpt = str(d / "fp32_221_ck" / "iter_0000006")
+    one, two, failing = tmp_path / "one", tmp_path / "two", tmp_path / "failing"
+    write_universal_copy(_copy_of(ckpt, str(one)), lambda *a: None)
+    results = run_distributed(_convert_over_ranks_and_fail, 2, (ckpt, str(two), str(failing)), timeout=300)
+    files = {os.path.relpath(os.path.join(root, f), one) for root, _, names in os.walk(one) for f in names}
+    assert files == {os.path.relpath(os.path.join(root, f), two) for root, _, names in os.walk(two) for f in names}
+    assert len(files) > 50 and MANIFEST in files and universal.META in files
+    for rel in sorted(files):
+        assert (one / rel).read_bytes() == (two / rel).read_bytes(), rel
+    shares = results[0][0]
+    assert len(shares) == 2 and min(shares) >= 3, shares
+    for rank, (_, writes, seconds, error, _) in enumerate(results):
+        assert error is not None and error[0] == "CheckpointError", error
+        assert error[1].startswith("the universal conversion failed on rank 1: could not write the universal copy "
+                                   f"{failing}: OSError: [Errno 28] No space left on device") and "\n" not in error[1]
+        assert seconds < 12, seconds  # rank 0's own share alone would take 3 s x its parameters
+    assert results[0][1] <= 2  # rank 0 stopped after the parameter it was writing
+    assert not os.path.exists(failing) and not [p for p in os.listdir(tmp_path) if p.startswith("failing")]
+
+
+def test_the_shares_follow_the_stages_and_split_a_stage_by_elements():
+    """Each rank's share is a contiguous run of the plan; every parameter lands in exactly one share, in order. With
+    no more ranks than pipeline stages a rank converts whole stages (it verifies their shards only); with more, each
+    stage goes to its own ranks, split among them by elements."""
+    assert universal.stage_ranks(4, 2) == [[0], [0], [1], [1]] and universal.stage_ranks(3, 1) == [[0]] * 3
+    assert universal.stage_ranks(2, 4) == [[0, 1], [2, 3]] and universal.stage_ranks(2, 5) == [[0, 1], [2, 3, 4]]
+    sizes = {"n0": 100, "n1": 10, "n2": 10, "n3": 60, "n4": 10, "n5": 10, "n6": 40, "n7": 40}
+    plan = [(0 if i < 6 else 1, 0, f"p{i}", f"n{i}") for i in range(8)]
+    for ranks in (1, 2, 3, 4, 8):
+        shares = universal.split_shares(plan, sizes, ranks, 2)
+        assert len(shares) == ranks and [item for share in shares for item in share] == plan
+    names = lambda shares: [[item[3] for item in share] for share in shares]  # noqa: E731
+    assert names(universal.split_shares(plan, sizes, 1, 2)) == [[f"n{i}" for i in range(8)]]
+    assert names(universal.split_shares(plan, sizes, 2, 2)) == [["n0", "n1", "n2", "n3", "n4", "n5"], ["n6", "n7"]]
+    assert names(universal.split_shares(plan, sizes, 4, 2)) == [["n0"], ["n1", "n2", "n3", "n4", "n5"], ["n6"],
+                                                                ["n7"]]
+    one_stage = [(0, 0, f"p{i}", f"n{i}") for i in range(6)]
+    assert [len(share) for share in universal.split_shares(one_stage, dict.fromkeys(sizes, 5), 3, 1)] == [2, 2, 2]
