@@ -30,7 +30,6 @@ from __future__ import annotations
 import functools
 import os
 import random
-import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
@@ -40,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from gptpar.checkpoint import universal
-from gptpar.checkpoint.durable import StagedFolder, describe_write_failure, publish_latest
+from gptpar.checkpoint.durable import StagedFolder, describe_write_failure, publish_latest, retire_folder
 from gptpar.checkpoint.exceptions import CheckpointError, CheckpointSaveError
 from gptpar.checkpoint.layout import (CONFIG, TAG_RE, LoadTarget, complete_checkpoints, earlier_checkpoint_fix,
                                       read_latest, state_file, tag_of)
@@ -267,12 +266,18 @@ class Checkpointer:
 
     def _prune(self, newest: int) -> None:
         """Delete all but the newest `keep_last` complete checkpoints at or before the one `latest` points at
-        (called once `latest` is on disk)."""
+        (called once `latest` is on disk). Each is renamed aside before any file goes (durable.retire_folder), so a
+        prune cut short never leaves an `iter_N` that looks complete; one that cannot be renamed is left whole,
+        with a warning (the save itself succeeded)."""
         if not self.keep_last:
             return
         done = [tag for tag in complete_checkpoints(self.save_dir) if int(TAG_RE.match(tag).group(1)) <= newest]
         for tag in done[:-self.keep_last]:
-            shutil.rmtree(os.path.join(self.save_dir, tag), ignore_errors=True)
+            try:
+                retire_folder(os.path.join(self.save_dir, tag), self.token, self.log)
+            except OSError as e:
+                self.log(f"warning: could not delete {os.path.join(self.save_dir, tag)} (checkpoint.keep_last="
+                         f"{self.keep_last}): {type(e).__name__}: {e.strerror or e}; it stays, complete", flush=True)
 
     # -- the resume ------------------------------------------------------------------------------
     def load(self, engine, tracker) -> Optional[dict]:
