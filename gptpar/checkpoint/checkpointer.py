@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gptpar.checkpoint import universal
+from gptpar.checkpoint import stop_grace, universal
 from gptpar.checkpoint.durable import StagedFolder, describe_write_failure, publish_latest, retire_folder
 from gptpar.checkpoint.exceptions import CheckpointError, CheckpointSaveError
 from gptpar.checkpoint.layout import (CONFIG, TAG_RE, LoadTarget, complete_checkpoints, earlier_checkpoint_fix,
@@ -108,6 +108,7 @@ class Checkpointer:
     token: str = field(default_factory=lambda: str(os.getpid()))
     pre_save_checks: List[Callable] = field(default_factory=list)
     saved_at: Optional[int] = None  # the iteration of the last save (or of the checkpoint resumed)
+    iteration_seconds: float = 0.0  # the last iteration's, set by the trainer: recorded with each save's duration
     _announced: set = field(default_factory=set)  # the waits said once (checkpoint.async_save)
     _reported: Optional[object] = None  # the save whose outcome was last handed to the trainer
 
@@ -142,7 +143,14 @@ class Checkpointer:
                      "for it)", flush=True)
         else:
             self.log(f"saved checkpoint {path} in {time.time() - start:.2f} s", flush=True)
+            self._record_times(iteration, time.time() - start)
         return path
+
+    def _record_times(self, iteration: int, seconds: float) -> None:
+        """Rank 0: this save's and the last iteration's seconds, for gptpar.launch's stop grace."""
+        if self.rank == 0:
+            stop_grace.record(self.save_dir, iteration, self.iteration_seconds, seconds,
+                              lambda line: self.log(line, flush=True))
 
     def weights_finite(self, engine) -> bool:
         """Whether every rank's weights are finite (one all-reduce MAX of a flag)."""
@@ -260,6 +268,8 @@ class Checkpointer:
         if self.writer.async_save:
             self.log(f"saved checkpoint {save.name} in {save.seconds:.2f} s (written while training went on)",
                      flush=True)
+            match = TAG_RE.match(os.path.basename(save.name))
+            self._record_times(int(match.group(1)) if match else -1, save.seconds)
 
     def _failures(self, tag: str, defer: bool = False) -> "_SaveFailure":
         return _SaveFailure(self.save_dir, tag, self.rank, defer)

@@ -84,7 +84,8 @@ def test_a_save_is_ordered_on_disk(tmp_path):
     assert os.path.basename(aside).startswith("iter_0000002.tmp-retired-")
     i_gone = _index(events, lambda e: e == ("rmtree", aside), after=i_prune)
     assert i_latest < i_parent_again < i_prune < _index(events, lambda e: e == ("fsync", ck), after=i_prune) < i_gone
-    others = {"zero_to_fp32.py", "zero_to_torch.py", "resolved_config.json"}  # DeepSpeed's scripts, the run's config
+    # DeepSpeed's scripts, the run's config, the last save's duration (gptpar.launch's stop grace)
+    others = {"zero_to_fp32.py", "zero_to_torch.py", "resolved_config.json", ".gptpar-save-times.json"}
     assert sorted(set(os.listdir(ck)) - others) == ["iter_0000003", "latest"]
 
 
