@@ -30,7 +30,6 @@ from __future__ import annotations
 import functools
 import os
 import random
-import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
@@ -39,8 +38,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gptpar.checkpoint import universal
-from gptpar.checkpoint.durable import StagedFolder, describe_write_failure, publish_latest
+from gptpar.checkpoint import stop_grace, universal
+from gptpar.checkpoint.durable import StagedFolder, describe_write_failure, publish_latest, retire_folder
 from gptpar.checkpoint.exceptions import CheckpointError, CheckpointSaveError
 from gptpar.checkpoint.layout import (CONFIG, TAG_RE, LoadTarget, complete_checkpoints, earlier_checkpoint_fix,
                                       read_latest, state_file, tag_of)
@@ -109,6 +108,7 @@ class Checkpointer:
     token: str = field(default_factory=lambda: str(os.getpid()))
     pre_save_checks: List[Callable] = field(default_factory=list)
     saved_at: Optional[int] = None  # the iteration of the last save (or of the checkpoint resumed)
+    iteration_seconds: float = 0.0  # the last iteration's, set by the trainer: recorded with each save's duration
     _announced: set = field(default_factory=set)  # the waits said once (checkpoint.async_save)
     _reported: Optional[object] = None  # the save whose outcome was last handed to the trainer
 
@@ -143,7 +143,14 @@ class Checkpointer:
                      "for it)", flush=True)
         else:
             self.log(f"saved checkpoint {path} in {time.time() - start:.2f} s", flush=True)
+            self._record_times(iteration, time.time() - start)
         return path
+
+    def _record_times(self, iteration: int, seconds: float) -> None:
+        """Rank 0: this save's and the last iteration's seconds, for gptpar.launch's stop grace."""
+        if self.rank == 0:
+            stop_grace.record(self.save_dir, iteration, self.iteration_seconds, seconds,
+                              lambda line: self.log(line, flush=True))
 
     def weights_finite(self, engine) -> bool:
         """Whether every rank's weights are finite (one all-reduce MAX of a flag)."""
@@ -261,18 +268,26 @@ class Checkpointer:
         if self.writer.async_save:
             self.log(f"saved checkpoint {save.name} in {save.seconds:.2f} s (written while training went on)",
                      flush=True)
+            match = TAG_RE.match(os.path.basename(save.name))
+            self._record_times(int(match.group(1)) if match else -1, save.seconds)
 
     def _failures(self, tag: str, defer: bool = False) -> "_SaveFailure":
         return _SaveFailure(self.save_dir, tag, self.rank, defer)
 
     def _prune(self, newest: int) -> None:
         """Delete all but the newest `keep_last` complete checkpoints at or before the one `latest` points at
-        (called once `latest` is on disk)."""
+        (called once `latest` is on disk). Each is renamed aside before any file goes (durable.retire_folder), so a
+        prune cut short never leaves an `iter_N` that looks complete; one that cannot be renamed is left whole,
+        with a warning (the save itself succeeded)."""
         if not self.keep_last:
             return
         done = [tag for tag in complete_checkpoints(self.save_dir) if int(TAG_RE.match(tag).group(1)) <= newest]
         for tag in done[:-self.keep_last]:
-            shutil.rmtree(os.path.join(self.save_dir, tag), ignore_errors=True)
+            try:
+                retire_folder(os.path.join(self.save_dir, tag), self.token, self.log)
+            except OSError as e:
+                self.log(f"warning: could not delete {os.path.join(self.save_dir, tag)} (checkpoint.keep_last="
+                         f"{self.keep_last}): {type(e).__name__}: {e.strerror or e}; it stays, complete", flush=True)
 
     # -- the resume ------------------------------------------------------------------------------
     def load(self, engine, tracker) -> Optional[dict]:

@@ -8,6 +8,10 @@ copies (in a run and offline), weights-only checkpoints and Hugging Face exports
     publish_latest(save_dir, tag)      `latest` written under a temporary name, fsynced, renamed; the save folder
                                        fsynced, so that `latest` names a folder that is on disk before anything
                                        older is pruned
+    retire_folder(target)              a complete folder deleted (keep_last's pruning): renamed aside to
+                                       `{target}.tmp-retired-TOKEN` first (the parent fsynced), its manifest
+                                       removed, then the rest; a crash part-way leaves a temporary folder that the
+                                       next start deletes, never an `iter_N` that still looks complete
 
 POSIX orders neither a new file's directory entry nor a rename on disk without an fsync of the directory: without
 these, a power loss can leave `latest` naming a folder that is missing or partial, with the older one pruned. A tag
@@ -158,6 +162,28 @@ class StagedFolder:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+RETIRED_TOKEN_PREFIX = "retired-"  # `{target}.tmp-retired-TOKEN`: a folder being deleted (retire_folder)
+
+
+def retire_folder(target: str, token: Optional[str] = None, log: Callable[[str], None] = print) -> None:
+    """Delete the complete folder `target` so that no crash part-way leaves anything that counts as complete: one
+    rename takes it out of its name (`iter_N` folders are what a resume, `latest`'s fix text and the start-up's
+    clean-up look at; a `.tmp-` folder is deleted by the next start), the parent fsynced so the rename is on disk
+    before any file goes, then the manifest first, then the rest. Raises OSError if the rename fails (the folder
+    is then untouched)."""
+    target = os.path.normpath(target)
+    aside = f"{target}.tmp-{RETIRED_TOKEN_PREFIX}{token if token is not None else os.getpid()}"
+    if os.path.lexists(aside):
+        shutil.rmtree(aside)
+    os.rename(target, aside)
+    fsync_dir(os.path.dirname(os.path.abspath(target)), log)
+    try:
+        os.unlink(os.path.join(aside, MANIFEST))
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def is_write_failure(exc: BaseException) -> bool:
     """Whether `exc` is the file system refusing a write (full, read-only, file too large): an OSError, torch's
     writer's RuntimeError ("unexpected pos", "PytorchStreamWriter failed"), safetensors' I/O error."""
@@ -240,4 +266,4 @@ def _empty_folder(path: str) -> bool:
 
 
 __all__ = ["is_write_failure", "describe_write_failure", "fsync_dir", "fsync_file", "write_synced", "replace_synced", "publish_latest", "write_manifest",
-           "StagedFolder"]
+           "StagedFolder", "retire_folder", "RETIRED_TOKEN_PREFIX"]

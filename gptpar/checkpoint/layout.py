@@ -11,8 +11,10 @@ which checkpoints are complete, what `latest` points at, what `checkpoint.load` 
     {save}/.gptpar-probe-PID, .latest.tmp-PID   short-lived files of a write probe and of the pointer update
     {save}/diagnostics/                   what each rank was doing when a collective failed (gptpar.training.diagnostics)
     {save}/resolved_config.json           the run's resolved config, without metrics_file or TensorBoard folder
+    {save}/.gptpar-save-times.json        how long the last save and iteration took: gptpar.launch's stop grace
+                                          (gptpar.checkpoint.stop_grace)
 
-gptpar's own entries are the lock, probe and temporary files and folders, the diagnostics folder, and the recovery
+gptpar's own entries are the lock, probe and temporary files and folders, the save times, the diagnostics folder, and the recovery
 scripts DeepSpeed copies beside its checkpoints. A folder holding nothing else has no checkpoint: loading from it starts fresh. An `iter_N`
 folder without a manifest is never gptpar's doing (saves are written under a temporary name and renamed whole): it
 is refused, never taken for a fresh start or for a checkpoint.
@@ -41,6 +43,7 @@ STATE_FILE_RE = re.compile(r"^gptpar_rank_\d{5}\.pt$")
 UNIVERSAL_META = "gptpar_universal.json"  # a universal copy's metadata (gptpar.checkpoint.universal)
 OWNER = ".gptpar-owner.json"  # in a universal copy being converted: the job writing it
 DIAGNOSTICS = "diagnostics"  # written when a collective fails (gptpar.training.diagnostics)
+SAVE_TIMES = ".gptpar-save-times.json"  # the last save's and iteration's seconds (gptpar.checkpoint.stop_grace)
 RESOLVED_CONFIG = "resolved_config.json"  # the run's resolved config, when it is written here (gptpar.training.assembly)
 
 
@@ -117,7 +120,7 @@ def is_complete(path: str) -> bool:
 
 def is_own_entry(directory: str, name: str) -> bool:
     """An entry gptpar may find in a folder without it holding a checkpoint (see the module docstring)."""
-    if name.startswith((LOCK, PROBE_PREFIX, LATEST_TMP_PREFIX)) or name in RECOVERY_SCRIPTS or \
+    if name.startswith((LOCK, PROBE_PREFIX, LATEST_TMP_PREFIX, SAVE_TIMES)) or name in RECOVERY_SCRIPTS or \
             name in (DIAGNOSTICS, RESOLVED_CONFIG):
         return True
     return staged(name) is not None and os.path.isdir(os.path.join(directory, name))

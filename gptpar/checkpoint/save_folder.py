@@ -9,9 +9,9 @@ refused run changes nothing:
                     (its pid cannot be checked from here) needs checkpoint.override_lock=true
     probe_writable  a probe file written, fsynced and deleted: a read-only or full file system fails now,
                     not at the first save after hours of training
-    clean_leftovers the temporary folders of killed saves (`iter_N.tmp-TOKEN`), a re-save's swap cut short by a
-                    crash (`iter_N.old-TOKEN` put back when `iter_N` is missing), and stale `.latest.tmp-PID` and
-                    probe files of dead jobs
+    clean_leftovers the temporary folders of killed saves (`iter_N.tmp-TOKEN`) and of killed prunes
+                    (`iter_N.tmp-retired-TOKEN`), a re-save's swap cut short by a crash (`iter_N.old-TOKEN` put back
+                    when `iter_N` is missing), and stale `.latest.tmp-PID` and probe files of dead jobs
     check_free_space room for one checkpoint (checkpoint_bytes), warn below 2x, error below 1x
     clean_conversion_leftovers  in checkpoint.universal_dir: `{tag}.tmp-PID` folders of universal conversions
                     whose job is gone (the preflight then converts, if it must, with the lock held)
@@ -30,7 +30,7 @@ import socket
 import time
 from typing import Callable, Optional
 
-from gptpar.checkpoint.durable import fsync_dir, write_synced
+from gptpar.checkpoint.durable import RETIRED_TOKEN_PREFIX, fsync_dir, write_synced
 from gptpar.checkpoint.exceptions import CheckpointError
 from gptpar.checkpoint.layout import (LATEST_TMP_PREFIX, LOCK, OWNER, PROBE_PREFIX, TAG_RE, UNIVERSAL_META,
                                       is_complete, read_latest, staged)
@@ -232,6 +232,10 @@ def clean_leftovers(directory: str, log: Callable[[str], None]) -> None:
                 "its place)")
             os.rename(path, target)
             fsync_dir(directory, log)
+        elif match["token"].startswith(RETIRED_TOKEN_PREFIX):
+            log(f"removing {path} (a checkpoint checkpoint.keep_last was deleting when its job ended; `latest` is "
+                f"{latest or 'absent'})")
+            shutil.rmtree(path, ignore_errors=True)
         else:
             what = "partial checkpoint" if match["what"] == "tmp" else "replaced checkpoint"
             log(f"removing {what} {path} (its save was interrupted; `latest` is {latest or 'absent'})")

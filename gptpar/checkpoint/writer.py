@@ -24,6 +24,15 @@ object sees every byte of a checkpoint:
   times slower: docs/checkpoints.md); their size is said once. On CUDA they are pinned and the copy runs on a side
   stream after the work queued before the save.
 
+With `checkpoint.async_host_buffer_mb` (a bound, `host_limit`) the snapshot goes through a bounded pool instead of
+buffers for the whole state: each file's storages get host memory only when a copier thread reaches them, in the
+order the file writes them, and give it back as soon as they are written, so at most `host_limit` bytes of host
+memory (on CUDA: a pinned staging buffer included, through which each storage is copied in chunks) hold copies at
+any time; a storage larger than the bound is taken alone when nothing else is held (said once). The optimizer step
+then waits until the last storage is copied, i.e. until all but the bound's worth of the save is written. The
+files are torch.save's bytes exactly (its own `torch.serialization._open_zipfile_writer` and `_save`, with the
+storage records gated; torch 2.11 to 2.13); a writer with zipfile serialization off keeps whole buffers.
+
 The writer neither agrees between ranks nor writes the manifest and `latest`: it runs the job it is given
 (gptpar.checkpoint.checkpointer.Checkpointer's) with the files' records, once they are written. At most one save is
 in flight: `wait` returns its outcome.
@@ -33,6 +42,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+import pickle
 import threading
 import time
 from typing import Callable, Dict, List, Optional, Tuple
@@ -85,7 +95,11 @@ class _HostBuffers:
         self.free: Dict[Tuple[int, bool], List[torch.Tensor]] = {}
         self.used: List[torch.Tensor] = []
 
-    def take(self, nbytes: int, pinned: bool) -> torch.Tensor:
+    def take(self, nbytes: int, pinned: bool, lazy: bool = False) -> torch.Tensor:
+        """A buffer of `nbytes`, kept for the next save. `lazy` (a bounded snapshot): a fresh pageable one, never
+        kept: address space only until its copy touches it, freed once written (`_BoundedCopies`)."""
+        if lazy:
+            return torch.empty(nbytes, dtype=torch.uint8)
         kept = self.free.get((nbytes, pinned))
         buf = kept.pop() if kept else torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
         self.used.append(buf)
@@ -100,6 +114,189 @@ class _HostBuffers:
         for buf in self.used:
             self.free.setdefault((buf.numel(), buf.is_pinned()), []).append(buf)
         self.used = []
+
+
+def _libc_malloc_trim():
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_MALLOC_TRIM = _libc_malloc_trim()
+
+
+def _return_freed_memory() -> None:
+    """Give freed heap memory back to the system: glibc keeps freed blocks of up to 32 MiB (its dynamic mmap
+    threshold) resident in its heap, so a bounded snapshot's freed storages would stay in the process's memory."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+class _BoundedPool:
+    """Host bytes lent to snapshot copies, at most `limit` at a time (one storage larger than the limit is lent
+    alone). `peak` is the most ever held."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held, self.peak = limit, 0, 0
+        self.aborted = False
+        self._cond = threading.Condition()
+
+    def acquire(self, nbytes: int) -> bool:
+        """Block until `nbytes` fit (or nothing is held); False when the save was aborted meanwhile."""
+        with self._cond:
+            while not self.aborted and self.held and self.held + nbytes > self.limit:
+                self._cond.wait()
+            if self.aborted:
+                return False
+            self.held += nbytes
+            self.peak = max(self.peak, self.held)
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._cond:
+            self.held -= nbytes
+            self._cond.notify_all()
+
+    def abort(self) -> None:
+        with self._cond:
+            self.aborted = True
+            self._cond.notify_all()
+
+
+class _StorageOrder:
+    """A stand-in for torch's zip writer that records the storages torch.serialization._save would write, in its
+    order (a dry run: no bytes)."""
+
+    def __init__(self):
+        self.storages: List[torch.UntypedStorage] = []
+
+    def write_record(self, name, data, nbytes) -> None:
+        if name.startswith("data/") and isinstance(data, torch.UntypedStorage):
+            self.storages.append(data)
+
+
+class _GatedZip:
+    """torch's zip writer, with each storage record of a bounded snapshot written only once its copy is in host
+    memory, and that memory given back to the pool right after."""
+
+    def __init__(self, zip_file, bounded: "_BoundedCopies"):
+        self.zip_file, self.bounded = zip_file, bounded
+
+    def write_record(self, name, data, nbytes) -> None:
+        slot = self.bounded.slot(data) if isinstance(data, torch.UntypedStorage) else None
+        if slot is not None:
+            slot.copied.wait()
+            if self.bounded.failed is not None:
+                raise RuntimeError(f"the snapshot copy failed: {self.bounded.failed}")
+        self.zip_file.write_record(name, data, nbytes)
+        if slot is not None:
+            self.bounded.written(slot)
+
+    def __getattr__(self, name):
+        return getattr(self.zip_file, name)
+
+
+class _Slot:
+    """One storage of a bounded snapshot: its live storage, its host copy (memory taken only when copied)."""
+
+    def __init__(self, live: torch.UntypedStorage, host: torch.Tensor):
+        self.live, self.host, self.nbytes = live, host, live.nbytes()
+        self.copied = threading.Event()
+
+
+class _BoundedCopies:
+    """A save's snapshots copied through a `_BoundedPool`: `run_copier` (a thread) copies the storages in the order
+    the files write them, `write` writes a file through `_GatedZip`."""
+
+    STAGING_BYTES = 64 * 2 ** 20  # CUDA: the pinned chunk each storage is copied through
+
+    def __init__(self, snapshots: list, limit: int, log: Callable[[str], None]):
+        self.snapshots, self.log = snapshots, log
+        self.failed: Optional[BaseException] = None
+        self.staging = None
+        if any(live.device.type == "cuda" for snap in snapshots for live, _ in snap.copies):
+            staging_bytes = min(self.STAGING_BYTES, max(limit // 4, 1))
+            self.staging = torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=True)
+            limit -= staging_bytes  # the pinned staging counts in the bound
+        self.pool = _BoundedPool(max(limit, 0))
+        self.staging_bytes = 0 if self.staging is None else self.staging.numel()
+        self.order: List[_Slot] = []
+        self._slots: Dict[int, _Slot] = {}
+        for snap in snapshots:
+            live_of = {host.untyped_storage()._cdata: live for live, host in snap.copies}
+            dry = _StorageOrder()
+            torch.serialization._save(snap.state, dry, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+            for storage in dry.storages:
+                live = live_of.get(storage._cdata)
+                if live is not None and storage._cdata not in self._slots:
+                    slot = _Slot(live, _bytes_of(storage))
+                    self._slots[storage._cdata] = slot
+                    self.order.append(slot)
+
+    def slot(self, storage: torch.UntypedStorage) -> Optional[_Slot]:
+        return self._slots.get(storage._cdata)
+
+    def peak_bytes(self) -> int:
+        """The most host memory the snapshot held at once (the pinned staging included)."""
+        return self.pool.peak + self.staging_bytes
+
+    def run_copier(self, done: threading.Event) -> None:
+        try:
+            said = False
+            for slot in self.order:
+                if slot.nbytes > self.pool.limit and not said:
+                    said = True
+                    self.log(f"checkpoint.async_host_buffer_mb: a tensor of {slot.nbytes / 2 ** 20:.1f} MiB is larger "
+                             "than the bound; it is copied alone")
+                if not self.pool.acquire(slot.nbytes):
+                    break
+                self._copy(slot)  # its pages are touched (taken) now, given back once written
+                slot.copied.set()
+        except BaseException as e:  # noqa: BLE001 - the writer and the training thread must learn it, never hang
+            self.failed = e
+        finally:
+            for slot in self.order:  # a writer waiting on a copy that will never come raises instead
+                slot.copied.set()
+            done.set()
+
+    def _copy(self, slot: _Slot) -> None:
+        source = _bytes_of(slot.live)
+        if self.staging is None:
+            slot.host.copy_(source)
+            return
+        with torch.cuda.device(slot.live.device):
+            stream = torch.cuda.Stream()
+            for start in range(0, slot.nbytes, self.staging.numel()):
+                n = min(self.staging.numel(), slot.nbytes - start)
+                with torch.cuda.stream(stream):
+                    self.staging[:n].copy_(source[start:start + n], non_blocking=True)
+                stream.synchronize()
+                slot.host[start:start + n].copy_(self.staging[:n])
+
+    def written(self, slot: _Slot) -> None:
+        slot.host.untyped_storage().resize_(0)
+        _return_freed_memory()
+        self.pool.release(slot.nbytes)
+
+    def abort(self) -> None:
+        self.pool.abort()
+
+    def write(self, state, path: str, checksums: bool) -> FileRecord:
+        """`write_file` with the storage records gated on their copies: the same bytes."""
+        with open(path, "wb") as raw:
+            out = _HashingFile(raw, hashlib.new(DIGEST) if checksums else None)
+            with torch.serialization._open_zipfile_writer(out) as zip_file:
+                torch.serialization._save(state, _GatedZip(zip_file, self), pickle,
+                                          torch.serialization.DEFAULT_PROTOCOL, False)
+            raw.flush()
+            os.fsync(raw.fileno())
+        record: FileRecord = {"size": out.size}
+        if checksums:
+            record[DIGEST] = out.digest.hexdigest()
+        return record
 
 
 def _tensors(obj, found: dict) -> None:
@@ -124,7 +321,8 @@ class _Snapshot:
 
     Built in the caller (cheap: allocation and structure only); `copy()` runs in the writer thread."""
 
-    def __init__(self, state, buffers: _HostBuffers):
+    def __init__(self, state, buffers: _HostBuffers, lazy: bool = False):
+        """`lazy`: host storages that are only reserved (a bounded snapshot: `_BoundedCopies` fills and frees them)."""
         found: dict = {}
         _tensors(state, found)
         storages: Dict[int, Tuple[torch.UntypedStorage, torch.Tensor]] = {}  # StorageImpl -> (live, host copy)
@@ -132,7 +330,8 @@ class _Snapshot:
         for key, t in found.items():
             live = t.untyped_storage()
             if live._cdata not in storages:  # the identity torch.save shares storages by
-                storages[live._cdata] = (live, buffers.take(live.nbytes(), pinned=live.device.type == "cuda"))
+                storages[live._cdata] = (live, buffers.take(live.nbytes(), pinned=live.device.type == "cuda",
+                                                            lazy=lazy))
             host = storages[live._cdata][1]
             view = torch.empty(0, dtype=t.dtype).set_(host.untyped_storage(), t.storage_offset(), t.size(),
                                                        t.stride())
@@ -184,9 +383,13 @@ class CheckpointWriter:
     file's path as DeepSpeed gave it."""
 
     def __init__(self, async_save: bool, checksums: bool, zipfile_serialization: bool = True,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, host_limit: Optional[int] = None):
+        """`host_limit`: with `async_save`, the most bytes of host memory a snapshot holds at once (None: buffers for
+        the whole state, kept between saves); see the module docstring."""
         self.async_save, self.checksums, self.zipfile_serialization = async_save, checksums, zipfile_serialization
         self.log = log
+        self.host_limit = host_limit if async_save and zipfile_serialization else None
+        self.snapshot_peak_bytes = 0  # a bounded snapshot's most host memory held at once, over the saves so far
         self.verifier = None  # gptpar.checkpoint.manifest.Verifier of the checkpoint being loaded
         self._buffers_said = False
         self.name = "gptpar"
@@ -211,7 +414,7 @@ class CheckpointWriter:
             return
         if self.async_save:
             try:
-                self._files.append((path, _Snapshot(state_dict, self._buffers)))
+                self._files.append((path, _Snapshot(state_dict, self._buffers, lazy=self.host_limit is not None)))
             except (OSError, RuntimeError) as e:  # a host buffer that cannot be allocated (pinned memory)
                 self._error = e
         else:  # after a failure the rest is not written: the save is lost anyway
@@ -263,8 +466,13 @@ class CheckpointWriter:
             if not self._buffers_said and save.error is None:
                 self._buffers_said = True
                 held = self._buffers.held_bytes()
-                self.log(f"checkpoint.async_save: {held / 2 ** 30:.2f} GiB of host buffers on this rank hold the "
-                         "snapshots (allocated at this first save, reused by every later one)")
+                if self.host_limit is not None:
+                    self.log(f"checkpoint.async_save: at most {self.host_limit / 2 ** 20:.0f} MiB of host memory on "
+                             "this rank hold a snapshot at once (checkpoint.async_host_buffer_mb; the optimizer step "
+                             "after a save waits until all but that much is written)")
+                else:
+                    self.log(f"checkpoint.async_save: {held / 2 ** 30:.2f} GiB of host buffers on this rank hold the "
+                             "snapshots (allocated at this first save, reused by every later one)")
             threading.Thread(target=self._run, args=(save,), name="gptpar-checkpoint-writer", daemon=True).start()
             return
         records, error, self._records, self._error = self._records, self._error, {}, None
@@ -276,6 +484,8 @@ class CheckpointWriter:
             save.done.set()
 
     def _run(self, save: _Save) -> None:
+        if self.host_limit is not None:
+            return self._run_bounded(save)
         records, error = {}, save.error
         try:
             if error is not None:  # the snapshot plan failed: nothing to copy or write
@@ -291,6 +501,38 @@ class CheckpointWriter:
             error = e
         save.files = []  # the snapshots' views go; their buffers serve the next save
         self._buffers.recycle()
+        try:
+            save.outcome = save.job(records, error)
+        except BaseException as e:  # noqa: BLE001 - the training thread must learn it, never hang on `done`
+            save.outcome = e
+        finally:
+            save.seconds = time.perf_counter() - save.started
+            save.done.set()
+
+    def _run_bounded(self, save: _Save) -> None:
+        """`_run` through a bounded pool: a copier thread fills the storages in the order the files write them
+        while this thread writes them, each storage's memory freed once written (`_BoundedCopies`)."""
+        records, error = {}, save.error
+        try:
+            if error is None and save.files:
+                copies = _BoundedCopies([snapshot for _, snapshot in save.files], self.host_limit, self.log)
+                # the copier sets `copied` once the last storage is copied: the optimizer step goes on from there
+                threading.Thread(target=copies.run_copier, args=(save.copied,), name="gptpar-checkpoint-copier",
+                                 daemon=True).start()
+                try:
+                    for path, snapshot in save.files:
+                        records[path] = copies.write(snapshot.state, path, self.checksums)
+                finally:
+                    copies.abort()  # a copier still waiting for room (a failed write) stops
+                    save.copied.wait()
+                if copies.failed is not None:
+                    raise copies.failed
+                self.snapshot_peak_bytes = max(self.snapshot_peak_bytes, copies.peak_bytes())
+        except Exception as e:  # noqa: BLE001 - a full disk, an I/O error: the job reports it on every rank
+            error = e
+        finally:
+            save.copied.set()  # the training thread never waits on a copy that failed
+        save.files = []
         try:
             save.outcome = save.job(records, error)
         except BaseException as e:  # noqa: BLE001 - the training thread must learn it, never hang on `done`

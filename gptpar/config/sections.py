@@ -322,18 +322,25 @@ class CheckpointConfig:
     async_save: bool = _f(False, "Write checkpoints in a background thread while training goes on (the save first "
                                  "copies this rank's state to host memory). Worth it where host cores are free "
                                  "during the step (GPU training).")
+    async_host_buffer_mb: Optional[int] = _f(
+        None, "With async_save: at most this many MiB of host memory hold a save's snapshot, copied in chunks through "
+              "a bounded pool (the next optimizer step waits for the rest to be written). null = the whole state.")
     checksums: bool = _f(True, "Record the sha256 of every file this run writes (checkpoints, universal copies) "
                                "in its manifest, hashed as it is written. false = sizes only.")
     verify_checksums: bool = _f(True, "Check every file read (resume, universal copy, init_from) against the sha256 "
                                       "its manifest records, in the pass that loads it: a changed file is refused, "
                                       "naming it (exit 2). false = skip the check (said in the log).")
+    shutdown_grace_seconds: Optional[int] = _f(
+        None, "Seconds gptpar.launch gives the ranks to save after SIGTERM/SIGINT before it kills them (torchrun's "
+              "--shutdown-timeout). null = 2 x (last iteration + save, measured in checkpoint.save) + 60, min 300.")
     override_lock: bool = _f(False, "Take over checkpoint.save's lock (`.gptpar.lock`) even when gptpar cannot tell "
                                     "that the job holding it has ended (another host, an unreadable lock). A live "
                                     "job's lock on this host is always refused.")
 
     def __post_init__(self):
         _check_fields("checkpoint", self)
-        _positive("checkpoint", self, "save_interval", "keep_last", allow_none=True)
+        _positive("checkpoint", self, "save_interval", "keep_last", "shutdown_grace_seconds", "async_host_buffer_mb",
+                  allow_none=True)
         for name in ("save", "load", "init_from", "universal_dir"):
             if getattr(self, name) == "":
                 raise ConfigError(f"checkpoint.{name} is an empty string: give a directory or null")

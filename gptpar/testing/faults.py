@@ -9,10 +9,14 @@
     GPTPAR_TEST_SLOW_SAVE=N:SECONDS    every rank's checkpoint writer writes the start of each file of iteration N,
                                        then sleeps SECONDS before writing it whole (with checkpoint.async_save the
                                        save stays in flight that long while training goes on)
+    GPTPAR_TEST_SLOW_STOP_SAVE=R:SECONDS  rank R, asked to stop by a signal (SIGTERM, SIGINT), sleeps SECONDS before
+                                       the save that follows (a large model's save under a preemption)
     GPTPAR_TEST_KILL_AT=R:N            rank R SIGKILLs itself right after iteration N's step, in the first attempt
                                        of a launcher that restarts ranks (TORCHELASTIC_RESTART_COUNT 0 or unset)
-    GPTPAR_TEST_PERTURB=N:R:NAME       before the save of iteration N, rank R adds 1 to the first element of its first
-                                       parameter whose name contains NAME (a replica that drifted apart)
+    GPTPAR_TEST_PERTURB=N:R:NAME[:bit] before the save of iteration N, rank R adds 1 to the first element of its first
+                                       parameter whose name contains NAME (a replica that drifted apart); with
+                                       `:bit`, flips the lowest bit of its first two elements instead (the same bit
+                                       pattern in two elements: an XOR of the bits would not see it)
 
     python gptpar/testing/faults.py --config c.json ...   (the same arguments as pretrain_gpt.py)
 """
@@ -50,7 +54,7 @@ def kill_at(rank: int, iteration: int) -> None:
     Trainer.train_step = train_step
 
 
-def perturb(iteration: int, rank: int, name: str) -> None:
+def perturb(iteration: int, rank: int, name: str, how: str = "add") -> None:
     import torch
 
     real = Trainer.save
@@ -59,7 +63,24 @@ def perturb(iteration: int, rank: int, name: str) -> None:
         if self.pstate.rank == rank and self.counters.iteration == iteration:
             param = next(p for n, p in self.engine.named_parameters() if name in n)
             with torch.no_grad():
-                param.view(-1)[0] += 1.0
+                if how == "bit":
+                    flat = param.view(-1)
+                    flat.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])[:2] ^= 1
+                else:
+                    param.view(-1)[0] += 1.0
+        real(self, final)
+
+    Trainer.save = save
+
+
+def slow_stop_save(rank: int, seconds: float) -> None:
+    real = Trainer.save
+
+    def save(self, final=False):
+        if final and self.signals.received is not None and self.pstate.rank == rank:
+            print(f"rank {rank}: the save after {signal.Signals(self.signals.received).name} takes {seconds:g} s more",
+                  flush=True)
+            time.sleep(seconds)
         real(self, final)
 
     Trainer.save = save
@@ -97,8 +118,11 @@ if __name__ == "__main__":
         rank, iteration = os.environ["GPTPAR_TEST_KILL_AT"].split(":")
         kill_at(int(rank), int(iteration))
     if "GPTPAR_TEST_PERTURB" in os.environ:
-        iteration, rank, name = os.environ["GPTPAR_TEST_PERTURB"].split(":")
-        perturb(int(iteration), int(rank), name)
+        iteration, rank, name, *how = os.environ["GPTPAR_TEST_PERTURB"].split(":")
+        perturb(int(iteration), int(rank), name, *how)
+    if "GPTPAR_TEST_SLOW_STOP_SAVE" in os.environ:
+        rank, seconds = os.environ["GPTPAR_TEST_SLOW_STOP_SAVE"].split(":")
+        slow_stop_save(int(rank), float(seconds))
     if "GPTPAR_TEST_SLOW_SAVE" in os.environ:
         iteration, seconds = os.environ["GPTPAR_TEST_SLOW_SAVE"].split(":")
         slow_save(int(iteration), float(seconds))

@@ -198,7 +198,8 @@ def build_trainer(cfg: Config, pstate, log, load_target, init_from=None, collect
                           has_attention_mask=train_source.masks.has_attention_mask,
                           universal_checkpoint_info=deepspeed_universal_info(cfg.model),
                           gradient_accumulation_fusion=t.gradient_accumulation_fusion)
-    writer = CheckpointWriter(async_save=ck.async_save, checksums=ck.checksums, log=log)
+    host_limit = None if ck.async_host_buffer_mb is None else ck.async_host_buffer_mb * 2 ** 20
+    writer = CheckpointWriter(async_save=ck.async_save, checksums=ck.checksums, log=log, host_limit=host_limit)
     engine.install_checkpoint_writer(writer)
     checkpointer = Checkpointer(ck.save, load_target, ck.keep_last, pstate.rank, pstate.world_size,
                                 checkpoint_shape(cfg, pstate), saved_config(cfg, pstate).to_json(), log=log,

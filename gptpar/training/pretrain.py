@@ -1,6 +1,6 @@
 """The trainer's main: parse -> init -> build -> train -> clean up; pretrain_gpt.py at the repository root runs it.
 
-Exit codes: 0 done (SIGTERM / SIGUSR1 / the kill switch file save after the current iteration first; a kill
+Exit codes: 0 done (SIGTERM / SIGINT / SIGUSR1 / the kill switch file save after the current iteration first; a kill
 switch file present at launch exits before building anything); 2 refused before anything changed
 (a config error before any process group; a checkpoint, save folder or data that preflight refuses before the
 model is built; a log that cannot be written; the master port already in use); 1 a failed save, a run gone NaN,
@@ -67,6 +67,17 @@ def say_refusal(line: str) -> None:
 
 
 def main(argv=None) -> int:
+    """The run, or its exit code; SIGINT outside the training loop (whose stop signals save first) exits 130 in one
+    line instead of a KeyboardInterrupt traceback."""
+    try:
+        return run(argv)
+    except KeyboardInterrupt:
+        print(f"pretrain_gpt.py: rank {os.environ.get('RANK', '0')}: interrupted (SIGINT) outside the training loop "
+              "(starting up or shutting down): exiting without saving", file=sys.stderr, flush=True)
+        return 130
+
+
+def run(argv=None) -> int:
     # parse: every config error ends here, before any process group exists
     try:
         cfg, flags, sizes = parse(sys.argv[1:] if argv is None else list(argv))

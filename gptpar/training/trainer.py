@@ -57,7 +57,9 @@ from gptpar.training.straggler import StragglerReport
 from gptpar.schedules import (BatchSizeRampup, LearningRateSchedule, SkipRanges, resumed_schedule, saved_schedule,
                               train_iters)
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# SIGINT too: a launcher passes Ctrl-C on as SIGINT (torchrun's agent) and it must save like a preemption's SIGTERM,
+# not end the rank in a KeyboardInterrupt
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 class NonFiniteError(RuntimeError):
@@ -91,7 +93,7 @@ class StopFlags:
     """What the ranks agree on after every iteration, in one all-reduce MAX over the host group: each field is one
     rank's view, the reduced record every rank's (a stop signal's number, the others 0 or 1)."""
 
-    signal: float = 0  # the number of a stop signal received (SIGTERM, SIGUSR1), 0 for none
+    signal: float = 0  # the number of a stop signal received (SIGTERM, SIGINT, SIGUSR1), 0 for none
     kill_switch: float = 0  # training.kill_switch_path exists
     out_of_time: float = 0  # training.exit_duration_in_mins passed
     stop_requested: float = 0  # asked from inside the process (the launcher watch)
@@ -112,7 +114,7 @@ class StopFlags:
 
 
 class StopSignals:
-    """SIGTERM / SIGUSR1 set a flag; the loop finishes the iteration, saves and exits 0. `request(reason)` does
+    """SIGTERM / SIGINT / SIGUSR1 set a flag; the loop finishes the iteration, saves and exits 0. `request(reason)` does
     the same from inside the process (the launcher watch, when DeepSpeed's runner is gone)."""
 
     def __init__(self):
@@ -199,6 +201,7 @@ class Trainer:
         self.prefetched = None  # ((consumed samples, global batch size), its micro-batches on the device)
         self.last = {}
         self.clock_mark = None  # perf_counter() at the end of the last timed step; None: the next starts the clock
+        self.stats_step_seconds = 0.0  # the last iteration's elapsed time (the checkpointer records it with a save)
         self.evaluated_at = None
         self.nan_streak = 0  # consecutive iterations with a NaN/Inf loss (the same on every rank: the loss is)
         self.is_log_rank = pstate.is_last_stage and pstate.dp_rank == 0 and pstate.tp_rank == 0
@@ -315,6 +318,7 @@ class Trainer:
         if self.rank_clock is not None:  # the lap: from the last iteration's end (the loop's work since) to here
             self.straggler.add(c.iteration + 1, self.rank_clock.lap())
         elapsed = self.clock_mark - start - getattr(self.compile_clock, "spent", 0.0)
+        self.stats_step_seconds = elapsed
         applied = self.engine.step_applied
         c.advance(gbs, self.cfg.model.seq_length, applied)
         self.stats.add(loss, elapsed, skipped=not applied)
@@ -549,6 +553,7 @@ class Trainer:
         """A checkpoint of this iteration, as the checkpointer's policy decides (gptpar.checkpoint.checkpointer:
         nothing without checkpoint.save or when saved already; refused while the weights hold NaN/Inf)."""
         if self.checkpointer is not None:
+            self.checkpointer.iteration_seconds = self.stats_step_seconds
             self.checkpointer.save(self.engine, self.counters.iteration, self.client_state(), self.tracker, final)
 
     def check_replicas(self, saving: bool = False) -> None:

@@ -5,6 +5,8 @@ and uninterrupted runs:
   the snapshot copy is held back from here so that it is still running when the next optimizer step comes (the
   step must wait for it) and the writes are slowed so that each save waits for the one before (said once); every
   manifest's sha256 is the sha256 of the file's bytes;
+- the same through a bounded host pool (checkpoint.async_host_buffer_mb): the files equal the unbounded async
+  run's byte for byte;
 - a job SIGKILLed while a save is in flight resumes from the previous complete checkpoint, bitwise as the killed
   run went on from there, and the partial folder is removed at the next start;
 - a SIGTERM while a save is in flight: the final save waits for it, both are complete, exit 0.
@@ -34,9 +36,12 @@ CASES = {"dp_fp32_zero1": dict(parallel=dict(data_parallel_size=2), training=dic
                          training=dict(precision="bf16"))}
 
 
+BOUNDED_CASE = "dp_fp32_zero1"  # also saved async through a 1 MiB host pool (checkpoint.async_host_buffer_mb)
+
+
 def blocking_and_async_runs(d):
     """On each rank: every case saved blocking and async (6 iterations, a save every 2), the async snapshot copy
-    held back 0.5 s and each async file's write 0.2 s."""
+    held back 0.5 s and each async file's write 0.2 s; BOUNDED_CASE also async through a bounded pool."""
     from gptpar.checkpoint import writer as checkpoint_writer
 
     real_copy, real_write = checkpoint_writer._Snapshot.copy, checkpoint_writer.write_file
@@ -53,10 +58,11 @@ def blocking_and_async_runs(d):
     checkpoint_writer._Snapshot.copy, checkpoint_writer.write_file = late_copy, slow_write
     runs = []
     for name, sections in CASES.items():
-        for mode in ("blocking", "async"):
+        for mode in ("blocking", "async") + (("bounded",) if name == BOUNDED_CASE else ()):
+            bound = dict(async_host_buffer_mb=1) if mode == "bounded" else {}
             cfg = write_config(d / f"{name}_{mode}.json", **sections,
                                checkpoint=dict(save=str(d / f"{name}_{mode}"), save_interval=2,
-                                               async_save=mode == "async"),
+                                               async_save=mode != "blocking", **bound),
                                logging=dict(log_interval=1, metrics_file=str(d / f"{name}_{mode}.jsonl")))
             runs.append((f"{name}_{mode}", ["--config", cfg]))
     return run_mains(runs)
@@ -120,6 +126,28 @@ def test_async_checkpoints_equal_blocking_ones(equal_runs, name):
                       torch.load(in_background / rel, weights_only=False), f"{tag}/{rel}")
     losses = {mode: [r["lm_loss"] for r in read_jsonl(d / f"{name}_{mode}.jsonl")] for mode in ("blocking", "async")}
     assert len(losses["async"]) == 6 and losses["async"] == losses["blocking"]
+
+
+def test_a_bounded_async_save_writes_the_unbounded_ones_bytes(equal_runs):
+    d, out = equal_runs
+    for rank_out in out:
+        rc, text = rank_out[f"{BOUNDED_CASE}_bounded"]
+        assert rc == 0, text
+    text = "".join(rank_out[f"{BOUNDED_CASE}_bounded"][1] for rank_out in out)
+    assert "at most 1 MiB of host memory on this rank hold a snapshot at once" in text, text
+    for tag in ("iter_0000002", "iter_0000004", "iter_0000006"):
+        unbounded, bounded = d / f"{BOUNDED_CASE}_async" / tag, d / f"{BOUNDED_CASE}_bounded" / tag
+        files = sorted(os.listdir(unbounded))
+        assert files == sorted(os.listdir(bounded))
+        for rel in files:
+            if rel.endswith(".pt") and not rel.startswith("gptpar_rank_"):  # DeepSpeed's: no run-specific paths
+                assert (unbounded / rel).read_bytes() == (bounded / rel).read_bytes(), f"{tag}/{rel}"
+            elif rel.endswith(".pt"):
+                _same(torch.load(unbounded / rel, weights_only=False), torch.load(bounded / rel, weights_only=False),
+                      f"{tag}/{rel}")
+    losses = {mode: [r["lm_loss"] for r in read_jsonl(d / f"{BOUNDED_CASE}_{mode}.jsonl")]
+              for mode in ("async", "bounded")}
+    assert len(losses["bounded"]) == 6 and losses["bounded"] == losses["async"]
 
 
 def _read_until(proc, prefix, seen, timeout=180):

@@ -79,9 +79,13 @@ def test_a_save_is_ordered_on_disk(tmp_path):
     assert i_parent < i_latest
     assert events[i_latest - 1][0] == "fsync" and os.path.basename(events[i_latest - 1][1]).startswith(".latest.tmp-")
     i_parent_again = _index(events, lambda e: e == ("fsync", ck), after=i_latest)
-    i_prune = _index(events, lambda e: e == ("rmtree", os.path.join(ck, "iter_0000002")))
-    assert i_latest < i_parent_again < i_prune
-    others = {"zero_to_fp32.py", "zero_to_torch.py", "resolved_config.json"}  # DeepSpeed's scripts, the run's config
+    i_prune = _index(events, lambda e: e[0] == "rename" and e[1] == os.path.join(ck, "iter_0000002"))
+    aside = events[i_prune][2]  # the pruned folder leaves its name before any of its files goes
+    assert os.path.basename(aside).startswith("iter_0000002.tmp-retired-")
+    i_gone = _index(events, lambda e: e == ("rmtree", aside), after=i_prune)
+    assert i_latest < i_parent_again < i_prune < _index(events, lambda e: e == ("fsync", ck), after=i_prune) < i_gone
+    # DeepSpeed's scripts, the run's config, the last save's duration (gptpar.launch's stop grace)
+    others = {"zero_to_fp32.py", "zero_to_torch.py", "resolved_config.json", ".gptpar-save-times.json"}
     assert sorted(set(os.listdir(ck)) - others) == ["iter_0000003", "latest"]
 
 
@@ -141,6 +145,69 @@ def test_a_resaved_tag_is_swapped_in_and_a_cut_swap_is_put_back(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["iter_0000002"] and is_complete(str(target))
     assert (target / "file").read_text() == "second"
     assert any("restoring" in line for line in lines) and any("removing partial checkpoint" in line for line in lines)
+
+
+def _complete_checkpoint(directory, tag, files=6):
+    """A folder with the names and manifest of a saved checkpoint (the bytes do not matter to pruning)."""
+    path = os.path.join(directory, tag)
+    os.makedirs(path)
+    for i in range(files):
+        with open(os.path.join(path, f"mp_rank_{i:02d}_model_states.pt"), "wb") as f:
+            f.write(os.urandom(64))
+    durable.write_manifest(path, "checkpoint", log=lambda *a: None, iteration=int(tag[5:]), world_size=1)
+    return path
+
+
+def test_a_prune_cut_short_leaves_nothing_that_counts_as_complete(tmp_path, monkeypatch):
+    """keep_last=1 prunes iter_1 once `latest` names iter_2; the process dies (here: raises) right after the prune's
+    first unlink. No folder left may be taken for a complete checkpoint: not by a resume of the save folder or of
+    the folder itself, not by the fix text for a damaged `latest`, not by the next start's clean-up."""
+    from gptpar.checkpoint.checkpointer import Checkpointer
+    from gptpar.checkpoint.exceptions import CheckpointError
+    from gptpar.checkpoint.layout import complete_checkpoints, resolve_load
+    from gptpar.checkpoint.save_folder import clean_leftovers
+
+    ck = str(tmp_path / "ck")
+    old = _complete_checkpoint(ck, "iter_0000001")
+    _complete_checkpoint(ck, "iter_0000002")
+    durable.publish_latest(ck, "iter_0000002", log=lambda *a: None)
+
+    class Killed(BaseException):
+        """The process ending mid-prune (not an OSError: nothing may catch it)."""
+
+    real_unlink, unlinked = os.unlink, []
+
+    def unlink_then_die(path, *args, **kwargs):
+        real_unlink(path, *args, **kwargs)
+        unlinked.append(path)
+        raise Killed()
+
+    ckpt = Checkpointer(ck, None, 1, 0, 1, {}, "{}", log=lambda *a, **k: None)
+    monkeypatch.setattr(os, "unlink", unlink_then_die)
+    monkeypatch.setattr(os, "remove", unlink_then_die)
+    with pytest.raises(Killed):
+        ckpt._prune(2)
+    monkeypatch.undo()
+    assert len(unlinked) == 1
+    assert complete_checkpoints(ck) == ["iter_0000002"] and not os.path.exists(old)
+    leftovers = [name for name in os.listdir(ck) if name.startswith("iter_0000001")]
+    assert len(leftovers) == 1  # renamed aside, one file gone
+    aside = os.path.join(ck, leftovers[0])
+    assert not is_complete(aside)
+    with pytest.raises(CheckpointError):  # a resume pointed at what is left of it
+        resolve_load(aside)
+    with open(os.path.join(ck, "latest"), "w") as f:  # a damaged `latest`: its fix names only iter_2
+        f.write("garbage")
+    with pytest.raises(CheckpointError) as refused:
+        resolve_load(ck)
+    durable.publish_latest(ck, "iter_0000003", log=lambda *a: None)  # names a folder that is not there
+    with pytest.raises(CheckpointError, match="the newest complete checkpoint there is iter_0000002") as refused:
+        resolve_load(ck)
+    assert "iter_0000001" not in str(refused.value)
+    lines = []
+    clean_leftovers(ck, lines.append)  # the next start deletes it and puts nothing back
+    assert sorted(os.listdir(ck)) == ["iter_0000002", "latest"], lines
+    assert any("keep_last was deleting" in line for line in lines)
 
 
 def test_a_file_system_that_cannot_fsync_a_folder_is_said_once(tmp_path, monkeypatch):

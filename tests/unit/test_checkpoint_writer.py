@@ -67,3 +67,83 @@ def test_a_blocking_save_keeps_its_failure_for_the_job(tmp_path):
     (records, error), = jobs
     assert isinstance(error, FileNotFoundError) and records == {}
     assert not (tmp_path / "b.pt").exists()
+
+
+def _files(n=3):
+    """States of several files, each with storages of various sizes (shared ones included)."""
+    files, generator = [], torch.Generator().manual_seed(5)
+    for i in range(n):
+        state = _state()
+        state["big"] = torch.randn(50_000 + 1000 * i, generator=generator)  # 200 KB: larger than the others together
+        state["shared"] = [state["big"][:10], state["big"][5:]]  # views of one storage, written once
+        files.append(state)
+    return files
+
+
+def _save_files(tmp_path, name, files, **writer_kwargs):
+    """Save `files` as one async save, change every live tensor once the snapshot is taken, return the bytes."""
+    writer = CheckpointWriter(async_save=True, checksums=True, **writer_kwargs)
+    paths = [str(tmp_path / f"{name}_{i}.pt") for i in range(len(files))]
+    for state, path in zip(files, paths):
+        writer.save(state, path)
+    jobs = []
+    writer.start(lambda records, error: jobs.append((records, error)) or "done", name=name)
+    writer.wait_for_snapshot()
+    with torch.no_grad():
+        for state in files:
+            state["big"].mul_(-2)
+            state["flat"].add_(1.0)
+    assert writer.wait() == "done" and jobs[0][1] is None, jobs
+    return [open(path, "rb").read() for path in paths], writer
+
+
+def test_a_bounded_snapshot_writes_the_same_bytes_within_its_bound(tmp_path):
+    """A bound smaller than the state (one big storage at a time) gives the bytes of the unbounded snapshot and of a
+    blocking torch.save at the save, file by file; the host memory it held never passed the bound."""
+    expected = [_torch_save_bytes(state) for state in _files()]
+    unbounded, _ = _save_files(tmp_path, "unbounded", _files())
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for state in _files()
+                for t in (state["big"], state["flat"])}
+    limit = max(storages.values()) + 8192  # the largest storage and a few small ones
+    bounded, writer = _save_files(tmp_path, "bounded", _files(), host_limit=limit)
+    assert bounded == unbounded == expected
+    total = sum(storages.values())
+    assert 0 < writer.snapshot_peak_bytes <= limit < total / 2
+
+
+def test_a_bounded_snapshot_keeps_resident_memory_within_its_bound(tmp_path):
+    """The process's resident memory during a save of 8 x 16 MiB tensors: the whole state with buffers for all of
+    it, less than the 32 MiB bound plus allocator slack through the bounded pool (read from /proc/self/statm)."""
+    import os
+    import threading
+
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * page
+
+    def peak_growth(**kwargs):
+        state = {f"t{i}": torch.full((4 * 2 ** 20,), float(i)) for i in range(8)}  # 8 x 16 MiB of fp32
+        base, peak, stop = rss(), [0], threading.Event()
+
+        def sample():
+            while not stop.is_set():
+                peak[0] = max(peak[0], rss() - base)
+                time.sleep(0.002)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            writer = CheckpointWriter(async_save=True, checksums=False, **kwargs)
+            writer.save(state, str(tmp_path / "big.pt"))
+            writer.start(lambda records, error: error, name="big")
+            assert writer.wait() is None
+        finally:
+            stop.set()
+            sampler.join()
+        return peak[0]
+
+    mib = 2 ** 20
+    assert peak_growth() > 100 * mib  # the unbounded snapshot: 128 MiB of buffers
+    assert peak_growth(host_limit=32 * mib) < 32 * mib + 24 * mib
