@@ -4,8 +4,8 @@ special ids in config.json and generation_config.json) and reading one (`load_hf
 
 An export is one durable write (gptpar.checkpoint.durable) with a manifest of kind `huggingface`, and its
 config.json carries gptpar's mark, so that an export whose manifest went missing is refused as incomplete rather
-than read unverified. Reading an export reads its safetensors through the Verifier (each file hashed in the pass
-that loads it); a directory gptpar did not write is loaded by transformers and said to carry no checksums.
+than read unverified. Reading an export reads its safetensors through the Verifier (each file hashed, then
+mapped; a weight file its manifest does not list is refused); a directory gptpar did not write is loaded by transformers and said to carry no checksums.
 """
 from __future__ import annotations
 
@@ -48,12 +48,17 @@ def _open(model_dir: str, log: Callable[[str], None], verify: bool, quiet: bool)
 def check_hf_files(model_dir: str, log: Callable[[str], None] = print) -> None:
     """ConversionError unless `model_dir`'s weight files are there and whole (and, for gptpar's export, its
     manifest and every file it lists), before anything is read."""
-    _open(model_dir, log, verify=False, quiet=True)
+    verifier = _open(model_dir, log, verify=False, quiet=True)
     files = hf_weight_files(model_dir)
     if not files:
         raise ConversionError(f"{model_dir} holds a Hugging Face config.json but no weights "
                               f"({' or '.join(HF_WEIGHT_FILES)}, or a sharded index): an export that did not "
                               f"finish? {FIX[0].upper() + FIX[1:]}")
+    try:  # gptpar's export: its manifest is the list of what may be read
+        for path in files:
+            verifier.require_listed(path)
+    except CheckpointError as e:
+        raise ConversionError(str(e)) from None
     problems = file_problems(files)
     if problems:
         raise ConversionError("unreadable weights: " + "; ".join(problems[:5])
@@ -88,15 +93,10 @@ def load_hf(model_dir: str, log: Callable[[str], None] = print, verify: bool = T
 
 
 def _read_weight_file(path: str, verifier: Verifier) -> StateDict:
-    """One weight file of an export, verified in the pass that reads it."""
+    """One weight file of an export, verified before it is parsed."""
     try:
         if path.endswith(".safetensors"):
-            import safetensors.torch
-
-            with open(path, "rb") as f:
-                raw = f.read()
-            verifier.check_bytes(path, raw)
-            return safetensors.torch.load(raw)
+            return verifier.load_safetensors(path)
         return verifier.torch_load(path, weights_only=True)
     except CheckpointError as e:
         raise ConversionError(str(e)) from None

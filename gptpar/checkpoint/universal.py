@@ -43,7 +43,7 @@ from typing import Callable, Dict, Iterable, Iterator, Optional, Tuple
 import torch
 
 from gptpar.checkpoint.durable import StagedFolder
-from gptpar.checkpoint.exceptions import UniversalCheckpointError
+from gptpar.checkpoint.exceptions import CheckpointError, UniversalCheckpointError
 from gptpar.checkpoint.layout import OWNER, UNIVERSAL_META as META, model_states_file
 from gptpar.checkpoint.manifest import MARK, UNIVERSAL, Verifier, open_folder
 from gptpar.checkpoint.weight_files import file_problems
@@ -214,6 +214,8 @@ def read_state(verifier: Verifier, name: str, key: str, meta: dict) -> torch.Ten
     except (RuntimeError, OSError, EOFError, ValueError) as e:
         if isinstance(e, UniversalCheckpointError):
             raise
+        if isinstance(e, CheckpointError):  # the verifier's: unlisted, damaged, unreadable (it names the file)
+            raise UniversalCheckpointError(str(e)) from None
         raise UniversalCheckpointError(f"{path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0]})"
                                        f"{fix}") from None
     if key == "step":

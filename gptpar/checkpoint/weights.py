@@ -11,7 +11,8 @@ embedding trimmed to the real vocabulary (padding rows depend on tp: Megatron pa
     a Hugging Face model directory        GPT-2 or BLOOM (gptpar.checkpoint.huggingface)
 
 Every file is read through gptpar.checkpoint.manifest's Verifier: a folder gptpar wrote is read only with its
-manifest, each file checked against its sha256 as it is read (a flipped byte refused, naming the file); a folder
+manifest and only the files it lists, each checked against its sha256 before it is parsed (a flipped byte
+anywhere refused, naming the file); a folder
 gptpar did not write is said in one line to carry no checksums. `check_weight_files` checks, before any weight is
 read, that everything `read_weights` will read is there and whole.
 
@@ -189,8 +190,8 @@ def read_checkpoint_weights(path: str, tag: Optional[str] = None, log: Callable[
 def check_weight_files(path: str, tag: Optional[str] = None, config: Optional[GPTConfig] = None,
                        log: Callable[[str], None] = print) -> None:
     """ConversionError naming what `read_weights(path, tag, config)` would refuse, before anything is read or
-    built: a folder gptpar wrote without its manifest, a listed file missing or of another size, a file that is
-    not whole (a universal folder's fp32 states, a Hugging Face folder's weight files, a checkpoint's shards)."""
+    built: a folder gptpar wrote without its manifest, a listed file missing or of another size, a file it needs
+    that the manifest does not list, a file that is not whole (a universal folder's fp32 states, a Hugging Face folder's weight files, a checkpoint's shards)."""
     from gptpar.checkpoint.huggingface import check_hf_files
 
     if not os.path.exists(path):
@@ -208,8 +209,14 @@ def check_weight_files(path: str, tag: Optional[str] = None, config: Optional[GP
     ckpt = resolve_checkpoint_dir(path, tag)
     verifier = _open(ckpt, log, verify=False, quiet=True)
     run_config, model = _run_config(ckpt, verifier)
-    problems = file_problems(file for rank_files in _shard_files(ckpt, model, run_config.get("parallel", {}))
-                             for file, _ in rank_files)
+    files = [file for rank_files in _shard_files(ckpt, model, run_config.get("parallel", {})) for file, _ in rank_files]
+    try:
+        for file in files:
+            if os.path.exists(file):  # a missing one is said below
+                verifier.require_listed(file)
+    except CheckpointError as e:
+        raise ConversionError(str(e)) from None
+    problems = file_problems(files)
     if problems:
         raise ConversionError("unreadable weights: " + "; ".join(problems[:5])
                               + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "") + f": {FIX}")
