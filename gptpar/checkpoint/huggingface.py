@@ -137,8 +137,10 @@ def save_hf(state: StateDict, config: GPTConfig, out_dir: str, tokenizer: Option
     """Write a Hugging Face directory (config.json, generation_config.json, the weights and, given the run's
     `tokenizer`, the tokenizer `AutoTokenizer.from_pretrained` reads) loadable offline: `BloomForCausalLM` for an
     ALiBi model with the embedding LayerNorm, `GPT2LMHeadModel` for learned positions. The bos/eos/pad ids are the
-    tokenizer's own (eos: its end-of-document token), none without a tokenizer. One durable write, with a manifest
-    of kind huggingface; `out_dir` must not exist or be empty."""
+    tokenizer's own (eos: its end-of-document token), none without a tokenizer. A tokenizer whose ids exceed the
+    model's vocabulary is refused; the export is loaded back with transformers (config, tokenizer, a forward pass
+    giving the logits of the model written) before it is published. One durable write, with a manifest of kind
+    huggingface; `out_dir` must not exist or be empty."""
     try:
         import transformers  # noqa: F401
     except ImportError as e:
@@ -150,6 +152,8 @@ def save_hf(state: StateDict, config: GPTConfig, out_dir: str, tokenizer: Option
 
     try:
         special_ids = special_token_ids(tokenizer) if tokenizer else None
+        if tokenizer:
+            check_export_tokenizer(config, tokenizer)
     except DataError as e:
         raise ConversionError(str(e)) from None
     model = _empty_hf_model(config, special_ids)
@@ -165,6 +169,7 @@ def save_hf(state: StateDict, config: GPTConfig, out_dir: str, tokenizer: Option
         model.save_pretrained(staged.create())
         if tokenizer:
             export_tokenizer(tokenizer, staged.tmp)
+        _check_loads_back(staged.tmp, model, out_dir, tokenizer is not None)
         staged.commit(HUGGING_FACE, log=log)
     except DataError as e:
         staged.abandon()
@@ -172,6 +177,60 @@ def save_hf(state: StateDict, config: GPTConfig, out_dir: str, tokenizer: Option
     except BaseException:
         staged.abandon()
         raise
+
+
+def check_export_tokenizer(config: GPTConfig, tokenizer: str) -> None:
+    """ConversionError unless every id the tokenizer at path `tokenizer` makes has a row in the model's embedding
+    (the check generate.py makes: gptpar.checkpoint.model_loading.check_tokenizer_fits); DataError for a path that
+    holds no tokenizer."""
+    from gptpar.checkpoint.model_loading import check_tokenizer_fits
+    from gptpar.data.tokenizer import load_tokenizer
+
+    try:
+        check_tokenizer_fits(config, load_tokenizer(tokenizer))
+    except ValueError as e:
+        raise ConversionError(f"--tokenizer {tokenizer}: {e}") from None
+
+
+# What the export's own tokenizer encodes for the forward pass that checks the export loads back.
+PROBE_TEXT = "def main():\n    return 0  # gptpar"
+
+
+def _check_loads_back(folder: str, model, out_dir: str, with_tokenizer: bool) -> None:
+    """Load the export written into `folder` as a user would (transformers' AutoConfig, AutoTokenizer when it has
+    one, AutoModelForCausalLM) and run a forward pass: its logits must be those of `model`, the model written.
+    ConversionError naming `out_dir` otherwise, before anything is published there."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    where = f"the export to {out_dir} does not load back with transformers"
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a check, not a load the user asked for: no progress bar
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder)
+        ids = list(range(min(8, config.vocab_size)))
+        if with_tokenizer:
+            ids = transformers.AutoTokenizer.from_pretrained(folder)(PROBE_TEXT)["input_ids"] or ids
+        outside = [i for i in ids if not 0 <= i < config.vocab_size]
+        if outside:
+            raise ConversionError(f"{where}: its tokenizer gives ids {outside[:5]} outside the model's vocabulary "
+                                  f"[0, {config.vocab_size}); nothing was written")
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, config=config).eval()
+        x = torch.tensor([ids[:getattr(config, "n_positions", None) or len(ids)]])
+        with torch.no_grad():
+            got, want = loaded(x).logits, model.eval()(x).logits
+    except ConversionError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever transformers raises: the export is not published
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise ConversionError(f"{where} ({type(e).__name__}: {first}); nothing was written") from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    if got.shape != want.shape or not torch.equal(got, want):
+        raise ConversionError(f"{where}: its forward pass differs from the model written (largest difference "
+                              f"{(got - want).abs().max().item() if got.shape == want.shape else 'in shape'}); "
+                              "nothing was written")
 
 
 def is_gptpar_export(model_dir: str) -> bool:
@@ -185,4 +244,4 @@ def is_gptpar_export(model_dir: str) -> bool:
         return False
 
 
-__all__ = ["hf_config", "check_hf_files", "load_hf", "save_hf", "is_gptpar_export"]
+__all__ = ["hf_config", "check_hf_files", "load_hf", "check_export_tokenizer", "save_hf", "is_gptpar_export"]
