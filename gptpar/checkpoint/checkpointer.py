@@ -277,7 +277,7 @@ class Checkpointer:
 
     # -- the resume ------------------------------------------------------------------------------
     def load(self, engine, tracker) -> Optional[dict]:
-        """Restore `load_target` (checked whole before training), every file verified as it is read; its client
+        """Restore `load_target` (checked whole before training), every file verified before it is parsed; its client
         state, or None to start fresh."""
         target = self.load_target
         if target is None:
@@ -327,7 +327,7 @@ class Checkpointer:
             verifier = universal.open_universal(directory, self.log, self.verify, quiet=True, defer=True)
             listed = sorted(verifier.manifest.files) if verifier.manifest is not None else []
             order = {os.path.join(verifier.folder, rel): i for i, rel in enumerate(listed)}
-            # file i of the folder is verified by rank i % world_size, in the pass that reads it
+            # file i of the folder is verified by rank i % world_size, before any rank reads it
             verifier.checks = lambda path, _: order.get(path, 0) % self.world_size == self.rank
             verifier.verify_share()  # every rank's share hashed and agreed on before any file is parsed
             self._agree_on(verifier)

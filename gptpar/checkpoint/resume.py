@@ -86,7 +86,7 @@ _NUMPY_ARRAY_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, 
 
 def read_rank_state(path: str, rank: int, verifier: Verifier) -> dict:
     """gptpar's state file of `rank` in checkpoint folder `path`, read through `verifier` (checked against the
-    manifest as it is read) with unpickling disabled."""
+    manifest before it is parsed) with unpickling disabled."""
     file = os.path.join(path, state_file(rank))
     try:
         with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):

@@ -488,7 +488,7 @@ def convert_deepspeed_checkpoint(ckpt: str, out_dir: str, log: Callable[[str], N
     """Write the universal form of gptpar checkpoint folder `ckpt` (any tp x pp x dp, ZeRO-1 in fp32 or bf16)
     to `out_dir` (one that exists is swapped out only with `replace`: a stale copy). Returns its metadata.
 
-    Every file read from `ckpt` is checked against its manifest in the same pass (`verify`; `fix` ends the message
+    Every file read from `ckpt` is checked against its manifest before it is parsed (`verify`; `fix` ends the message
     of a damaged one). The copy is one durable write (gptpar.checkpoint.durable): `{out_dir}.tmp-PID`, every file
     hashed as written and fsynced, the metadata, the manifest last, the folder fsynced and renamed, the parent
     fsynced. `counters`: the run's counters and client state to carry. `source_files`: what identifies the exact

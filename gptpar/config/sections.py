@@ -325,7 +325,7 @@ class CheckpointConfig:
     checksums: bool = _f(True, "Record the sha256 of every file this run writes (checkpoints, universal copies) "
                                "in its manifest, hashed as it is written. false = sizes only.")
     verify_checksums: bool = _f(True, "Check every file read (resume, universal copy, init_from) against the sha256 "
-                                      "its manifest records, in the pass that loads it: a changed file is refused, "
+                                      "its manifest records, before it is parsed: a changed file is refused, "
                                       "naming it (exit 2). false = skip the check (said in the log).")
     override_lock: bool = _f(False, "Take over checkpoint.save's lock (`.gptpar.lock`) even when gptpar cannot tell "
                                     "that the job holding it has ended (another host, an unreadable lock). A live "

@@ -25,7 +25,7 @@ Order, so that a refused run changes nothing in checkpoint.save (not even a modi
        universal copy written (gptpar.checkpoint.resume.write_universal_copy), so that two jobs on one save
        folder never convert at once
     -- broadcast --
-The sha256 of every file resumed is checked later, in the pass that loads it (gptpar.checkpoint.checkpointer.load):
+The sha256 of every file resumed is checked later, before DeepSpeed parses any (gptpar.checkpoint.checkpointer.load):
 a damaged file ends every rank with exit 2 before any weight is used.
 """
 from __future__ import annotations
