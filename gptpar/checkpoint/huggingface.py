@@ -137,9 +137,9 @@ def save_hf(state: StateDict, config: GPTConfig, out_dir: str, tokenizer: Option
     """Write a Hugging Face directory (config.json, generation_config.json, the weights and, given the run's
     `tokenizer`, the tokenizer `AutoTokenizer.from_pretrained` reads) loadable offline: `BloomForCausalLM` for an
     ALiBi model with the embedding LayerNorm, `GPT2LMHeadModel` for learned positions. The bos/eos/pad ids are the
-    tokenizer's own (eos: its end-of-document token), none without a tokenizer. A tokenizer whose ids exceed the
-    model's vocabulary is refused; the export is loaded back with transformers (config, tokenizer, a forward pass
-    giving the logits of the model written) before it is published. One durable write, with a manifest of kind
+    tokenizer's own (eos: its end-of-document token), none without a tokenizer. The export is loaded back with
+    transformers (config, tokenizer, a forward pass giving the logits of the model written) before it is published
+    (tools/convert_checkpoint.py refuses a tokenizer larger than the model's vocabulary before that). One durable write, with a manifest of kind
     huggingface; `out_dir` must not exist or be empty."""
     try:
         import transformers  # noqa: F401
@@ -152,8 +152,6 @@ def save_hf(state: StateDict, config: GPTConfig, out_dir: str, tokenizer: Option
 
     try:
         special_ids = special_token_ids(tokenizer) if tokenizer else None
-        if tokenizer:
-            check_export_tokenizer(config, tokenizer)
     except DataError as e:
         raise ConversionError(str(e)) from None
     model = _empty_hf_model(config, special_ids)
@@ -177,19 +175,6 @@ def save_hf(state: StateDict, config: GPTConfig, out_dir: str, tokenizer: Option
     except BaseException:
         staged.abandon()
         raise
-
-
-def check_export_tokenizer(config: GPTConfig, tokenizer: str) -> None:
-    """ConversionError unless every id the tokenizer at path `tokenizer` makes has a row in the model's embedding
-    (the check generate.py makes: gptpar.checkpoint.model_loading.check_tokenizer_fits); DataError for a path that
-    holds no tokenizer."""
-    from gptpar.checkpoint.model_loading import check_tokenizer_fits
-    from gptpar.data.tokenizer import load_tokenizer
-
-    try:
-        check_tokenizer_fits(config, load_tokenizer(tokenizer))
-    except ValueError as e:
-        raise ConversionError(f"--tokenizer {tokenizer}: {e}") from None
 
 
 # What the export's own tokenizer encodes for the forward pass that checks the export loads back.
@@ -244,4 +229,4 @@ def is_gptpar_export(model_dir: str) -> bool:
         return False
 
 
-__all__ = ["hf_config", "check_hf_files", "load_hf", "check_export_tokenizer", "save_hf", "is_gptpar_export"]
+__all__ = ["hf_config", "check_hf_files", "load_hf", "save_hf", "is_gptpar_export"]

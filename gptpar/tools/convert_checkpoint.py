@@ -63,7 +63,7 @@ def main(argv=None):
                      "which a Hugging Face model does not have")
 
     from gptpar.checkpoint.exceptions import CheckpointError
-    from gptpar.checkpoint.huggingface import check_export_tokenizer, save_hf
+    from gptpar.checkpoint.huggingface import save_hf
     from gptpar.checkpoint.weights import (check_layout, check_weight_files, read_weights, read_weights_config,
                                            save_weights_only)
     from gptpar.config import ConfigError, load_config
@@ -114,6 +114,19 @@ def export_tokenizer_path(source: str, tag, given):
         return tokenizer_path(source, tag, given)
     except ValueError as e:
         raise ConversionError(f"{e} (or --tokenizer PATH)") from None
+
+
+def check_export_tokenizer(config, path: str) -> None:
+    """ConversionError unless every id the tokenizer at `path` makes has a row in the model's embedding: the check
+    generate.py makes (gptpar.checkpoint.model_loading.check_tokenizer_fits)."""
+    from gptpar.checkpoint.exceptions import ConversionError
+    from gptpar.checkpoint.model_loading import check_tokenizer_fits
+    from gptpar.data.tokenizer import load_tokenizer
+
+    try:
+        check_tokenizer_fits(config, load_tokenizer(path))
+    except ValueError as e:
+        raise ConversionError(f"--tokenizer {path}: {e}") from None
 
 
 def bad_path(message: str) -> int:
