@@ -20,10 +20,11 @@ fsyncs the save folder, moves `latest` (fsynced), and only then prunes `keep_las
 only the temporary folder, which the next start deletes; a save that fails (a full disk, an I/O error, a snapshot
 that could not be taken) raises CheckpointSaveError naming the folder and the cause, on every rank; `latest` stays.
 
-The resume (`load`) reads every file through the Verifier of gptpar.checkpoint.manifest: each rank checks the sha256
-of the files it wrote while DeepSpeed loads them (one pass; the others' files are checked by their writers), then
-the ranks agree, and a damaged file ends every rank with CheckpointError naming it before any weight is used. A
-universal copy is verified the same way, each of its files by one rank while the ranks take their slices.
+The resume (`load`) reads every file through the Verifier of gptpar.checkpoint.manifest: each rank hashes the files
+it wrote, the ranks agree, and only then does DeepSpeed load (its reads come from the page cache): a damaged file
+ends every rank with CheckpointError naming it (exit 2, so gptpar.launch does not restart) before any rank parses a
+byte of it. A universal copy is verified the same way, each of its files hashed by one rank before the ranks take
+their slices.
 """
 from __future__ import annotations
 
@@ -291,7 +292,7 @@ class Checkpointer:
 
     # -- the resume ------------------------------------------------------------------------------
     def load(self, engine, tracker) -> Optional[dict]:
-        """Restore `load_target` (checked whole before training), every file verified as it is read; its client
+        """Restore `load_target` (checked whole before training), every file verified before it is parsed; its client
         state, or None to start fresh."""
         target = self.load_target
         if target is None:
@@ -302,13 +303,18 @@ class Checkpointer:
         verifier = Verifier(path, read_manifest(path, earlier_checkpoint_fix(target)), earlier_checkpoint_fix(target),
                             enabled=self.verify, checks=lambda _, record: record.get("rank", 0) == self.rank,
                             defer=True)
+        # Each rank hashes the files it wrote, the ranks agree, and only then does any rank parse a byte: DeepSpeed
+        # loads files other ranks wrote (the model states, every dp rank's ZeRO shard), so a file is known whole
+        # before it reaches any rank's unpickler.
+        verifier.verify_share()
+        self._agree_on(verifier)
+        verifier.trust_all()
         state = read_rank_state(path, self.rank, verifier)
         self.writer.verifier = verifier
         try:
             loaded = engine.load_checkpoint(target.directory, target.tag)
         finally:
             self.writer.verifier = None
-        self._agree_on(verifier)
         check_shape(state["shape"], self.shape, path)
         if not loaded:
             raise CheckpointError(f"DeepSpeed could not load {path}")
@@ -336,8 +342,11 @@ class Checkpointer:
             verifier = universal.open_universal(directory, self.log, self.verify, quiet=True, defer=True)
             listed = sorted(verifier.manifest.files) if verifier.manifest is not None else []
             order = {os.path.join(verifier.folder, rel): i for i, rel in enumerate(listed)}
-            # file i of the folder is verified by rank i % world_size, in the pass that reads it
+            # file i of the folder is verified by rank i % world_size, before any rank reads it
             verifier.checks = lambda path, _: order.get(path, 0) % self.world_size == self.rank
+            verifier.verify_share()  # every rank's share hashed and agreed on before any file is parsed
+            self._agree_on(verifier)
+            verifier.trust_all()
             meta = universal.read_meta(verifier, self.model_config)
             for name, param in engine.named_parameters():
                 full_name = self.parameter_name(name)
@@ -345,11 +354,8 @@ class Checkpointer:
                                             self.tp_rank, self.tp_size).to(param.device) for key in universal.STATES}
                 step = float(universal.read_state(verifier, full_name, "step", meta))
                 engine.set_full_state(param, states.pop("fp32"), states, step)
-            for path in order:  # this rank's share that the reads above did not cover
-                verifier.check(path)
         except universal.UniversalCheckpointError as e:
             raise CheckpointError(str(e)) from None
-        self._agree_on(verifier)
         counters = meta["counters"] or None
         where = (f"iteration {counters['iteration']}, {counters['consumed_samples']} consumed samples" if counters
                  else "iteration 0 (no counters in it)")

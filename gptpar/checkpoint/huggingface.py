@@ -4,8 +4,8 @@ special ids in config.json and generation_config.json) and reading one (`load_hf
 
 An export is one durable write (gptpar.checkpoint.durable) with a manifest of kind `huggingface`, and its
 config.json carries gptpar's mark, so that an export whose manifest went missing is refused as incomplete rather
-than read unverified. Reading an export reads its safetensors through the Verifier (each file hashed in the pass
-that loads it); a directory gptpar did not write is loaded by transformers and said to carry no checksums.
+than read unverified. Reading an export reads its safetensors through the Verifier (each file hashed, then
+mapped; a weight file its manifest does not list is refused); a directory gptpar did not write is loaded by transformers and said to carry no checksums.
 """
 from __future__ import annotations
 
@@ -48,12 +48,17 @@ def _open(model_dir: str, log: Callable[[str], None], verify: bool, quiet: bool)
 def check_hf_files(model_dir: str, log: Callable[[str], None] = print) -> None:
     """ConversionError unless `model_dir`'s weight files are there and whole (and, for gptpar's export, its
     manifest and every file it lists), before anything is read."""
-    _open(model_dir, log, verify=False, quiet=True)
+    verifier = _open(model_dir, log, verify=False, quiet=True)
     files = hf_weight_files(model_dir)
     if not files:
         raise ConversionError(f"{model_dir} holds a Hugging Face config.json but no weights "
                               f"({' or '.join(HF_WEIGHT_FILES)}, or a sharded index): an export that did not "
                               f"finish? {FIX[0].upper() + FIX[1:]}")
+    try:  # gptpar's export: its manifest is the list of what may be read
+        for path in files:
+            verifier.require_listed(path)
+    except CheckpointError as e:
+        raise ConversionError(str(e)) from None
     problems = file_problems(files)
     if problems:
         raise ConversionError("unreadable weights: " + "; ".join(problems[:5])
@@ -88,15 +93,10 @@ def load_hf(model_dir: str, log: Callable[[str], None] = print, verify: bool = T
 
 
 def _read_weight_file(path: str, verifier: Verifier) -> StateDict:
-    """One weight file of an export, verified in the pass that reads it."""
+    """One weight file of an export, verified before it is parsed."""
     try:
         if path.endswith(".safetensors"):
-            import safetensors.torch
-
-            with open(path, "rb") as f:
-                raw = f.read()
-            verifier.check_bytes(path, raw)
-            return safetensors.torch.load(raw)
+            return verifier.load_safetensors(path)
         return verifier.torch_load(path, weights_only=True)
     except CheckpointError as e:
         raise ConversionError(str(e)) from None
@@ -137,8 +137,10 @@ def save_hf(state: StateDict, config: GPTConfig, out_dir: str, tokenizer: Option
     """Write a Hugging Face directory (config.json, generation_config.json, the weights and, given the run's
     `tokenizer`, the tokenizer `AutoTokenizer.from_pretrained` reads) loadable offline: `BloomForCausalLM` for an
     ALiBi model with the embedding LayerNorm, `GPT2LMHeadModel` for learned positions. The bos/eos/pad ids are the
-    tokenizer's own (eos: its end-of-document token), none without a tokenizer. One durable write, with a manifest
-    of kind huggingface; `out_dir` must not exist or be empty."""
+    tokenizer's own (eos: its end-of-document token), none without a tokenizer. The export is loaded back with
+    transformers (config, tokenizer, a forward pass giving the logits of the model written) before it is published
+    (tools/convert_checkpoint.py refuses a tokenizer larger than the model's vocabulary before that). One durable write, with a manifest of kind
+    huggingface; `out_dir` must not exist or be empty."""
     try:
         import transformers  # noqa: F401
     except ImportError as e:
@@ -165,6 +167,7 @@ def save_hf(state: StateDict, config: GPTConfig, out_dir: str, tokenizer: Option
         model.save_pretrained(staged.create())
         if tokenizer:
             export_tokenizer(tokenizer, staged.tmp)
+        _check_loads_back(staged.tmp, model, out_dir, tokenizer is not None)
         staged.commit(HUGGING_FACE, log=log)
     except DataError as e:
         staged.abandon()
@@ -172,6 +175,47 @@ def save_hf(state: StateDict, config: GPTConfig, out_dir: str, tokenizer: Option
     except BaseException:
         staged.abandon()
         raise
+
+
+# What the export's own tokenizer encodes for the forward pass that checks the export loads back.
+PROBE_TEXT = "def main():\n    return 0  # gptpar"
+
+
+def _check_loads_back(folder: str, model, out_dir: str, with_tokenizer: bool) -> None:
+    """Load the export written into `folder` as a user would (transformers' AutoConfig, AutoTokenizer when it has
+    one, AutoModelForCausalLM) and run a forward pass: its logits must be those of `model`, the model written.
+    ConversionError naming `out_dir` otherwise, before anything is published there."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    where = f"the export to {out_dir} does not load back with transformers"
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a check, not a load the user asked for: no progress bar
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder)
+        ids = list(range(min(8, config.vocab_size)))
+        if with_tokenizer:
+            ids = transformers.AutoTokenizer.from_pretrained(folder)(PROBE_TEXT)["input_ids"] or ids
+        outside = [i for i in ids if not 0 <= i < config.vocab_size]
+        if outside:
+            raise ConversionError(f"{where}: its tokenizer gives ids {outside[:5]} outside the model's vocabulary "
+                                  f"[0, {config.vocab_size}); nothing was written")
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, config=config).eval()
+        x = torch.tensor([ids[:getattr(config, "n_positions", None) or len(ids)]])
+        with torch.no_grad():
+            got, want = loaded(x).logits, model.eval()(x).logits
+    except ConversionError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever transformers raises: the export is not published
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise ConversionError(f"{where} ({type(e).__name__}: {first}); nothing was written") from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    if got.shape != want.shape or not torch.equal(got, want):
+        raise ConversionError(f"{where}: its forward pass differs from the model written (largest difference "
+                              f"{(got - want).abs().max().item() if got.shape == want.shape else 'in shape'}); "
+                              "nothing was written")
 
 
 def is_gptpar_export(model_dir: str) -> bool:

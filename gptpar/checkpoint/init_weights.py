@@ -79,7 +79,7 @@ def check_weights_fit(path: str, model: GPTConfig, field: str = "checkpoint.init
 
 def load_initial_weights(model, cfg, pstate, path: str, log=print) -> None:
     """Put the weights at `path` into this rank's model (a GPTModel, or its PipelineModule stage for pp > 1), every
-    file verified as it is read (checkpoint.verify_checksums)."""
+    file verified before it is parsed (checkpoint.verify_checksums)."""
     from gptpar.checkpoint.weights import read_weights
     from gptpar.model.pipeline import gpt_parameter_name
     from gptpar.model.sharding import load_full_state_dict

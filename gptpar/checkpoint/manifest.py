@@ -8,18 +8,24 @@ rank that wrote it. Its `kind` says what the folder is: a training `checkpoint`,
 Reading a folder starts with `open_folder`: the manifest read (a missing one refused for a folder gptpar wrote,
 `gptpar_marks` telling which, so that deleting the manifest never turns verification off), every listed file there
 with its size; a folder gptpar did not write (DeepSpeed's ds_to_universal.py output, a Hugging Face model) is said in
-one line to carry no checksums. The `Verifier` it returns loads files and checks each against its sha256 *in the same
-pass*: a torch file is memory-mapped and then hashed from start to end, so its bytes come from disk once and the
-tensors read them from the page cache; a refused file is named with the folder's fix. At 200B a checkpoint is
-terabytes: nothing reads a file twice to verify it.
+one line to carry no checksums. The manifest is the list: a reader opens only the files it lists (one it needs
+that is unlisted is refused, naming it; others beside them are named in one line and never read), and a manifest
+of a version this gptpar does not read, or one that lists no files, is refused.
+
+The `Verifier` it returns checks each file against its sha256 *before* any of its bytes reach a parser: the file
+is hashed through a read-only memory map, then loaded (a torch file with `torch.load(path, mmap=True)`, a
+safetensors file mapped), so its bytes come from disk once (the load reads them from the page cache) and no
+anonymous copy of the file is made. Damage anywhere (the pickle, a tensor's bytes, the zip's records) is then one
+refusal naming the file, never the unpickler's own crash. The cost per GB is in docs/checkpoints.md.
 """
 from __future__ import annotations
 
 import glob
 import hashlib
-import io
 import json
+import mmap
 import os
+import pickle
 import zipfile
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
@@ -32,6 +38,7 @@ from gptpar.checkpoint.weight_files import file_problem
 
 DIGEST = "sha256"  # of each file's bytes: `sha256sum FILE` prints the same
 VERSION = 3  # 2: {"files": {rel: {"size", "sha256", "rank"}}, "iteration", "world_size"}; 3 adds "kind"
+READ_VERSIONS = (2, 3)  # the manifest versions this gptpar reads
 CHECKPOINT, UNIVERSAL, WEIGHTS_ONLY, HUGGING_FACE = "checkpoint", "universal", "weights-only", "huggingface"
 KINDS = (CHECKPOINT, UNIVERSAL, WEIGHTS_ONLY, HUGGING_FACE)
 # The key gptpar adds to the files it writes in formats others define (a universal copy's per-parameter files, a
@@ -63,9 +70,14 @@ class Manifest:
 
 
 def file_digest(path: str) -> str:
-    """The hex DIGEST of a file's bytes, read from start to end."""
+    """The hex DIGEST of a file's bytes, hashed through a read-only memory map: the pages it reads stay in the
+    page cache for the load that follows, and no copy of the file is made in the process's own memory."""
+    digest = hashlib.new(DIGEST)
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, DIGEST).hexdigest()
+        if os.fstat(f.fileno()).st_size:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                digest.update(mapped)  # hashlib releases the GIL over the whole buffer
+    return digest.hexdigest()
 
 
 def read_manifest(folder: str, fix: str) -> Manifest:
@@ -81,6 +93,13 @@ def read_manifest(folder: str, fix: str) -> Manifest:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e}): "
                               f"the folder is incomplete or damaged; {fix}") from None
+    if raw.get("version") not in READ_VERSIONS:
+        raise CheckpointError(f"{path} is of manifest version {raw.get('version')!r}; this gptpar reads versions "
+                              f"{', '.join(map(str, READ_VERSIONS))}: read the folder with the gptpar that wrote it "
+                              f"(or a newer one), or {fix}")
+    if not files:
+        raise CheckpointError(f"{path} lists no files, so nothing in {folder} can be read as part of it (a folder "
+                              f"gptpar writes always lists its files): the manifest was damaged or replaced; {fix}")
     kind = raw.get("kind") or (WEIGHTS_ONLY if raw.get("weights_only") else CHECKPOINT)
     fields = {k: v for k, v in raw.items() if k not in ("files", "kind")}
     return Manifest(os.path.normpath(folder), kind, files, fields)
@@ -131,6 +150,23 @@ def listed_file_problems(manifest: Manifest) -> List[str]:
     return problems
 
 
+def unlisted_files(manifest: Manifest) -> List[str]:
+    """The files in the manifest's folder (and below) that it does not list, relative to the folder, sorted."""
+    found = []
+    for root, _, names in os.walk(manifest.folder):
+        for name in names:
+            rel = os.path.relpath(os.path.join(root, name), manifest.folder)
+            if rel != MANIFEST and not rel.startswith(f".{MANIFEST}.tmp-") and rel not in manifest.files:
+                found.append(rel)
+    return sorted(found)
+
+
+def unlisted(path: str, manifest: Manifest) -> str:
+    """The refusal of a file a reader needs that `manifest` does not list."""
+    return (f"{path} is not listed in the manifest {manifest.path} (a file added or renamed after the folder was "
+            "written): gptpar reads only the files a manifest lists")
+
+
 def damaged_message(folder: str, problems: List[str], fix: str) -> str:
     """One line: the folder, what is wrong with each file (the first five), and the fix."""
     problems = list(dict.fromkeys(problems))
@@ -144,12 +180,13 @@ def mismatch(path: str, got: str, want: str) -> str:
 
 
 class Verifier:
-    """Loads the files of one folder, each checked against its manifest's sha256 while it is read.
+    """Loads the files of one folder, each checked against its manifest's sha256 before any of its bytes are parsed.
 
-    `checks(path)` decides which files this reader verifies (default: every file with a digest): the ranks of a
-    resume each verify the files they wrote, and the others are verified by their writers in the same pass. With
-    `defer` a mismatch is kept in `problems` instead of raised, so that ranks inside DeepSpeed's load (which holds
-    collectives) stay in step and agree on the outcome afterwards (`raise_problems`)."""
+    `checks(path, record)` decides which files this reader verifies (default: every file with a digest): the ranks
+    of a resume each verify the files they wrote (`verify_share`), agree, and only then load (`trust_all`). With
+    `defer` a mismatch found by `check` is kept in `problems` instead of raised, so that ranks stay in step and agree
+    on the outcome (`raise_problems`); a load never parses a file that failed, deferred or not. With a manifest,
+    a file it does not list is never read."""
 
     def __init__(self, folder: str, manifest: Optional[Manifest], fix: str, enabled: bool = True,
                  checks: Optional[Callable[[str, dict], bool]] = None, defer: bool = False):
@@ -157,61 +194,96 @@ class Verifier:
         self.enabled, self.checks, self.defer = enabled and manifest is not None, checks, defer
         self.problems: List[str] = []
         self.verified: Dict[str, bool] = {}  # path -> whether it matched
+        self.trusted = False  # every listed file is known to match (`trust_all`)
+
+    def require_listed(self, path: str) -> None:
+        """CheckpointError unless the manifest (if there is one) lists `path`: an unlisted file is never read."""
+        if self.manifest is not None and self.manifest.record(os.path.normpath(path)) is None:
+            raise CheckpointError(f"{unlisted(path, self.manifest)}; {self.fix}")
 
     def digest_to_check(self, path: str) -> Optional[str]:
         """The digest `path` must have, when this reader checks it (None: it does not)."""
-        if not self.enabled:
+        if not self.enabled or self.trusted:
             return None
         record = self.manifest.record(os.path.normpath(path))
-        if record is None or DIGEST not in record or (self.checks is not None and not self.checks(path, record)):
+        if record is None or (self.checks is not None and not self.checks(path, record)):
             return None
+        if DIGEST not in record:
+            return "" if self.manifest.has_digests else None  # one file without: the manifest was edited
         return record[DIGEST]
 
-    def check(self, path: str) -> None:
-        """Hash `path` (whole, once per verifier) against the manifest, if this reader checks it."""
+    def check(self, path: str) -> bool:
+        """Hash `path` (whole, once per verifier) against the manifest, if this reader checks it; whether it may
+        be read (False only for a mismatch kept with `defer`)."""
         want = self.digest_to_check(path)
-        if want is None or path in self.verified:
-            return
-        got = file_digest(path)
-        self.verified[path] = got == want
-        if got != want:
-            self._problem(mismatch(path, got, want))
+        if want is None:
+            return True
+        if path not in self.verified:
+            got = file_digest(path)
+            self.verified[path] = got == want
+            if got != want:
+                self._problem(mismatch(path, got, want) if want else
+                              f"{path} has no {DIGEST} in the manifest while the other files have one (the manifest "
+                              "was edited)")
+        return self.verified[path]
+
+    def verify_share(self) -> None:
+        """Hash every listed file this reader checks, before anything is loaded (a resume's ranks each hash the
+        files they wrote; the outcome is agreed before any rank parses a byte)."""
+        if self.enabled:
+            for rel in sorted(self.manifest.files):
+                self.check(os.path.join(self.folder, rel))
+
+    def trust_all(self) -> None:
+        """Every listed file has been verified (by this reader or, agreed, by the others): loads hash no more."""
+        self.trusted = True
+
+    def _checked(self, path: str) -> None:
+        """Before `path` is parsed: it is listed and it matched (CheckpointError otherwise, deferred or not)."""
+        self.require_listed(path)
+        if not self.check(path):
+            raise CheckpointError(damaged_message(self.folder, self.problems, self.fix))
 
     def torch_load(self, path: str, **kwargs):
-        """torch.load(path, map_location="cpu", **kwargs), verified in the same pass: a zip file is memory-mapped
-        (nothing of its tensors read yet), then hashed start to end; others are read once into memory and hashed.
-        With mmap=True the caller wanted a mapping anyway (tensors stay file-backed)."""
+        """torch.load(path, map_location="cpu", **kwargs) of a file verified first: hashed through a read-only
+        map, then loaded memory-mapped (a zip file; its tensors stay file-backed, read from the page cache) or
+        from the path (the legacy format). A file that still cannot be read is a CheckpointError naming it (an
+        UnpicklingError of weights_only's refusal of an object is left to the caller to word)."""
         kwargs.setdefault("map_location", "cpu")
-        want = self.digest_to_check(path)
-        if want is None or path in self.verified:
-            return torch.load(path, **kwargs)
+        self._checked(path)
         if zipfile.is_zipfile(path):
-            state = torch.load(path, **dict(kwargs, mmap=True))
-            self.check(path)
-            return state
-        with open(path, "rb") as f:
-            raw = f.read()
-        self.check_bytes(path, raw)
-        kwargs.pop("mmap", None)
-        return torch.load(io.BytesIO(raw), **kwargs)
+            kwargs["mmap"] = True
+        else:
+            kwargs.pop("mmap", None)
+        try:
+            return torch.load(path, **kwargs)
+        except pickle.UnpicklingError as e:
+            if kwargs.get("weights_only", True):
+                raise
+            raise self._unreadable(path, e) from None
+        except Exception as e:  # noqa: BLE001 - a damaged pickle raises anything (AttributeError, KeyError...)
+            raise self._unreadable(path, e) from None
+
+    def _unreadable(self, path: str, error: BaseException) -> CheckpointError:
+        first = str(error).splitlines()[0] if str(error) else ""
+        problem = file_problem(path) or f"cannot be read ({type(error).__name__}: {first})"
+        return CheckpointError(f"{path} {problem}; {self.fix}")
 
     def read_text(self, path: str) -> str:
-        """A text file's contents, verified (JSON metadata, config.json)."""
+        """A text file's contents, verified before they are returned (JSON metadata, config.json)."""
+        self._checked(path)
         with open(path, "rb") as f:
-            raw = f.read()
-        self.check_bytes(path, raw)
-        return raw.decode("utf-8")
+            return f.read().decode("utf-8", "replace")
 
-    def check_bytes(self, path: str, raw: bytes) -> None:
-        """Check `raw`, the whole of file `path` as the caller read it, against the manifest (if this reader
-        checks that file)."""
-        want = self.digest_to_check(path)
-        if want is None or path in self.verified:
-            return
-        got = hashlib.new(DIGEST, raw).hexdigest()
-        self.verified[path] = got == want
-        if got != want:
-            self._problem(mismatch(path, got, want))
+    def load_safetensors(self, path: str):
+        """A safetensors file's tensors, verified first, then read through safetensors' own memory map."""
+        import safetensors.torch
+
+        self._checked(path)
+        try:
+            return safetensors.torch.load_file(path)
+        except Exception as e:  # noqa: BLE001 - a damaged header raises SafetensorError and others
+            raise self._unreadable(path, e) from None
 
     def _problem(self, line: str) -> None:
         self.problems.append(line)
@@ -240,6 +312,10 @@ def open_folder(folder: str, fix: str, log: Callable[[str], None], verify: bool 
         if not quiet and not manifest.has_digests:
             log(f"{folder} records no checksums (saved with checkpoint.checksums=false): its files' sizes are checked, "
                 "not their bytes")
+        extra = unlisted_files(manifest)
+        if not quiet and extra:
+            log(f"{folder} holds {len(extra)} file(s) its manifest does not list (gptpar reads only listed files): "
+                + ", ".join(extra[:5]) + (f" (and {len(extra) - 5} more)" if len(extra) > 5 else ""))
         elif not quiet and not verify:
             log(f"not verifying the checksums of {folder} ({verify_by or 'asked not to'})")
         return Verifier(folder, manifest, fix, enabled=verify, checks=checks, defer=defer)
@@ -254,5 +330,6 @@ def open_folder(folder: str, fix: str, log: Callable[[str], None], verify: bool 
 
 
 __all__ = ["DIGEST", "VERSION", "KINDS", "CHECKPOINT", "UNIVERSAL", "WEIGHTS_ONLY", "HUGGING_FACE", "MARK", "Manifest",
-           "file_digest", "read_manifest", "gptpar_marks", "listed_file_problems", "damaged_message", "mismatch",
+           "READ_VERSIONS", "file_digest", "read_manifest", "gptpar_marks", "listed_file_problems", "unlisted_files",
+           "unlisted", "damaged_message", "mismatch",
            "Verifier", "open_folder"]

@@ -5,7 +5,7 @@ What the tools accept as `load` (gptpar.checkpoint.weights.read_weights reads ea
 tp x pp (a checkpoint directory, or the save directory holding `latest`), a universal checkpoint, or a local
 Hugging Face GPT-2 / BLOOM directory. Everything a bad argument could contradict (the model's shape, its
 vocabulary, the tokenizer it came with) is read here without the weights, so a tool refuses it before reading
-any; `load_model` then reads the full weights once and keeps this rank's tensor-parallel blocks.
+any; `load_model` then reads the files holding this rank's tensor-parallel blocks, once each, and keeps them.
 """
 from __future__ import annotations
 
@@ -75,12 +75,28 @@ def checkpoint_provenance(load: str, tag: Optional[str] = None) -> dict:
 def load_model(load: str, tag: Optional[str], pstate, dtype: Optional[torch.dtype] = None,
                log: Callable[[str], None] = print, verify: bool = True):
     """A GPTModel in eval mode on `pstate.device` holding this tp rank's blocks of the weights `load` holds, in
-    `dtype` (default: fp32). Every rank reads the full weights (verified as they are read) and keeps its blocks
-    (pp = 1)."""
+    `dtype` (default: fp32) (pp = 1). Each rank reads, and verifies before parsing, only the files that hold its
+    blocks (gptpar.checkpoint.weights.shards_needed), each once; the tp ranks agree, so that a file one rank
+    refuses ends every rank with its message."""
     from gptpar.model.gpt import GPTModel
     from gptpar.model.sharding import load_full_state_dict
 
-    state, config = read_weights(load, tag, log=log, verify=verify)
+    from gptpar.checkpoint.exceptions import CheckpointError
+
+    try:
+        state, config = read_weights(load, tag, log=log, verify=verify, for_rank=(pstate.tp_rank, pstate.tp_size))
+        refused = None
+    except CheckpointError as e:
+        refused = e
+    if pstate.tp_size > 1:  # ranks read different files: one that refuses its own ends every rank, in its words
+        said = [None] * pstate.tp_size
+        torch.distributed.all_gather_object(said, None if refused is None else (type(refused), str(refused)),
+                                            group=pstate.tp_group)
+        first = next((s for s in said if s is not None), None)
+        if first is not None:
+            raise first[0](first[1])
+    elif refused is not None:
+        raise refused
     model = GPTModel(config, tp_group=pstate.tp_group, device=pstate.device, dtype=dtype)
     load_full_state_dict(model, state, pstate.tp_group)
     return model.eval()

@@ -27,7 +27,8 @@ from gptpar.checkpoint.continuity import check_tag_iteration, run_changes
 from gptpar.checkpoint.durable import describe_write_failure, is_write_failure
 from gptpar.checkpoint.exceptions import CheckpointError, UniversalCheckpointError
 from gptpar.checkpoint.layout import CONFIG, LoadTarget, earlier_checkpoint_fix, fingerprint, state_file
-from gptpar.checkpoint.manifest import CHECKPOINT, WEIGHTS_ONLY, Verifier, open_folder, read_manifest
+from gptpar.checkpoint.manifest import (CHECKPOINT, WEIGHTS_ONLY, Verifier, damaged_message, open_folder,
+                                        read_manifest, unlisted, unlisted_files)
 from gptpar.model.config import GPTConfig
 
 FORMAT_VERSION = 3  # of the rank files: 2 a manifest marks a complete checkpoint; 3 numpy's RNG state as a tensor
@@ -87,7 +88,7 @@ _NUMPY_ARRAY_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, 
 
 def read_rank_state(path: str, rank: int, verifier: Verifier) -> dict:
     """gptpar's state file of `rank` in checkpoint folder `path`, read through `verifier` (checked against the
-    manifest as it is read) with unpickling disabled."""
+    manifest before it is parsed) with unpickling disabled."""
     file = os.path.join(path, state_file(rank))
     try:
         with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
@@ -140,7 +141,8 @@ def open_checkpoint(target: LoadTarget, world_size: int, log: Callable[[str], No
                     quiet: bool = False) -> Verifier:
     """Check that training checkpoint `target` is whole before anything is built: its manifest there and readable,
     of a training checkpoint, every file it lists there with its size and every torch file a whole zip archive,
-    and a state file per rank of the world that saved it. Returns a Verifier (rank 0's: checks every file it
+    a state file per rank of the world that saved it, and no torch file there that the manifest does not list
+    (a resume reads only listed files: an unlisted one is refused, naming it). Returns a Verifier (rank 0's: checks every file it
     reads). `verify` False (checkpoint.verify_checksums=false) skips the sha256 checks, said once."""
     fix = earlier_checkpoint_fix(target)
     verifier = open_folder(target.path, fix, log, verify, "checkpoint.verify_checksums=false", quiet=quiet)
@@ -151,11 +153,14 @@ def open_checkpoint(target: LoadTarget, world_size: int, log: Callable[[str], No
     if manifest.kind != CHECKPOINT:
         raise CheckpointError(f"{target.path} is a {manifest.kind} folder, not a training checkpoint: {fix}")
     saved = int(manifest.fields.get("world_size", world_size))
-    missing = [os.path.join(target.path, state_file(r)) for r in range(saved)
-               if os.path.relpath(os.path.join(target.path, state_file(r)), target.path) not in manifest.files]
-    if missing:
-        raise CheckpointError(f"{target.path} is damaged:\n  " + "\n  ".join(f"{m} is missing" for m in missing[:5])
-                              + f"\n{fix}")
+    needed = [state_file(r) for r in range(saved)] + [CONFIG]
+    # DeepSpeed finds its files by name (its ZeRO shards by a pattern): every torch file there is one a resume may read
+    needed += [rel for rel in unlisted_files(manifest) if os.path.dirname(rel) == "" and rel.endswith(".pt")]
+    problems = [unlisted(os.path.join(target.path, rel), manifest) if os.path.exists(os.path.join(target.path, rel))
+                else f"{os.path.join(target.path, rel)} is missing (not in the folder, nor listed in its manifest)"
+                for rel in dict.fromkeys(needed) if rel not in manifest.files]
+    if problems:
+        raise CheckpointError(damaged_message(target.path, problems, fix))
     return verifier
 
 

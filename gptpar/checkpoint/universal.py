@@ -44,7 +44,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from gptpar.checkpoint.durable import StagedFolder
-from gptpar.checkpoint.exceptions import UniversalCheckpointError
+from gptpar.checkpoint.exceptions import CheckpointError, UniversalCheckpointError
 from gptpar.checkpoint.layout import OWNER, UNIVERSAL_META as META, model_states_file
 from gptpar.checkpoint.manifest import MARK, UNIVERSAL, Verifier, open_folder
 from gptpar.checkpoint.weight_files import file_problems
@@ -226,6 +226,8 @@ def read_state(verifier: Verifier, name: str, key: str, meta: dict) -> torch.Ten
     except (RuntimeError, OSError, EOFError, ValueError) as e:
         if isinstance(e, UniversalCheckpointError):
             raise
+        if isinstance(e, CheckpointError):  # the verifier's: unlisted, damaged, unreadable (it names the file)
+            raise UniversalCheckpointError(str(e)) from None
         raise UniversalCheckpointError(f"{path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0]})"
                                        f"{fix}") from None
     if key == "step":
@@ -494,7 +496,7 @@ def convert_deepspeed_checkpoint(ckpt: str, out_dir: str, log: Callable[[str], N
     metadata. The steps are those a conversion over several ranks takes (`stage_parameters`, `conversion_plan`,
     `split_shares`, `convert_share` on each rank, `finish_conversion`), with one share.
 
-    Every file read from `ckpt` is checked against its manifest in the same pass (`verify`; `fix` ends the message
+    Every file read from `ckpt` is checked against its manifest before it is parsed (`verify`; `fix` ends the message
     of a damaged one). The copy is one durable write (gptpar.checkpoint.durable): `{out_dir}.tmp-PID`, every file
     hashed as written and fsynced, the metadata, the manifest last, the folder fsynced and renamed, the parent
     fsynced. `counters`: the run's counters and client state to carry. `source_files`: what identifies the exact

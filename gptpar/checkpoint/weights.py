@@ -11,7 +11,8 @@ embedding trimmed to the real vocabulary (padding rows depend on tp: Megatron pa
     a Hugging Face model directory        GPT-2 or BLOOM (gptpar.checkpoint.huggingface)
 
 Every file is read through gptpar.checkpoint.manifest's Verifier: a folder gptpar wrote is read only with its
-manifest, each file checked against its sha256 as it is read (a flipped byte refused, naming the file); a folder
+manifest and only the files it lists, each checked against its sha256 before it is parsed (a flipped byte
+anywhere refused, naming the file); a folder
 gptpar did not write is said in one line to carry no checksums. `check_weight_files` checks, before any weight is
 read, that everything `read_weights` will read is there and whole.
 
@@ -134,7 +135,7 @@ def _shard_files(ckpt: str, config: GPTConfig, parallel: dict) -> List[List[Tupl
 
 def _read_shards(files: List[List[Tuple[str, str]]], pipelined: bool, verifier: Verifier):
     """For each tp rank, GPTModel-named tensors of that rank (all pipeline stages put together), every file
-    verified as it is read."""
+    verified before it is parsed."""
     shards = []
     for rank_files in files:
         sd = {}
@@ -155,11 +156,39 @@ def _read_shards(files: List[List[Tuple[str, str]]], pipelined: bool, verifier: 
     return shards
 
 
-def read_checkpoint_weights(path: str, tag: Optional[str] = None, log: Callable[[str], None] = print,
-                            verify: bool = True) -> Tuple[StateDict, GPTConfig, dict]:
-    """Read a gptpar checkpoint (any tp x pp, training or weights-only) into one tp = 1 state dict with the real
-    vocab rows, every file verified as it is read. Returns (state dict, model config, the run's config dict)."""
+def shards_needed(config: GPTConfig, tp: int, for_rank: Optional[Tuple[int, int]] = None) -> List[int]:
+    """The tp ranks of a checkpoint saved at `tp` whose files hold some of what tp rank `for_rank` = (rank, size)
+    of a model at another tp keeps (every rank when `for_rank` is None): along each split tensor, the saved
+    blocks that overlap the rank's block within the real rows (the vocabulary's padding rows differ by tp)."""
     from gptpar.model.gpt import GPTModel
+    from gptpar.model.pipeline import padded_config
+
+    if for_rank is None:
+        return list(range(tp))
+    rank, size = for_rank
+    saved = dict(GPTModel(padded_config(config, tp), device="meta").named_parameters())
+    wanted = dict(GPTModel(padded_config(config, size), device="meta").named_parameters())
+    real = dict(GPTModel(config, device="meta").named_parameters())
+    needed = set()
+    for name, param in wanted.items():
+        if not getattr(param, "tensor_model_parallel", False):
+            continue
+        dim = param.partition_dim
+        want, have = param.shape[dim] // size, saved[name].shape[dim] // tp
+        start, end = rank * want, min((rank + 1) * want, real[name].shape[dim])
+        needed.update(s for s in range(tp) if s * have < end and start < (s + 1) * have)
+    return sorted(needed) or [0]  # a rank holding only padding still takes the replicated tensors from one
+
+
+def read_checkpoint_weights(path: str, tag: Optional[str] = None, log: Callable[[str], None] = print,
+                            verify: bool = True, for_rank: Optional[Tuple[int, int]] = None
+                            ) -> Tuple[StateDict, GPTConfig, dict]:
+    """Read a gptpar checkpoint (any tp x pp, training or weights-only) into one tp = 1 state dict with the real
+    vocab rows, every file verified before it is parsed. Returns (state dict, model config, the run's config dict).
+    `for_rank` = (tp rank, tp size) of the model the weights go into: only the files holding that rank's blocks
+    are read and verified (`shards_needed`), the rest of each split tensor left zero (that rank never takes it)."""
+    from gptpar.model.gpt import GPTModel
+    from gptpar.model.pipeline import padded_config
 
     ckpt = resolve_checkpoint_dir(path, tag)
     verifier = _open(ckpt, log, verify, quiet=False)
@@ -168,19 +197,26 @@ def read_checkpoint_weights(path: str, tag: Optional[str] = None, log: Callable[
     tp = parallel.get("tensor_model_parallel_size", 1)
     if not glob.glob(os.path.join(ckpt, "*model_states.pt")):
         raise ConversionError(f"{ckpt} holds no DeepSpeed model states (*model_states.pt)")
-    shards = _read_shards(_shard_files(ckpt, config, parallel), parallel.get("pipeline_model_parallel_size", 1) > 1,
-                          verifier)
+    needed = shards_needed(config, tp, for_rank)
+    files = _shard_files(ckpt, config, parallel)
+    read = _read_shards([files[t] for t in needed], parallel.get("pipeline_model_parallel_size", 1) > 1, verifier)
+    shards = dict(zip(needed, read))
 
     reference = GPTModel(config, device="meta")  # carries the sharding tags
+    saved = dict(GPTModel(padded_config(config, tp), device="meta").named_parameters())  # the saved blocks' shapes
     full: StateDict = {}
     for name, param in reference.named_parameters():
-        missing = [t for t, sd in enumerate(shards) if name not in sd]
+        missing = [t for t, sd in shards.items() if name not in sd]
         if missing:
             raise ConversionError(f"{ckpt}: tensor {name} missing on tp rank(s) {missing}")
         if getattr(param, "tensor_model_parallel", False) and tp > 1:
-            full[name] = torch.cat([sd[name].float() for sd in shards], dim=param.partition_dim)
+            dim = param.partition_dim
+            block = list(saved[name].shape)
+            block[dim] //= tp
+            full[name] = torch.cat([shards[t][name].float() if t in shards else torch.zeros(block)
+                                    for t in range(tp)], dim=dim)
         else:
-            full[name] = shards[0][name].float()
+            full[name] = shards[needed[0]][name].float()
     emb = "embedding.word_embeddings.weight"
     full[emb] = full[emb][:config.vocab_size].clone()
     return full, config, run_config
@@ -189,8 +225,8 @@ def read_checkpoint_weights(path: str, tag: Optional[str] = None, log: Callable[
 def check_weight_files(path: str, tag: Optional[str] = None, config: Optional[GPTConfig] = None,
                        log: Callable[[str], None] = print) -> None:
     """ConversionError naming what `read_weights(path, tag, config)` would refuse, before anything is read or
-    built: a folder gptpar wrote without its manifest, a listed file missing or of another size, a file that is
-    not whole (a universal folder's fp32 states, a Hugging Face folder's weight files, a checkpoint's shards)."""
+    built: a folder gptpar wrote without its manifest, a listed file missing or of another size, a file it needs
+    that the manifest does not list, a file that is not whole (a universal folder's fp32 states, a Hugging Face folder's weight files, a checkpoint's shards)."""
     from gptpar.checkpoint.huggingface import check_hf_files
 
     if not os.path.exists(path):
@@ -208,18 +244,27 @@ def check_weight_files(path: str, tag: Optional[str] = None, config: Optional[GP
     ckpt = resolve_checkpoint_dir(path, tag)
     verifier = _open(ckpt, log, verify=False, quiet=True)
     run_config, model = _run_config(ckpt, verifier)
-    problems = file_problems(file for rank_files in _shard_files(ckpt, model, run_config.get("parallel", {}))
-                             for file, _ in rank_files)
+    files = [file for rank_files in _shard_files(ckpt, model, run_config.get("parallel", {})) for file, _ in rank_files]
+    try:
+        for file in files:
+            if os.path.exists(file):  # a missing one is said below
+                verifier.require_listed(file)
+    except CheckpointError as e:
+        raise ConversionError(str(e)) from None
+    problems = file_problems(files)
     if problems:
         raise ConversionError("unreadable weights: " + "; ".join(problems[:5])
                               + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "") + f": {FIX}")
 
 
 def read_weights(path: str, tag: Optional[str] = None, config: Optional[GPTConfig] = None,
-                 log: Callable[[str], None] = print, verify: bool = True) -> Tuple[StateDict, GPTConfig]:
+                 log: Callable[[str], None] = print, verify: bool = True,
+                 for_rank: Optional[Tuple[int, int]] = None) -> Tuple[StateDict, GPTConfig]:
     """Full (tp = 1) weights with the real vocab rows, and the model config, from whatever `path` holds (see the
-    module docstring); every file verified as it is read unless `verify` is off (the user asked by name). A
-    universal folder DeepSpeed wrote records no model gptpar reads: it needs `config`."""
+    module docstring); every file verified before it is parsed unless `verify` is off (the user asked by name). A
+    universal folder DeepSpeed wrote records no model gptpar reads: it needs `config`. `for_rank` = (tp rank, tp
+    size): a gptpar checkpoint's files that hold none of that rank's blocks are not read (read_checkpoint_weights);
+    a universal or Hugging Face folder's files each hold whole tensors every rank needs."""
     from gptpar.checkpoint.huggingface import load_hf
 
     kind = _source(path)
@@ -230,7 +275,7 @@ def read_weights(path: str, tag: Optional[str] = None, config: Optional[GPTConfi
             raise ConversionError(str(e)) from None
     if kind == "huggingface":
         return load_hf(path, log, verify)
-    state, config, _ = read_checkpoint_weights(path, tag, log, verify)
+    state, config, _ = read_checkpoint_weights(path, tag, log, verify, for_rank)
     return state, config
 
 
@@ -328,5 +373,5 @@ def _save_shard(shard: StateDict, ckpt: str, tp_rank: int, num_layers: int, pp: 
     return records
 
 
-__all__ = ["StateDict", "resolve_checkpoint_dir", "is_hf_model_dir", "read_checkpoint_weights", "check_weight_files",
-           "read_weights", "read_weights_config", "run_config_of", "check_layout", "save_weights_only"]
+__all__ = ["StateDict", "resolve_checkpoint_dir", "is_hf_model_dir", "shards_needed", "read_checkpoint_weights",
+           "check_weight_files", "read_weights", "read_weights_config", "run_config_of", "check_layout", "save_weights_only"]

@@ -1,6 +1,6 @@
 """gptpar's checkpoint engine: every file of a checkpoint is written here, hashed as it is written and fsynced,
 and, with `checkpoint.async_save`, written by a background thread while training goes on; every file DeepSpeed
-loads back is read here too, verified against the manifest in the same pass (gptpar.checkpoint.manifest.Verifier).
+loads back is read here too, only once it was verified against the manifest (gptpar.checkpoint.manifest.Verifier).
 
 DeepSpeed's `save_checkpoint` writes each of its files through `engine.checkpoint_engine.save(state_dict, path)`
 (by default its TorchCheckpointEngine: `torch.save`), the pipeline engine's per-layer files included, and loads
@@ -424,8 +424,9 @@ class CheckpointWriter:
                 self._error = e
 
     def load(self, path: str, map_location=None):
-        """One file DeepSpeed loads, through the verifier the Checkpointer set for this load (its sha256 checked in
-        the same pass, a mismatch kept for the ranks to agree on after DeepSpeed's load returns)."""
+        """One file DeepSpeed loads, through the verifier the Checkpointer set for this load (its sha256 checked
+        before by the rank that wrote it, and agreed on: gptpar.checkpoint.checkpointer.load); a file the manifest
+        does not list is refused."""
         if self.verifier is not None:
             return self.verifier.torch_load(path, map_location=map_location, weights_only=False)
         return torch.load(path, map_location=map_location, weights_only=False)

@@ -328,7 +328,7 @@ class CheckpointConfig:
     checksums: bool = _f(True, "Record the sha256 of every file this run writes (checkpoints, universal copies) "
                                "in its manifest, hashed as it is written. false = sizes only.")
     verify_checksums: bool = _f(True, "Check every file read (resume, universal copy, init_from) against the sha256 "
-                                      "its manifest records, in the pass that loads it: a changed file is refused, "
+                                      "its manifest records, before it is parsed: a changed file is refused, "
                                       "naming it (exit 2). false = skip the check (said in the log).")
     shutdown_grace_seconds: Optional[int] = _f(
         None, "Seconds gptpar.launch gives the ranks to save after SIGTERM/SIGINT before it kills them (torchrun's "

@@ -167,6 +167,24 @@ def flip_a_byte_inside_a_tensor(path: str) -> None:
         f.write(bytes([byte ^ 0x5A]))
 
 
+def flip_byte_at(path: str, offset: int) -> None:
+    """XOR one byte of `path` at `offset` (negative: from the end) with 0x5A: the file keeps its size."""
+    with open(path, "r+b") as f:
+        f.seek(offset % os.path.getsize(path))
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x5A]))
+
+
+def spread_offsets(size: int, count: int = 10, edge: int = 200) -> List[int]:
+    """`count` byte offsets spread over a file of `size` bytes: two inside its first `edge` bytes (a torch file's
+    pickle header, a safetensors header), two inside its last `edge` (a zip's central directory and end record)
+    and the rest evenly between."""
+    inner = count - 4
+    step = (size - 2 * edge) / (inner + 1)
+    return sorted({7, edge // 2, *(edge + round(step * (i + 1)) for i in range(inner)), size - edge // 2, size - 7})
+
+
 def run_distributed(fn: Callable, world_size: int, args: Sequence = (), *, timeout: float = 300.0,
                     threads: Optional[int] = None, env: Optional[dict] = None) -> List[Any]:
     """Run `fn(*args)` on `world_size` spawned gloo ranks and return the per-rank results."""

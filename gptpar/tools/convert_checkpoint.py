@@ -37,7 +37,7 @@ def main(argv=None):
     parser.add_argument("--tokenizer", help="--to hf: the tokenizer to export beside the weights (default: the run's "
                              "data.tokenizer_model, or the Hugging Face directory's own)")
     parser.add_argument("--no-verify", action="store_true", help="do not check the files read against the sha256 "
-                             "their manifest records (checked by default, in the pass that reads them)")
+                             "their manifest records (checked by default, before each is parsed)")
     parser.add_argument("--tp", type=int, help="--to gptpar: tensor-parallel size of the layout (default 1)")
     parser.add_argument("--pp", type=int, help="--to gptpar: pipeline-parallel size of the layout (default 1)")
     parser.add_argument("--verbose", action="store_true",
@@ -70,6 +70,7 @@ def main(argv=None):
     from gptpar.checkpoint.weights import (check_layout, check_weight_files, read_weights, read_weights_config,
                                            save_weights_only)
     from gptpar.config import ConfigError, load_config
+    from gptpar.data.indexed import DataError
 
     try:
         model = load_config(args.config).model if args.config else None
@@ -83,16 +84,22 @@ def main(argv=None):
         if args.to == "gptpar":  # a layout the model cannot take fails before any weight is read
             check_layout(read_weights_config(source, args.tag, model), args.tp or 1, args.pp or 1)
         check_weight_files(source, args.tag, model)  # every file it will read whole, before reading one
+        if args.to == "hf":  # a tokenizer the model cannot take is refused before any weight is read
+            tokenizer = export_tokenizer_path(source, args.tag, args.tokenizer)
+            if tokenizer:
+                check_export_tokenizer(read_weights_config(source, args.tag, model), tokenizer)
         # --load may be a training, weights-only or universal checkpoint, or a Hugging Face directory
         state, config = read_weights(source, args.tag, model, verify=not args.no_verify)
         print(f"read {len(state)} tensors, {sum(t.numel() for t in state.values()):,} parameters "
               f"({config.num_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size})")
         if args.to == "hf":
-            tokenizer = export_tokenizer_path(source, args.tag, args.tokenizer)
+            if tokenizer is None:
+                print(f"note: {source} names no tokenizer: the export holds the model only; pass --tokenizer PATH to "
+                      "add the one it was trained with", file=sys.stderr)
             save_hf(state, config, args.output, tokenizer)
         else:
             save_weights_only(state, config, args.output, tp=args.tp or 1, pp=args.pp or 1)
-    except CheckpointError as e:
+    except (CheckpointError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 - writing failed (a full disk): nothing is left at --output
@@ -102,19 +109,27 @@ def main(argv=None):
 
 
 def export_tokenizer_path(source: str, tag, given):
-    """The tokenizer an HF export carries: --tokenizer, else the checkpoint's own (None, said in one line, when it
-    names none)."""
+    """The tokenizer an HF export carries: --tokenizer, else the checkpoint's own (None when it names none)."""
     from gptpar.checkpoint.exceptions import ConversionError
     from gptpar.checkpoint.model_loading import tokenizer_path
 
     try:
-        path = tokenizer_path(source, tag, given)
+        return tokenizer_path(source, tag, given)
     except ValueError as e:
         raise ConversionError(f"{e} (or --tokenizer PATH)") from None
-    if path is None:
-        print(f"note: {source} names no tokenizer: the export holds the model only; pass --tokenizer PATH to add "
-              "the one it was trained with", file=sys.stderr)
-    return path
+
+
+def check_export_tokenizer(config, path: str) -> None:
+    """ConversionError unless every id the tokenizer at `path` makes has a row in the model's embedding: the check
+    generate.py makes (gptpar.checkpoint.model_loading.check_tokenizer_fits)."""
+    from gptpar.checkpoint.exceptions import ConversionError
+    from gptpar.checkpoint.model_loading import check_tokenizer_fits
+    from gptpar.data.tokenizer import load_tokenizer
+
+    try:
+        check_tokenizer_fits(config, load_tokenizer(path))
+    except ValueError as e:
+        raise ConversionError(f"--tokenizer {path}: {e}") from None
 
 
 def bad_path(message: str) -> int:
@@ -145,7 +160,7 @@ def write_failed(output: str, error: BaseException) -> int:
 
 def to_universal(load: str, tag, output: str, start: float, verify: bool = True) -> int:
     """The universal form of the checkpoint `load` (and `tag`) names, written to `output` (outside it); every file
-    read checked against the checkpoint's manifest in the same pass."""
+    read checked against the checkpoint's manifest before it is parsed."""
     from gptpar.checkpoint import universal
     from gptpar.checkpoint.exceptions import CheckpointError
     from gptpar.checkpoint.layout import fingerprint, state_file

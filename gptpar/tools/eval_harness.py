@@ -65,7 +65,7 @@ def parse_args(argv=None):
                                                               "--output")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size = the number of ranks (torchrun)")
     p.add_argument("--no-verify", action="store_true", help="do not check the weight files against the sha256 their "
-                                                            "manifest records (checked by default, as they are read)")
+                                                            "manifest records (checked by default, before each is parsed)")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on a GPU, float32 on a CPU")
     p.add_argument("--max-length", type=int, help="longest sequence fed to the model (default: as HFLM resolves it)")
     p.add_argument("--tokenizer", help="tokenizer path (default: the checkpoint's)")

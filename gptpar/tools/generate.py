@@ -43,7 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--print-ids", action="store_true", help="also print the new ids: `ids: a,b,c`")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step (no KV cache)")
     p.add_argument("--no-verify", action="store_true", help="do not check the weight files against the sha256 their "
-                                                            "manifest records (checked by default, as they are read)")
+                                                            "manifest records (checked by default, before each is parsed)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size = the number of ranks (torchrun)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size: only 1 (any pp checkpoint loads)")
     return p.parse_args(argv)

@@ -28,7 +28,7 @@ Order, so that a refused run changes nothing in checkpoint.save (not even a modi
        (`convert_over_ranks`: rank 0 plans, each rank writes a share of the parameters, rank 0 writes the
        metadata and the manifest last)
     -- broadcast --
-The sha256 of every file resumed is checked later, in the pass that loads it (gptpar.checkpoint.checkpointer.load):
+The sha256 of every file resumed is checked later, before DeepSpeed parses any (gptpar.checkpoint.checkpointer.load):
 a damaged file ends every rank with exit 2 before any weight is used.
 """
 from __future__ import annotations
