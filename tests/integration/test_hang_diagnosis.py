@@ -157,7 +157,7 @@ def test_the_rank_clock_reads_device_events_one_interval_late_without_waiting(mo
 
 def test_a_rank_paused_by_a_duty_cycle_is_named_a_straggler(tmp_path):
     cfg = write_config(tmp_path / "c.json", training=dict(train_iters=100000),
-                       logging=dict(log_interval=5, straggler_threshold=2.0, straggler_min_gap_seconds=0.05,
+                       logging=dict(log_interval=5, straggler_threshold=2.0, straggler_min_gap_seconds=0.01,
                                     straggler_intervals=2))
     procs = launch_ranks(2, ["--config", cfg])
     lines = []
