@@ -7,7 +7,7 @@ The public API, importable from the package root:
 
 Names are resolved lazily so that `import gptpar` stays fast and never imports DeepSpeed.
 """
-import importlib
+from gptpar.lazy import lazy_exports
 
 from gptpar.extensions_dir import use_default_extensions_dir
 
@@ -39,16 +39,4 @@ _EXPORTS = {
     "build_engine": "gptpar.training.engine",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'gptpar' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(list(globals()) + __all__)
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

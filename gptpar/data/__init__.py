@@ -4,7 +4,7 @@
 
 Names resolve lazily, so importing the numpy-only parts never imports torch.
 """
-import importlib
+from gptpar.lazy import lazy_exports
 
 _EXPORTS = {
     "DataError": "gptpar.data.indexed",
@@ -17,12 +17,4 @@ _EXPORTS = {
     "random_prefix_lengths": "gptpar.data.masks",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'gptpar.data' has no attribute {name!r}")
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

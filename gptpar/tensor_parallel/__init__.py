@@ -3,7 +3,7 @@
 Names are resolved lazily, as gptpar's own, so that importing a torch-free module of this package (float8_shapes:
 the float8 shape rules the estimate shares with the layers) does not import torch.
 """
-import importlib
+from gptpar.lazy import lazy_exports
 
 _EXPORTS = {
     "copy_to_tensor_parallel_region": "gptpar.tensor_parallel.comm",
@@ -25,16 +25,4 @@ _EXPORTS = {
     "TENSOR_PARALLEL_STREAM": "gptpar.tensor_parallel.random",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'gptpar.tensor_parallel' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(list(globals()) + __all__)
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
