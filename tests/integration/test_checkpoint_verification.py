@@ -54,7 +54,7 @@ def _two_rank_cases(d, runs):
 
     def failing_save(self, state_dict, path):
         if "iter_0000004.tmp-" in path and dist.get_rank() == 1:
-            def no_memory(nbytes, pinned):
+            def no_memory(nbytes, pinned, **_):
                 raise RuntimeError("cannot allocate pinned host memory (injected)")
             real_take, self._buffers.take = self._buffers.take, no_memory
             try:

@@ -29,13 +29,17 @@ def test_the_snippet_on_two_ranks_equals_tp1(tmp_path):
     (tmp_path / "my_mlp_tp1.py").write_text(code.replace("init_parallel(tp=2)", "init_parallel(tp=1)"))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    two = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), "my_mlp.py"],
+    # each rank's stdout to its own file (--redirects): two ranks printing at once can interleave in one pipe
+    logs = tmp_path / "logs"
+    two = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), "--redirects", "3",
+                          "--log-dir", str(logs), "my_mlp.py"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=stretched(180))
     assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-2000:]
+    two_stdout = "".join(p.read_text() for p in sorted(logs.rglob("stdout.log")))
     one = subprocess.run([sys.executable, "my_mlp_tp1.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=stretched(120))
     assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
-    ranks, serial = outputs(two.stdout), outputs(one.stdout)
-    assert sorted(ranks) == [0, 1] and sorted(serial) == [0], (two.stdout, one.stdout)
+    ranks, serial = outputs(two_stdout), outputs(one.stdout)
+    assert sorted(ranks) == [0, 1] and sorted(serial) == [0], (two_stdout, one.stdout)
     for values in ranks.values():
         assert all(abs(a - b) <= 1e-5 * max(1.0, abs(b)) for a, b in zip(values, serial[0])), (values, serial[0])

@@ -19,6 +19,7 @@ import torch
 
 from gptpar.testing import flip_a_byte_inside_a_tensor, run_distributed
 from gptpar.checkpoint.checkpointer import read_latest
+from gptpar.checkpoint.layout import SAVE_TIMES
 from gptpar.training.trainer import Trainer
 from gptpar.testing.runs import ROOT, log_lines, main_output, write_config
 from gptpar.testing.deadline import stretched
@@ -465,8 +466,8 @@ def test_folder_with_only_own_files_starts_fresh_and_is_cleaned(cases):
     d, _ = cases
     _expect(cases, "own_files_only", 0, "starting from scratch", "taking over the lock",
             "removing partial checkpoint", "removing stale temporary file")
-    assert sorted(os.listdir(d / "G")) == ["iter_0000002", "latest", "resolved_config.json", "zero_to_fp32.py",
-                                           "zero_to_torch.py"]
+    assert sorted(os.listdir(d / "G")) == sorted([SAVE_TIMES, "iter_0000002", "latest", "resolved_config.json",
+                                                  "zero_to_fp32.py", "zero_to_torch.py"])
 
 
 def test_full_disk_during_a_save_names_the_folder_and_is_cleaned_up(cases):
