@@ -502,6 +502,11 @@ class CheckpointWriter:
             error = e
         save.files = []  # the snapshots' views go; their buffers serve the next save
         self._buffers.recycle()
+        self._finish(save, records, error)
+
+    @staticmethod
+    def _finish(save: _Save, records: dict, error) -> None:
+        """The save's job (manifest, `latest`) on what was written; the training thread learns its outcome."""
         try:
             save.outcome = save.job(records, error)
         except BaseException as e:  # noqa: BLE001 - the training thread must learn it, never hang on `done`
@@ -534,13 +539,7 @@ class CheckpointWriter:
         finally:
             save.copied.set()  # the training thread never waits on a copy that failed
         save.files = []
-        try:
-            save.outcome = save.job(records, error)
-        except BaseException as e:  # noqa: BLE001 - the training thread must learn it, never hang on `done`
-            save.outcome = e
-        finally:
-            save.seconds = time.perf_counter() - save.started
-            save.done.set()
+        self._finish(save, records, error)
 
     def wait_for_snapshot(self) -> None:
         """Before anything changes the live tensors (the optimizer step): the in-flight save's copy is done."""
